@@ -1,0 +1,115 @@
+"""STen: sparsity for PyTorch as a programming model.
+
+Layouts say how values are stored, operators run on any combination of layouts,
+sparsifiers decide which values are kept. ``import sten_core as sten`` runs the
+STen paper's code.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> w = sten.sparsify(sten.ScalarFractionSparsifier(0.9), torch.randn(30, 20), sten.CsrTensor)
+    >>> w.wrapped_tensor.nnz
+    60
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__version__ = "0.1.0"
+
+from .hookspecs import hookimpl, hookspec
+from .layouts import Layout
+from .registry import OpKey, registry
+from .sparsifiers import (
+    BlockwiseFractionSparsifier,
+    KeepAll,
+    PerBlockFractionSparsifier,
+    RandomFractionSparsifier,
+    ScalarFractionSparsifier,
+    ScalarThresholdSparsifier,
+    SameFormatSparsifier,
+    Sparsifier,
+    random_mask_sparsify,
+    scalar_mask_sparsify,
+)
+from .spec import OutputSpec
+from .tensor import SparseParameterWrapper, SparseTensorWrapper
+from .builtin.torch_layouts import CooTensor, CscTensor, CsrTensor, DenseTensor
+from .dispatch import (
+    DispatchError,
+    DispatchWarning,
+    convert,
+    set_dispatch_failure,
+    sparsified_op,
+    sparsify,
+)
+from . import plugins
+from .builder import SparsityBuilder
+
+
+def register_fwd_op_impl(operator: Callable, inp: Any, out: Any = None) -> Callable:
+    """Decorator: the forward implementation of ``operator`` for input layouts
+    ``inp`` and outputs ``out`` (``[(SparsifierClass, tmp_format), ...]``).
+
+    The implementation is ``impl(ctx, inputs, output_sparsifiers)``.
+    """
+
+    def decorate(impl: Callable) -> Callable:
+        registry.register_fwd_op_impl(operator, inp, out, impl)
+        return impl
+
+    return decorate
+
+
+def register_bwd_op_impl(operator: Callable, grad_out: Any, grad_inp: Any, inp: Any) -> Callable:
+    """Decorator: the backward implementation of ``operator`` for incoming
+    gradient layouts ``grad_out``, wanted input-gradient formats ``grad_inp``
+    and input layouts ``inp``. The implementation is
+    ``impl(ctx, grad_outputs, input_sparsifiers) -> grads``.
+    """
+
+    def decorate(impl: Callable) -> Callable:
+        registry.register_bwd_op_impl(operator, grad_out, grad_inp, inp, impl)
+        return impl
+
+    return decorate
+
+
+def register_sparsifier_implementation(sparsifier: type = None, inp: type = None, out: type = None, **kwargs: Any) -> Callable:
+    """Decorator: how ``sparsifier`` turns layout ``inp`` into layout ``out``.
+
+    The implementation is ``impl(sparsifier, tensor[, grad_fmt])`` and returns a
+    wrapper (or a dense tensor for ``out=torch.Tensor``). The paper's spelling
+    ``sparsifer=`` is accepted.
+    """
+    sparsifier = sparsifier if sparsifier is not None else kwargs.pop("sparsifer", None)
+    if kwargs:
+        raise TypeError(f"unexpected arguments: {', '.join(kwargs)}")
+    if sparsifier is None or inp is None or out is None:
+        raise TypeError("register_sparsifier_implementation needs sparsifier, inp and out")
+
+    def decorate(impl: Callable) -> Callable:
+        registry.register_sparsifier_implementation(sparsifier, inp, out, impl)
+        return impl
+
+    return decorate
+
+
+def __getattr__(name: str) -> Any:
+    if name == "explain":
+        from .explain import explain
+
+        return explain
+    raise AttributeError(f"module 'sten_core' has no attribute {name!r}")
+
+
+__all__ = [
+    "BlockwiseFractionSparsifier", "CooTensor", "CscTensor", "CsrTensor", "DenseTensor",
+    "DispatchError", "DispatchWarning", "KeepAll", "Layout", "OpKey", "OutputSpec",
+    "PerBlockFractionSparsifier", "RandomFractionSparsifier", "SameFormatSparsifier",
+    "ScalarFractionSparsifier", "ScalarThresholdSparsifier", "SparseParameterWrapper",
+    "SparseTensorWrapper", "Sparsifier", "SparsityBuilder", "convert", "hookimpl", "hookspec",
+    "plugins", "random_mask_sparsify", "register_bwd_op_impl", "register_fwd_op_impl",
+    "register_sparsifier_implementation", "registry", "scalar_mask_sparsify",
+    "set_dispatch_failure", "sparsified_op", "sparsify",
+]

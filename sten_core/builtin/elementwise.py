@@ -1,0 +1,122 @@
+"""Element-wise operations on stored values, for any layout with the
+stored-values protocol.
+
+In-place updates (``add_``, ``mul_``, ``lerp_``, ``addcdiv_``, ... as optimizers
+use them) act on the stored values only, in O(nnz): the pattern is kept. A dense
+operand is read at the stored positions (``gather``); a sparse operand must have
+the same pattern. Zero-preserving out-of-place operations (``sqrt``, ``mul``,
+``clone``, ``zeros_like``, ...) called on a wrapper without an explicit output
+format return the same layout. Anything else goes to the dense path.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.eye(2)))
+    >>> with torch.no_grad():
+    ...     _ = w.add_(torch.ones(2, 2))
+    >>> w.to_dense().tolist()
+    [[2.0, 0.0], [0.0, 2.0]]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..layouts import supports_values
+from ..registry import Entry, OpKey
+from ..tensor import SparseTensorWrapper, densify_tree
+
+T = torch.Tensor
+INPLACE = {
+    T.add_, T.sub_, T.mul_, T.div_, T.lerp_, T.addcmul_, T.addcdiv_, T.copy_, T.zero_, T.fill_,
+    T.clamp_, T.clamp_min_, T.clamp_max_, T.sqrt_, T.neg_, T.abs_, T.pow_, T.sign_,
+    T.__iadd__, T.__isub__, T.__imul__, T.__itruediv__, T.masked_fill_,
+}
+ZERO_PRESERVING = {
+    T.sqrt, torch.sqrt, T.neg, torch.neg, T.__neg__, T.abs, torch.abs, T.__abs__, T.sign, torch.sign,
+    T.square, torch.square, T.clone, torch.clone, T.conj, torch.conj, T.mul, torch.mul, T.__mul__,
+    T.__rmul__, T.div, torch.div, T.__truediv__, torch.zeros_like, T.float, T.double, T.half,
+    T.bfloat16, T.to, T.type_as, T.contiguous,
+}
+SAME_PATTERN_ONLY = {T.add, torch.add, T.__add__, T.__radd__, T.sub, torch.sub, T.__sub__, T.maximum, torch.maximum}
+
+
+class _NotOnValues(Exception):
+    """The operands do not allow a stored-values computation."""
+
+
+def _operand(value: Any, layout: Any, dense_ok: bool) -> Any:
+    if isinstance(value, SparseTensorWrapper):
+        other = value.wrapped_tensor
+        if other is layout or layout.same_pattern(other):
+            return other.values()
+        raise _NotOnValues
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if not dense_ok:
+            raise _NotOnValues
+        return layout.gather(value.to(layout.device))
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        return type(value)(_operand(v, layout, dense_ok) for v in value)
+    return value
+
+
+def _changes_device(op: Any, args: tuple, kwargs: dict) -> bool:
+    if op not in (T.to,):
+        return False
+    values = list(args[1:]) + list(kwargs.values())
+    return any(isinstance(v, (str, torch.device)) or (isinstance(v, torch.Tensor)) for v in values)
+
+
+def _on_values(op: Any, inplace: bool, dense_ok: bool) -> Callable:
+    def impl(ctx: Any, inputs: list, output_sparsifiers: list) -> Any:
+        args, kwargs = ctx.call_args
+        self = args[0]
+        layout = self.wrapped_tensor
+        try:
+            if not supports_values(layout) or _changes_device(op, args, kwargs):
+                raise _NotOnValues
+            values = layout.values()
+            rest = tuple(_operand(a, layout, dense_ok) for a in args[1:])
+            kw = {k: _operand(v, layout, dense_ok) for k, v in kwargs.items()}
+            result = op(values, *rest, **kw)
+        except _NotOnValues:
+            return _dense(op, args, kwargs, inplace)
+        if inplace:
+            self.wrapped_tensor = layout.with_values(values)
+            return self
+        if not isinstance(result, torch.Tensor) or result.shape != values.shape:
+            return _dense(op, args, kwargs, inplace)
+        return SparseTensorWrapper(layout.with_values(result), False, self.grad_fmt)
+
+    return impl
+
+
+def _dense(op: Any, args: tuple, kwargs: dict, inplace: bool) -> Any:
+    dense_args, dense_kwargs = densify_tree((args, kwargs))
+    result = op(*dense_args, **dense_kwargs)
+    if inplace:
+        from ..dispatch import _write_back
+
+        return _write_back(args[0], dense_args[0])
+    return result
+
+
+def resolve(key: OpKey) -> Entry | None:
+    """The ``sten_resolve_op`` part: element-wise ops whose first argument is sparse."""
+    if key.direction != "fwd" or not key.inp or key.inp[0] in (None, torch.Tensor):
+        return None
+    op = key.op
+    if op in INPLACE:
+        return Entry(_on_values(op, True, True), len(key.inp))
+    if key.out is not None:
+        return None
+    if op in ZERO_PRESERVING:
+        return Entry(_on_values(op, False, op not in (T.div, torch.div, T.__truediv__)), len(key.inp))
+    if op in SAME_PATTERN_ONLY:
+        return Entry(_on_values(op, False, False), len(key.inp))
+    return None
+
+
+def usable(wrapper: Any) -> bool:
+    return isinstance(wrapper, SparseTensorWrapper) and supports_values(wrapper.wrapped_tensor)

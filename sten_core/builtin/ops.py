@@ -1,0 +1,154 @@
+"""Operator implementations for the torch-native layouts.
+
+``F.linear`` / ``torch.mm`` / ``torch.matmul`` with a COO, CSR or CSC operand
+(forward and backward, the weight gradient dense or at the kept positions
+only), and ``torch.add`` of two sparse tensors (union of nonzeros).
+
+Example:
+    >>> import torch, torch.nn.functional as F, sten_core as sten
+    >>> w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(3)))
+    >>> F.linear(torch.ones(2, 3), w).tolist()
+    [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..sparsifiers import KeepAll
+from ..tensor import SparseTensorWrapper
+from .torch_layouts import CooTensor, CscTensor, CsrTensor, _Compressed
+
+SPARSE_2D = (CooTensor, CsrTensor, CscTensor)
+T = torch.Tensor
+
+
+def _amp(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Cast float tensors to the autocast dtype when CPU autocast is on."""
+    if not torch.is_autocast_enabled("cpu"):
+        return list(tensors)
+    dtype = torch.get_autocast_dtype("cpu")
+    return [t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors]
+
+
+def _sparse(w: SparseTensorWrapper, dtype: torch.dtype | None = None) -> torch.Tensor:
+    data = w.wrapped_tensor.data
+    return data if dtype is None or data.dtype == dtype else data.to(dtype)
+
+
+def _sparse_times(w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """sparse [M, K] @ dense [K, N]; CSC goes through CSR (MKL path)."""
+    if w.layout is torch.sparse_csc:
+        w = w.to_sparse_csr()
+    return torch.sparse.mm(w, dense)
+
+
+def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    x, w, bias = (list(inputs) + [None])[:3]
+    x, bias = _amp(x, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = _sparse_times(_sparse(w, x2.dtype), x2.t()).t()
+    if bias is not None:
+        y = y + bias
+    ctx.save_for_backward(x, w)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _sampled(layout: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Values of ``a @ b`` at the stored positions of a 2-D layout."""
+    if isinstance(layout, CsrTensor):
+        pattern = layout.data if layout.dtype == a.dtype else layout.data.to(a.dtype)
+        return torch.sparse.sampled_addmm(pattern, a, b, beta=0.0).values()
+    rows, cols = layout.coords() if isinstance(layout, _Compressed) else tuple(layout.data._indices())
+    out = torch.empty(rows.numel(), dtype=a.dtype, device=a.device)
+    step = max(1, (1 << 22) // max(1, a.shape[1]))
+    for start in range(0, rows.numel(), step):
+        r, c = rows[start:start + step], cols[start:start + step]
+        out[start:start + step] = (a[r] * b[:, c].t()).sum(1)
+    return out
+
+
+def _weight_grad(w: SparseTensorWrapper, g2: torch.Tensor, x2: torch.Tensor, sparse: bool) -> Any:
+    if not sparse:
+        return g2.t() @ x2
+    layout = w.wrapped_tensor
+    values = _sampled(layout, g2.t().contiguous(), x2.contiguous())
+    return SparseTensorWrapper(layout.with_values(values.to(layout.dtype)))
+
+
+def linear_bwd(sparse_weight_grad: bool) -> Callable:
+    def impl(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+        x, w = ctx.saved_tensors
+        (g,) = grad_outputs
+        g2 = g.reshape(-1, g.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]).to(g2.dtype)
+        needs = ctx.needs_input_grad + (True,) * 3
+        grad_x = _sparse_times(_sparse(w, g2.dtype).t(), g2.t()).t().reshape(x.shape) if needs[0] else None
+        grad_w = _weight_grad(w, g2, x2, sparse_weight_grad) if needs[1] else None
+        grad_b = g2.sum(0) if len(ctx.inputs) > 2 and ctx.inputs[2] is not None and needs[2] else None
+        return grad_x, grad_w, grad_b
+
+    return impl
+
+
+def mm_sparse_dense_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    a, b = inputs[:2]
+    (b,) = _amp(b)
+    ctx.save_for_backward(a, b)
+    return _sparse_times(_sparse(a, b.dtype), b)
+
+
+def mm_sparse_dense_bwd(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+    a, b = ctx.saved_tensors
+    (g,) = grad_outputs
+    grad_a = g @ b.t().to(g.dtype)
+    grad_b = _sparse_times(_sparse(a, g.dtype).t(), g)
+    return grad_a, grad_b
+
+
+def mm_dense_sparse_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    a, b = inputs[:2]
+    (a,) = _amp(a)
+    ctx.save_for_backward(a, b)
+    return _sparse_times(_sparse(b, a.dtype).t(), a.t()).t()
+
+
+def mm_dense_sparse_bwd(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+    a, b = ctx.saved_tensors
+    (g,) = grad_outputs
+    grad_a = _sparse_times(_sparse(b, g.dtype), g.t()).t()
+    grad_b = a.t().to(g.dtype) @ g
+    return grad_a, grad_b
+
+
+def add_union_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> Any:
+    a, b, alpha = (list(inputs) + [1, 1])[:3]
+    alpha = 1 if alpha is None else alpha
+    total = (a.wrapped_tensor.data.to_sparse() + alpha * b.wrapped_tensor.data.to_sparse()).coalesce()
+    return SparseTensorWrapper(CooTensor(total))
+
+
+def add_union_bwd(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+    (g,) = grad_outputs
+    alpha = ctx.inputs[2] if len(ctx.inputs) > 2 and ctx.inputs[2] is not None else 1
+    return g, g * alpha
+
+
+def register(registry: Any) -> None:
+    keep = (KeepAll, T)
+    for L in SPARSE_2D:
+        for inp in ((T, L, T), (T, L)):
+            registry.register_fwd_op_impl(F.linear, inp, [keep], linear_fwd)
+            registry.register_bwd_op_impl(F.linear, (T,), (keep, keep, keep)[: len(inp)], inp, linear_bwd(False))
+            registry.register_bwd_op_impl(F.linear, (T,), (keep, (KeepAll, L), keep)[: len(inp)], inp, linear_bwd(True))
+        for op in (torch.mm, torch.matmul):
+            registry.register_fwd_op_impl(op, (L, T), [keep], mm_sparse_dense_fwd)
+            registry.register_bwd_op_impl(op, (T,), (keep, keep), (L, T), mm_sparse_dense_bwd)
+            registry.register_fwd_op_impl(op, (T, L), [keep], mm_dense_sparse_fwd)
+            registry.register_bwd_op_impl(op, (T,), (keep, keep), (T, L), mm_dense_sparse_bwd)
+        for M in SPARSE_2D:
+            registry.register_fwd_op_impl(torch.add, (L, M), [(KeepAll, CooTensor)], add_union_fwd)
+            registry.register_bwd_op_impl(torch.add, (T,), (keep, keep), (L, M), add_union_bwd)

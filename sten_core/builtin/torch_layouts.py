@@ -1,0 +1,203 @@
+"""The torch-native layouts: ``DenseTensor``, ``CooTensor``, ``CsrTensor``, ``CscTensor``.
+
+Each wraps one ``torch`` tensor (``.data``) and implements the stored-values
+protocol, so optimizer updates act on the stored values only.
+
+Example:
+    >>> import torch
+    >>> c = CooTensor.from_dense(torch.tensor([[0., 2.], [3., 0.]]))
+    >>> c.nnz, c.values().tolist()
+    (2, [2.0, 3.0])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..layouts import Layout
+
+
+def _check_dense(tensor: Any, cls: type, ndim: int | None = None) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{cls.__name__}.from_dense: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    tensor = tensor.detach()
+    if tensor.layout is not torch.strided:
+        tensor = tensor.to_dense()
+    if ndim is not None and tensor.dim() != ndim:
+        raise ValueError(f"{cls.__name__}.from_dense: tensor must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+class _TorchLayout(Layout):
+    """Common parts of the layouts that hold one torch tensor in ``data``."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def to_dense(self) -> torch.Tensor:
+        return self.data.to_dense()
+
+    def same_pattern(self, other: Any) -> bool:
+        if type(other) is not type(self) or other.shape != self.shape:
+            return False
+        mine, theirs = self._indices(), other._indices()
+        return all(a is b or (a.shape == b.shape and torch.equal(a, b)) for a, b in zip(mine, theirs))
+
+    def _indices(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict:
+        return {"parts": self._parts(), "shape": tuple(self.shape)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.data = self._from_parts(state["parts"], state["shape"]).data
+
+    def _parts(self) -> tuple[torch.Tensor, ...]:
+        return self._indices() + (self.values(),)
+
+
+class DenseTensor(_TorchLayout):
+    """A dense tensor seen as a layout (every position stored)."""
+
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor) -> "DenseTensor":
+        return cls(_check_dense(tensor, cls).clone())
+
+    def to_dense(self) -> torch.Tensor:
+        return self.data
+
+    @property
+    def nnz(self) -> int:
+        return self.data.numel()
+
+    def values(self) -> torch.Tensor:
+        return self.data.view(-1) if self.data.is_contiguous() else self.data.reshape(-1)
+
+    def with_values(self, values: torch.Tensor) -> "DenseTensor":
+        return DenseTensor(values.view(self.shape))
+
+    def gather(self, dense: torch.Tensor) -> torch.Tensor:
+        return dense.expand(self.shape).reshape(-1)
+
+    def _indices(self) -> tuple:
+        return ()
+
+    @classmethod
+    def _from_parts(cls, parts: tuple, shape: tuple) -> "DenseTensor":
+        return cls(parts[0].view(shape))
+
+
+class CooTensor(_TorchLayout):
+    """Coordinate format (``torch.sparse_coo``, coalesced), any number of dims."""
+
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor) -> "CooTensor":
+        return cls(_check_dense(tensor, cls).to_sparse().coalesce())
+
+    @property
+    def nnz(self) -> int:
+        return self.data._nnz()
+
+    def values(self) -> torch.Tensor:
+        return self.data._values()
+
+    def with_values(self, values: torch.Tensor) -> "CooTensor":
+        return CooTensor(torch.sparse_coo_tensor(self.data._indices(), values, self.shape, is_coalesced=True))
+
+    def gather(self, dense: torch.Tensor) -> torch.Tensor:
+        return dense.expand(self.shape)[tuple(self.data._indices())]
+
+    def _indices(self) -> tuple:
+        return (self.data._indices(),)
+
+    @classmethod
+    def _from_parts(cls, parts: tuple, shape: tuple) -> "CooTensor":
+        indices, values = parts
+        return cls(torch.sparse_coo_tensor(indices, values, shape, is_coalesced=True))
+
+
+class _Compressed(_TorchLayout):
+    """Shared parts of CSR and CSC (2-D)."""
+
+    _compress_dim = 0  # 0 for CSR (rows compressed), 1 for CSC
+
+    def __init__(self, data: torch.Tensor):
+        super().__init__(data)
+        self._coords: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def nnz(self) -> int:
+        return self.data._nnz()
+
+    def values(self) -> torch.Tensor:
+        return self.data.values()
+
+    def coords(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row and column index of every stored value (cached)."""
+        if self._coords is None:
+            compressed, plain = self._indices()
+            counts = compressed[1:] - compressed[:-1]
+            major = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+            self._coords = (major, plain) if self._compress_dim == 0 else (plain, major)
+        return self._coords
+
+    def gather(self, dense: torch.Tensor) -> torch.Tensor:
+        rows, cols = self.coords()
+        return dense.expand(self.shape)[rows, cols]
+
+    def with_values(self, values: torch.Tensor) -> "_Compressed":
+        compressed, plain = self._indices()
+        make = torch.sparse_csr_tensor if self._compress_dim == 0 else torch.sparse_csc_tensor
+        new = type(self)(make(compressed, plain, values, self.shape))
+        new._coords = self._coords
+        return new
+
+    @classmethod
+    def _from_parts(cls, parts: tuple, shape: tuple) -> "_Compressed":
+        make = torch.sparse_csr_tensor if cls._compress_dim == 0 else torch.sparse_csc_tensor
+        return cls(make(parts[0], parts[1], parts[2], shape))
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._coords = None
+
+
+class CsrTensor(_Compressed):
+    """Compressed sparse rows (``torch.sparse_csr``), 2-D."""
+
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor) -> "CsrTensor":
+        return cls(_check_dense(tensor, cls, 2).to_sparse_csr())
+
+    def _indices(self) -> tuple:
+        return (self.data.crow_indices(), self.data.col_indices())
+
+
+class CscTensor(_Compressed):
+    """Compressed sparse columns (``torch.sparse_csc``), 2-D."""
+
+    _compress_dim = 1
+
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor) -> "CscTensor":
+        return cls(_check_dense(tensor, cls, 2).to_sparse_csc())
+
+    def _indices(self) -> tuple:
+        return (self.data.ccol_indices(), self.data.row_indices())
+
+
+TORCH_LAYOUTS = (DenseTensor, CooTensor, CsrTensor, CscTensor)

@@ -1,0 +1,562 @@
+"""Operator and sparsifier dispatch (paper §3, "Operator implementations").
+
+Resolution order for a call, cached per key so a repeated call costs a dict
+look-up:
+
+1. an implementation registered for exactly these input layouts and outputs;
+2. one found through the ``sten_resolve_op`` hook (generic implementations);
+3. a lossless conversion of the inputs to layouts that have an implementation;
+4. the dense fallback: densify, run the original op, sparsify the outputs, with
+   one ``DispatchWarning`` per key (or a ``DispatchError`` under
+   ``set_dispatch_failure("raise")``).
+
+The same chain serves backward and sparsifiers.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> add = sten.sparsified_op(torch.add, out_fmt=(sten.KeepAll(), torch.Tensor,
+    ...     sten.ScalarFractionSparsifier(0.5), sten.CsrTensor))
+    >>> type(add(torch.ones(2, 2), torch.eye(2)).wrapped_tensor).__name__
+    'CsrTensor'
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from typing import Any, Callable, Iterable
+
+import torch
+
+from . import plugins
+from .registry import Entry, OpKey, registry, trim
+from .signatures import bind, op_name
+from .sparsifiers import KeepAll
+from .spec import DENSE, OutputSpec, coerce_specs
+from .tensor import SparseTensorWrapper, densify, densify_tree
+from .layouts import to_dense_tensor
+
+
+class DispatchError(RuntimeError):
+    """No implementation was found and dense fallbacks are disabled."""
+
+
+class DispatchWarning(UserWarning):
+    """A dense fallback ran because no sparse implementation is registered."""
+
+
+_failure_mode = "warn"
+
+
+def set_dispatch_failure(mode: str) -> None:
+    """``"warn"``: run the dense fallback with one warning per key;
+    ``"raise"``: raise ``DispatchError`` instead."""
+    global _failure_mode
+    if mode not in ("warn", "raise"):
+        raise ValueError(f"mode must be 'warn' or 'raise', got {mode!r}")
+    _failure_mode = mode
+
+
+def get_dispatch_failure() -> str:
+    return _failure_mode
+
+
+# -- plans ------------------------------------------------------------------------
+
+class Plan:
+    """How a key is executed: ``kind`` is ``impl``, ``native``, ``convert``,
+    ``generic`` or ``fallback``."""
+
+    __slots__ = ("kind", "entry", "conversions", "key", "fixes_inline")
+
+    def __init__(self, kind: str, key: OpKey, entry: Entry | None = None, conversions: tuple = ()):
+        self.kind = kind
+        self.key = key
+        self.entry = entry
+        self.conversions = conversions
+        # implementations produce tmp_format themselves; the rest need the inline sparsifier applied
+        self.fixes_inline = kind in ("impl", "convert", "generic")
+
+    def __repr__(self) -> str:
+        return f"Plan({self.kind}, {self.key.describe()})"
+
+
+_cache: dict[OpKey, Plan] = {}
+_warned: set[OpKey] = set()
+_path_cache: dict[tuple[type, type], tuple | None] = {}
+observers: list[Callable[[dict], None]] = []
+
+
+def _clear_cache() -> None:
+    _cache.clear()
+    _path_cache.clear()
+
+
+registry.on_change(_clear_cache)
+
+
+def layout_of(value: Any) -> Any:
+    """The layout class of a call argument: a layout class, ``torch.Tensor`` or ``None``."""
+    if isinstance(value, SparseTensorWrapper):
+        return type(value.wrapped_tensor)
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor
+    return None
+
+
+def _fix_text(key: OpKey) -> str:
+    def pat(items: Iterable) -> str:
+        parts = ["None" if i is None else ("torch.Tensor" if i is torch.Tensor else i.__name__) for i in items]
+        return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+
+    def pairs(items: Iterable) -> str:
+        return "[" + ", ".join("None" if p is None else f"({p[0].__name__}, {pat([p[1]])[1:-1].rstrip(',')})" for p in items) + "]"
+
+    if key.direction == "fwd":
+        out = key.out if key.out is not None else ((KeepAll, torch.Tensor),)
+        return f"@sten.register_fwd_op_impl(operator={op_name(key.op)}, inp={pat(key.inp)}, out={pairs(out)})"
+    if key.direction == "bwd":
+        return (
+            f"@sten.register_bwd_op_impl(operator={op_name(key.op)}, grad_out={pat(key.grad_out)}, "
+            f"grad_inp={pairs(key.out)}, inp={pat(key.inp)})"
+        )
+    return (
+        f"@sten.register_sparsifier_implementation(sparsifier={key.op.__name__}, "
+        f"inp={pat(key.inp)[1:-2]}, out={pat([key.out])[1:-2]})"
+    )
+
+
+def _missing(key: OpKey) -> None:
+    """Warn once per key, or raise, about a dense fallback."""
+    if key.direction == "sparsifier":
+        what = "Sparsifier implementation is not registered"
+        then = "Fallback to dense keep all implementation."
+    else:
+        what = f"Sparse operator implementation is not registered ({key.direction})"
+        then = "Fallback to dense implementation."
+    message = f"{what}. {key.describe()}. {then} To add one: {_fix_text(key)}"
+    if _failure_mode == "raise":
+        raise DispatchError(message.replace(then + " ", ""))
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, DispatchWarning, stacklevel=4)
+
+
+# -- conversions ------------------------------------------------------------------
+
+def conversion_path(src: type, dst: type) -> tuple | None:
+    """The shortest chain of registered lossless conversions from ``src`` to ``dst``."""
+    if src is dst:
+        return ()
+    found = _path_cache.get((src, dst), False)
+    if found is not False:
+        return found
+    edges: dict[type, list[tuple[type, Callable]]] = {}
+    for (a, b), fn in registry.conversions.items():
+        edges.setdefault(a, []).append((b, fn))
+    queue, seen, result = deque([(src, ())]), {src}, None
+    while queue:
+        node, path = queue.popleft()
+        for nxt, fn in edges.get(node, []):
+            if nxt in seen:
+                continue
+            if nxt is dst:
+                result = path + (fn,)
+                queue.clear()
+                break
+            seen.add(nxt)
+            queue.append((nxt, path + (fn,)))
+    _path_cache[(src, dst)] = result
+    return result
+
+
+def convert(value: Any, target: type) -> Any:
+    """Convert a wrapper (or dense tensor) to the layout ``target``, losslessly.
+
+    Uses registered conversions, then the ``sten_convert`` hook, then a round
+    trip through dense. Returns a dense tensor for ``torch.Tensor``.
+    """
+    plugins.ensure_loaded()
+    if target is torch.Tensor:
+        return densify(value)
+    if isinstance(value, SparseTensorWrapper):
+        layout = value.wrapped_tensor
+        if type(layout) is target:
+            return value
+        path = conversion_path(type(layout), target)
+        if path is not None:
+            for fn in path:
+                layout = fn(layout)
+            return SparseTensorWrapper(layout)
+        hooked = plugins.get_plugin_manager().hook.sten_convert(tensor=layout, target=target)
+        if hooked is not None:
+            return SparseTensorWrapper(hooked)
+        value = to_dense_tensor(layout)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"cannot convert {type(value).__name__} to {target.__name__}")
+    return SparseTensorWrapper(target.from_dense(value.detach()))
+
+
+def wrap(value: Any) -> Any:
+    """Wrap a bare layout object; tensors, wrappers and ``None`` pass through."""
+    if value is None or isinstance(value, torch.Tensor) or isinstance(value, (int, float, bool)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(wrap(v) for v in value)
+    if hasattr(value, "to_dense"):
+        return SparseTensorWrapper(value)
+    return value
+
+
+# -- sparsifiers --------------------------------------------------------------------
+
+def _resolve_sparsifier(key: OpKey) -> Callable:
+    sp_cls, (inp,), out = key.op, key.inp, key.out
+    entry = registry.impls.get(key)
+    if entry is not None:
+        return _call_sparsifier_entry(entry)
+    hooked = plugins.get_plugin_manager().hook.sten_resolve_op(key=key)
+    if isinstance(hooked, Entry):
+        return _call_sparsifier_entry(hooked)
+    if hooked is not None:
+        return lambda sp, t, grad_fmt=None: wrap(hooked(sp, t, grad_fmt))
+    if sp_cls is KeepAll:
+        if inp is out:
+            return lambda sp, t, grad_fmt=None: t
+        return lambda sp, t, grad_fmt=None: convert(t, out)
+    dense_key = OpKey("sparsifier", sp_cls, (torch.Tensor,), out)
+    if inp is not torch.Tensor and dense_key in registry.impls:
+        impl = _call_sparsifier_entry(registry.impls[dense_key])
+        return lambda sp, t, grad_fmt=None: impl(sp, densify(t), grad_fmt)
+    for (k, entry) in list(registry.impls.items()):
+        if k.direction == "sparsifier" and k.op is sp_cls and k.inp[0] in (inp, torch.Tensor):
+            path = conversion_path(k.out, out) if k.out is not torch.Tensor else None
+            if path is not None:
+                impl = _call_sparsifier_entry(entry)
+                return lambda sp, t, grad_fmt=None, impl=impl: convert(impl(sp, densify(t), grad_fmt), out)
+
+    def fallback(sp: Any, t: Any, grad_fmt: Any = None) -> Any:
+        _missing(key)
+        return convert(densify(t), out)
+
+    return fallback
+
+
+def _call_sparsifier_entry(entry: Entry) -> Callable:
+    fn = entry.fn
+    if entry.arity >= 3:
+        return lambda sp, t, grad_fmt=None: wrap(fn(sp, t, grad_fmt))
+    return lambda sp, t, grad_fmt=None: wrap(fn(sp, t))
+
+
+def sparsify(sparsifier: Any, tensor: Any, out_format: type, grad_fmt: Any = None) -> Any:
+    """Apply ``sparsifier`` to ``tensor``, producing layout ``out_format``.
+
+    >>> import torch, sten_core as sten
+    >>> w = sten.sparsify(sten.ScalarFractionSparsifier(0.75), torch.randn(4, 4), sten.CooTensor)
+    >>> w.wrapped_tensor.nnz
+    4
+    """
+    if sparsifier is None or isinstance(sparsifier, type):
+        raise TypeError(f"sparsifier must be a sparsifier instance, got {sparsifier!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor or sparse wrapper, got {type(tensor).__name__}")
+    if not isinstance(out_format, type):
+        raise TypeError(f"out_format must be a layout class, got {out_format!r}")
+    plugins.ensure_loaded()
+    key = OpKey("sparsifier", type(sparsifier), (layout_of(tensor),), out_format)
+    impl = _cache.get(key)
+    if impl is None:
+        impl = _cache[key] = _resolve_sparsifier(key)
+    result = impl(sparsifier, tensor, grad_fmt)
+    if grad_fmt is not None and isinstance(result, SparseTensorWrapper):
+        result.grad_fmt = grad_fmt
+    return result
+
+
+def apply_spec(value: Any, spec: OutputSpec, inline_done: bool = False) -> Any:
+    """Run an output through its spec: inline sparsifier to ``tmp_format``
+    (unless already done), then the external one to ``out_format``."""
+    if value is None or not isinstance(value, torch.Tensor):
+        return value
+    if not inline_done:
+        value = sparsify(spec.inline_sparsifier, value, spec.tmp_format)
+    elif layout_of(value) is not spec.tmp_format:
+        value = convert(value, spec.tmp_format)
+    return sparsify(spec.external_sparsifier, value, spec.out_format)
+
+
+# -- forward resolution ---------------------------------------------------------
+
+def _is_inplace(op: Any, kwargs: dict) -> bool:
+    name = getattr(op, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or kwargs.get("out") is not None
+
+
+def _resolve(key: OpKey) -> Plan:
+    entry = registry.impls.get(key)
+    if entry is not None:
+        return Plan("impl", key, entry)
+    hooked = plugins.get_plugin_manager().hook.sten_resolve_op(key=key)
+    if hooked is not None:
+        entry = hooked if isinstance(hooked, Entry) else Entry(hooked, len(key.inp))
+        return Plan("generic", key, entry)
+    if key.direction == "bwd":
+        return Plan("fallback", key)
+    if key.out is None:  # the caller let the implementation choose: dense otherwise
+        dense_key = key._replace(out=((KeepAll, torch.Tensor),))
+        plan = _resolve(dense_key)
+        return plan
+    if all(layout in (torch.Tensor, None) for layout in key.inp):
+        return Plan("native", key)
+    best = None
+    for cand_key, entry in registry.fwd_candidates(key.op, key.out):
+        if len(cand_key.inp) != len(key.inp):
+            continue
+        steps, ok = [], True
+        for have, want in zip(key.inp, cand_key.inp):
+            if have is want:
+                steps.append(None)
+            elif have is None or want is None or want is torch.Tensor:
+                ok = False
+                break
+            else:
+                path = conversion_path(have, want)
+                if path is None:
+                    ok = False
+                    break
+                steps.append(want)
+        if ok and (best is None or sum(s is not None for s in steps) < sum(s is not None for s in best[2])):
+            best = (cand_key, entry, tuple(steps))
+    if best is not None:
+        return Plan("convert", best[0], best[1], best[2])
+    return Plan("fallback", key)
+
+
+def _plan_for(key: OpKey) -> Plan:
+    plan = _cache.get(key)
+    if plan is None:
+        plan = _cache[key] = _resolve(key)
+    return plan
+
+
+class OpContext:
+    """The ``ctx`` that implementations receive (shared by forward and backward)."""
+
+    def __init__(self, op: Any, inputs: list):
+        self.op = op
+        self.inputs = inputs
+        self.saved_tensors: tuple = ()
+        self.needs_input_grad: tuple = ()
+        self.call_args: tuple = ((), {})
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        self.saved_tensors = tensors
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, SparseTensorWrapper):
+        return SparseTensorWrapper(value.wrapped_tensor, False, value.grad_fmt) if value.requires_grad else value
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    return value
+
+
+class _Call:
+    """One operator call: its arguments, specs and plan, forward and backward."""
+
+    def __init__(self, op: Any, args: tuple, kwargs: dict, bound: list, key: OpKey,
+                 out_specs: tuple | None, grad_out_specs: tuple | None):
+        self.op, self.args, self.kwargs, self.bound = op, args, kwargs, bound
+        self.key, self.out_specs, self.grad_out_specs = key, out_specs, grad_out_specs
+        self.plan = _plan_for(key)
+        self.ctx: OpContext | None = None
+        self.n_outputs = 1
+
+    # forward
+    def forward(self) -> Any:
+        plan, op = self.plan, self.op
+        started = time.perf_counter() if observers else 0.0
+        if plan.kind in ("impl", "generic", "convert"):
+            inputs = [_detach(v) for v in self.bound]
+            if plan.kind == "convert":
+                inputs = [convert(v, c) if c is not None else v for v, c in zip(inputs, plan.conversions)] + inputs[len(plan.conversions):]
+            nargs = max(plan.entry.nargs, len(plan.key.inp))
+            inputs = inputs[:nargs] + [None] * (nargs - len(inputs))
+            self.ctx = OpContext(op, inputs)
+            self.ctx.call_args = (self.args, self.kwargs)
+            sparsifiers = [s.inline_sparsifier for s in self.out_specs] if self.out_specs else [KeepAll()]
+            raw = wrap(plan.entry.fn(self.ctx, inputs, sparsifiers))
+        else:
+            if plan.kind == "fallback":
+                _missing(plan.key)
+            args, kwargs = self._dense_args(detach=True)
+            raw = op(*args, **kwargs)
+            if _is_inplace(op, self.kwargs) and isinstance(self.bound[0], SparseTensorWrapper):
+                raw = _write_back(self.bound[0], args[0])
+        if observers:
+            _notify("op", self.key, plan, time.perf_counter() - started)
+        return self._finish(raw)
+
+    def _dense_args(self, detach: bool) -> tuple[tuple, dict]:
+        args, kwargs = densify_tree((self.args, self.kwargs))
+        if detach:
+            args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        return args, kwargs
+
+    def _finish(self, raw: Any) -> Any:
+        if self.out_specs is None or _is_inplace(self.op, self.kwargs):
+            return raw
+        outs = raw if isinstance(raw, tuple) else (raw,)
+        self.n_outputs = len(outs)
+        specs = self.out_specs + (DENSE,) * (len(outs) - len(self.out_specs))
+        done = self.plan.fixes_inline
+        result = tuple(apply_spec(v, s, inline_done=done) for v, s in zip(outs, specs))
+        return result if isinstance(raw, tuple) else result[0]
+
+    # backward
+    def backward(self, grads: tuple, positions: list[int], needs: tuple) -> tuple:
+        specs = self.grad_out_specs or ()
+        specs = specs + (DENSE,) * (len(grads) - len(specs))
+        grad_outputs = [apply_spec(g, s) for g, s in zip(grads, specs)]
+        grad_specs = [_grad_spec(v) if isinstance(v, torch.Tensor) else None for v in self.bound]
+        pairs = trim(tuple(None if s is None else (type(s.inline_sparsifier), s.tmp_format) for s in grad_specs))
+        key = OpKey("bwd", self.op, self.key.inp, pairs, tuple(layout_of(g) for g in grad_outputs))
+        plan = _plan_for(key)
+        started = time.perf_counter() if observers else 0.0
+        if plan.kind == "fallback":
+            _missing(key)
+            raw = self._dense_backward(grad_outputs, positions, needs)
+            done = False
+        else:
+            ctx = self.ctx or OpContext(self.op, [_detach(v) for v in self.bound])
+            ctx.needs_input_grad = tuple(
+                any(p == i and n for p, n in zip(positions, needs)) for i in range(len(self.bound))
+            )
+            sparsifiers = [None if s is None else s.inline_sparsifier for s in grad_specs]
+            raw = plan.entry.fn(ctx, tuple(grad_outputs), sparsifiers)
+            raw = (raw,) if not isinstance(raw, (tuple, list)) else tuple(raw)
+            raw = tuple(wrap(g) for g in raw)
+            done = True
+        if observers:
+            _notify("op", key, plan, time.perf_counter() - started)
+        out = []
+        for pos, need in zip(positions, needs):
+            g = raw[pos] if pos < len(raw) else None
+            if g is None or not need:
+                out.append(None)
+                continue
+            g = apply_spec(g, grad_specs[pos], inline_done=done)
+            out.append(g)
+        return tuple(out)
+
+    def _dense_backward(self, grad_outputs: list, positions: list[int], needs: tuple) -> list:
+        leaves: dict[int, torch.Tensor] = {}
+        for pos, need in zip(positions, needs):
+            value = self.bound[pos]
+            dense = densify(value).detach()
+            if need and (dense.is_floating_point() or dense.is_complex()):
+                dense.requires_grad_(True)
+            leaves[id(value)] = dense
+
+        def swap(tree: Any) -> Any:
+            if isinstance(tree, torch.Tensor) and id(tree) in leaves:
+                return leaves[id(tree)]
+            if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
+                return type(tree)(swap(v) for v in tree)
+            if isinstance(tree, dict):
+                return {k: swap(v) for k, v in tree.items()}
+            return densify(tree)
+
+        with torch.enable_grad():
+            out = self.op(*swap(self.args), **swap(self.kwargs))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        pairs = [(o, densify(g)) for o, g in zip(outs, grad_outputs) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        inputs = [leaves[id(self.bound[p])] for p in positions]
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) if pairs and wanted else []
+        by_id = {id(t): g for t, g in zip(wanted, grads)}
+        raw: list = [None] * len(self.bound)
+        for pos, t in zip(positions, inputs):
+            raw[pos] = by_id.get(id(t))
+        return raw
+
+
+def _grad_spec(value: torch.Tensor) -> OutputSpec:
+    fmt = getattr(value, "grad_fmt", None)
+    return DENSE if fmt is None else OutputSpec.coerce(fmt, "grad_fmt")
+
+
+def _write_back(target: SparseTensorWrapper, dense: torch.Tensor) -> SparseTensorWrapper:
+    """Store the result of a dense in-place fallback back into ``target``'s layout."""
+    layout = target.wrapped_tensor
+    if hasattr(layout, "gather") and callable(getattr(layout, "values", None)) and layout.values() is not None:
+        layout.values().copy_(layout.gather(dense))
+    else:
+        target.wrapped_tensor = type(layout).from_dense(dense)
+    return target
+
+
+def _notify(kind: str, key: OpKey, plan: Plan, seconds: float) -> None:
+    event = {"kind": kind, "key": key, "plan": plan.kind, "seconds": seconds}
+    for observer in observers:
+        observer(event)
+
+
+class _DispatchFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx: Any, call: _Call, positions: list, *tensors: torch.Tensor) -> Any:
+        fctx.call, fctx.positions = call, positions
+        out = call.forward()
+        if isinstance(out, tuple):
+            fctx.mark_non_differentiable(*[o for o in out if isinstance(o, torch.Tensor) and not o.is_floating_point()])
+        return out
+
+    @staticmethod
+    def backward(fctx: Any, *grads: Any) -> Any:
+        call = fctx.call
+        needs = fctx.needs_input_grad[2:]
+        return (None, None, *call.backward(grads, fctx.positions, needs))
+
+
+def call_op(op: Any, args: tuple, kwargs: dict, out_specs: tuple | None = None,
+            grad_out_specs: tuple | None = None) -> Any:
+    """Dispatch one call of ``op`` (the entry point of wrappers and sparse ops)."""
+    if not plugins._loaded:
+        plugins.ensure_loaded()
+    bound = bind(op, args, kwargs)
+    inp = trim(tuple(layout_of(v) for v in bound))
+    out_key = None if out_specs is None else tuple((type(s.inline_sparsifier), s.tmp_format) for s in out_specs)
+    call = _Call(op, args, kwargs, bound, OpKey("fwd", op, inp, out_key), out_specs, grad_out_specs)
+    if torch.is_grad_enabled() and not _is_inplace(op, kwargs):
+        positions = [i for i, v in enumerate(bound) if isinstance(v, torch.Tensor)]
+        if any(bound[i].requires_grad for i in positions):
+            with torch._C.DisableTorchFunctionSubclass():
+                return _DispatchFunction.apply(call, positions, *[bound[i] for i in positions])
+    return call.forward()
+
+
+def sparsified_op(orig_op: Callable, out_fmt: Any, grad_out_fmt: Any = None) -> Callable:
+    """A sparse operator: ``orig_op`` whose outputs (and gradients of its
+    outputs) are sparsified by the given output specs.
+
+    Args:
+        orig_op: any torch callable, e.g. ``torch.add``.
+        out_fmt: one ``(inline_sparsifier, tmp_format, external_sparsifier,
+            out_format)`` per output (a single 4-tuple is accepted).
+        grad_out_fmt: the same for the gradients flowing into the outputs.
+    """
+    if not callable(orig_op):
+        raise TypeError(f"orig_op must be callable, got {orig_op!r}")
+    out_specs = coerce_specs(out_fmt, "out_fmt")
+    if out_specs is None:
+        raise ValueError("out_fmt is required: one 4-tuple per output")
+    grad_specs = coerce_specs(grad_out_fmt, "grad_out_fmt")
+
+    def sparse_op(*args: Any, **kwargs: Any) -> Any:
+        return call_op(orig_op, args, kwargs, out_specs, grad_specs)
+
+    sparse_op.__name__ = f"sparse_{getattr(orig_op, '__name__', 'op')}"
+    sparse_op.__wrapped__ = orig_op  # type: ignore[attr-defined]
+    return sparse_op

@@ -1,0 +1,129 @@
+"""Operator signatures: bind a call's arguments in signature order.
+
+Implementations receive the arguments of a call bound to the operator's
+signature with defaults applied: ``torch.add(a, b)`` gives ``(a, b, 1, None)``
+for ``input, other, alpha, out``.
+
+Example:
+    >>> import torch
+    >>> signature_of(torch.add).names
+    ('input', 'other', 'alpha', 'out')
+    >>> bind(torch.add, (1, 2), {})
+    [1, 2, 1, None]
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+import torch
+
+
+class Params(NamedTuple):
+    names: tuple[str, ...]
+    defaults: tuple[Any, ...]  # one per name; _REQUIRED where there is none
+
+
+_REQUIRED = object()
+
+# Signatures that torch's testing overrides state incompletely.
+_EXPLICIT = {
+    "add": ("input", "other", ("alpha", 1), ("out", None)),
+    "sub": ("input", "other", ("alpha", 1), ("out", None)),
+    "mm": ("input", "mat2", ("out", None)),
+    "addmm": ("input", "mat1", "mat2", ("beta", 1), ("alpha", 1), ("out", None)),
+    "linear": ("input", "weight", ("bias", None)),
+}
+
+
+def _from_spec(spec: tuple) -> Params:
+    names, defaults = [], []
+    for item in spec:
+        if isinstance(item, tuple):
+            names.append(item[0])
+            defaults.append(item[1])
+        else:
+            names.append(item)
+            defaults.append(_REQUIRED)
+    return Params(tuple(names), tuple(defaults))
+
+
+@lru_cache(maxsize=None)
+def _testing_overrides() -> dict:
+    return torch.overrides.get_testing_overrides()
+
+
+def _from_callable(fn: Any) -> Params | None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    names, defaults = [], []
+    for p in sig.parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        names.append(p.name)
+        defaults.append(_REQUIRED if p.default is p.empty else p.default)
+    return Params(tuple(names), tuple(defaults))
+
+
+_cache: dict[Any, Params | None] = {}
+
+
+def signature_of(op: Any) -> Params | None:
+    """The parameter names and defaults of a torch operator (``None`` if unknown)."""
+    try:
+        return _cache[op]
+    except (KeyError, TypeError):
+        pass
+    name = getattr(op, "__name__", "")
+    explicit = _EXPLICIT.get(name.rstrip("_"))
+    is_torch = getattr(op, "__module__", None) in (None, "torch", "torch._C._nn", "torch.nn.functional", "torch._C._VariableFunctions") or "Tensor" in getattr(op, "__qualname__", "")
+    if explicit is not None and is_torch:
+        params = _from_spec(explicit)
+    else:
+        override = _testing_overrides().get(op)
+        params = _from_callable(override) if override is not None else _from_callable(op)
+    try:
+        _cache[op] = params
+    except TypeError:
+        pass
+    return params
+
+
+def bind(op: Any, args: tuple, kwargs: dict) -> list:
+    """Arguments in signature order with defaults; unknown ops keep positional
+    arguments followed by keyword values."""
+    params = signature_of(op)
+    if params is None:
+        return list(args) + list(kwargs.values())
+    names, defaults = params
+    if len(args) > len(names):
+        return list(args) + list(kwargs.values())
+    bound = list(args) + [_REQUIRED] * (len(names) - len(args))
+    for key, value in kwargs.items():
+        try:
+            bound[names.index(key)] = value
+        except ValueError:
+            bound.append(value)
+    for i in range(len(args), len(names)):
+        if bound[i] is _REQUIRED:
+            bound[i] = defaults[i] if defaults[i] is not _REQUIRED else None
+    return bound
+
+
+def op_name(op: Any) -> str:
+    """A readable name: ``torch.add``, ``torch.nn.functional.linear``, ``Tensor.add_``."""
+    name = getattr(op, "__name__", None) or repr(op)
+    qual = getattr(op, "__qualname__", name)
+    if "TensorBase" in qual or qual.startswith("Tensor."):
+        return f"Tensor.{name}"
+    module = getattr(op, "__module__", None)
+    if module in (None, "torch._C._VariableFunctions", "torch"):
+        if getattr(torch, name, None) is op:
+            return f"torch.{name}"
+    if module in ("torch._C._nn", "torch.nn.functional") or getattr(torch.nn.functional, name, None) is op:
+        return f"torch.nn.functional.{name}"
+    return f"{module}.{qual}" if module else qual

@@ -1,0 +1,210 @@
+"""Sparse tensor and parameter wrappers.
+
+A ``SparseTensorWrapper`` is a ``torch.Tensor`` subclass with no storage of its
+own: it reports the true logical shape, dtype, device and ``requires_grad`` of
+the layout object it wraps (``.wrapped_tensor``), and routes every torch
+operation on it to the STen dispatcher (``__torch_function__``). Nothing in
+torch is patched.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(3)))
+    >>> w.shape, w.dtype
+    (torch.Size([3, 3]), torch.float32)
+    >>> torch.mm(w, torch.ones(3, 2)).sum().item()
+    6.0
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from .layouts import layout_metadata, supports_values, to_dense_tensor
+
+aten = torch.ops.aten
+
+
+class SparseTensorWrapper(torch.Tensor):
+    """A tensor whose values live in a sparse layout object.
+
+    Args:
+        wrapped_tensor: the layout object (e.g. ``CsrTensor``).
+        requires_grad: whether autograd tracks it.
+        grad_fmt: the output spec ``(inline_sparsifier, tmp_format,
+            external_sparsifier, out_format)`` of its gradient; ``None`` is dense.
+    """
+
+    wrapped_tensor: Any
+    grad_fmt: Any
+
+    @staticmethod
+    def __new__(cls, wrapped_tensor: Any, requires_grad: bool = False, grad_fmt: Any = None):
+        if isinstance(wrapped_tensor, torch.Tensor):
+            raise TypeError(
+                "wrapped_tensor must be a layout object (e.g. sten.CsrTensor.from_dense(t)), "
+                f"got {type(wrapped_tensor).__name__}"
+            )
+        shape, dtype, device = layout_metadata(wrapped_tensor)
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
+        )
+        self.wrapped_tensor = wrapped_tensor
+        self.grad_fmt = grad_fmt
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @staticmethod
+    def wrapped_from_dense(wrapped_tensor: Any, dense: torch.Tensor, grad_fmt: Any = None) -> "SparseTensorWrapper":
+        """Wrap ``wrapped_tensor``, made from ``dense``; takes its ``requires_grad``."""
+        if not isinstance(dense, torch.Tensor):
+            raise TypeError(f"dense must be a torch.Tensor, got {type(dense).__name__}")
+        return SparseTensorWrapper(wrapped_tensor, requires_grad=dense.requires_grad, grad_fmt=grad_fmt)
+
+    def to_dense(self) -> torch.Tensor:  # type: ignore[override]
+        """The dense tensor this wrapper represents (no gradient tracking)."""
+        return to_dense_tensor(self.wrapped_tensor)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        extra = ", requires_grad=True" if self.requires_grad else ""
+        if self.grad_fn is not None:
+            extra = f", grad_fn=<{type(self.grad_fn).__name__}>"
+        return f"{type(self).__name__}({self.wrapped_tensor!r}{extra})"
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return (_rebuild, (type(self), self.wrapped_tensor, self.requires_grad, self.grad_fmt))
+
+    def __deepcopy__(self, memo: dict) -> "SparseTensorWrapper":
+        new = type(self)(copy.deepcopy(self.wrapped_tensor, memo), self.requires_grad, self.grad_fmt)
+        memo[id(self)] = new
+        return new
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _PASSTHROUGH:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        special = _SPECIAL.get(func)
+        if special is not None:
+            return special(*args, **kwargs)
+        from .dispatch import call_op
+
+        return call_op(func, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Aten-level operations reach here from autograd's own machinery
+        (detach, gradient accumulation, clone); anything else runs densely."""
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        first = args[0] if args else None
+        if packet in (aten.detach, aten.alias, aten.view_as) and isinstance(first, SparseTensorWrapper):
+            return type(first)(first.wrapped_tensor, False, first.grad_fmt)
+        if packet is aten.clone and isinstance(first, SparseTensorWrapper):
+            return type(first)(_copy_layout(first.wrapped_tensor), False, first.grad_fmt)
+        if packet in (aten.add, aten.add_) and len(args) >= 2 and not kwargs.get("alpha", 1) != 1:
+            result = _add_same_pattern(args[0], args[1], inplace=packet is aten.add_)
+            if result is not None:
+                return result
+        dense_args, dense_kwargs = densify_tree((args, kwargs))
+        out = func(*dense_args, **dense_kwargs)
+        if packet.__name__.endswith("_") and isinstance(first, SparseTensorWrapper):
+            first.wrapped_tensor = type(first.wrapped_tensor).from_dense(dense_args[0])
+            return first
+        return out
+
+
+class SparseParameterWrapper(SparseTensorWrapper):
+    """A ``SparseTensorWrapper`` that ``nn.Module`` registers as a parameter.
+
+    >>> import torch, sten_core as sten
+    >>> m = torch.nn.Linear(4, 3)
+    >>> m.weight = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(m.weight.detach()))
+    >>> [name for name, _ in m.named_parameters()]
+    ['weight', 'bias']
+    """
+
+    @staticmethod
+    def __new__(cls, wrapped_tensor: Any, requires_grad: bool = True, grad_fmt: Any = None):
+        if isinstance(wrapped_tensor, SparseTensorWrapper):
+            grad_fmt = grad_fmt if grad_fmt is not None else wrapped_tensor.grad_fmt
+            wrapped_tensor = wrapped_tensor.wrapped_tensor
+        self = SparseTensorWrapper.__new__(cls, wrapped_tensor, requires_grad, grad_fmt)
+        self._is_param = True
+        return self
+
+
+def _rebuild(cls: type, wrapped: Any, requires_grad: bool, grad_fmt: Any) -> SparseTensorWrapper:
+    return cls(wrapped, requires_grad, grad_fmt)
+
+
+def _copy_layout(layout: Any) -> Any:
+    if supports_values(layout):
+        return layout.with_values(layout.values().clone())
+    return copy.deepcopy(layout)
+
+
+def _add_same_pattern(a: Any, b: Any, inplace: bool) -> Any:
+    """``a + b`` on stored values when both are wrappers with one pattern."""
+    if not (isinstance(a, SparseTensorWrapper) and isinstance(b, SparseTensorWrapper)):
+        return None
+    la, lb = a.wrapped_tensor, b.wrapped_tensor
+    if type(la) is not type(lb) or not supports_values(la) or not la.same_pattern(lb):
+        return None
+    if inplace:
+        la.values().add_(lb.values())
+        return a
+    return SparseTensorWrapper(la.with_values(la.values() + lb.values()), False, a.grad_fmt)
+
+
+def densify(value: Any) -> Any:
+    """A wrapper's dense tensor (keeping nothing of autograd); others unchanged."""
+    if isinstance(value, SparseTensorWrapper):
+        return to_dense_tensor(value.wrapped_tensor)
+    return value
+
+
+def densify_tree(tree: Any) -> Any:
+    """``densify`` applied through tuples, lists and dicts."""
+    if isinstance(tree, SparseTensorWrapper):
+        return densify(tree)
+    if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
+        items = [densify_tree(v) for v in tree]
+        return type(tree)(items) if not hasattr(tree, "_fields") else type(tree)(*items)
+    if isinstance(tree, dict):
+        return {k: densify_tree(v) for k, v in tree.items()}
+    return tree
+
+
+def _detach(self: SparseTensorWrapper) -> SparseTensorWrapper:
+    return type(self)(self.wrapped_tensor, False, self.grad_fmt)
+
+
+def _to_dense_method(self: SparseTensorWrapper, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self.to_dense()
+
+
+_T = torch.Tensor
+_PASSTHROUGH = {
+    _T.requires_grad.__set__, _T.grad.__set__,
+    _T.size, _T.dim, _T.numel, _T.nelement, _T.element_size, _T.stride, _T.is_contiguous,
+    _T.is_floating_point, _T.is_complex, _T.get_device, _T.requires_grad_, _T.retain_grad,
+    _T.register_hook, _T.register_post_accumulate_grad_hook, _T.backward, _T.__hash__,
+    _T.__len__, _T.data_ptr, _T._is_view, _T.__setstate__, _T.dim_order, _T.is_inference,
+    torch.is_complex, torch.is_floating_point, torch.numel, torch.is_tensor,
+    torch.autograd.backward,
+}
+for _name in ("shape", "dtype", "device", "requires_grad", "grad", "grad_fn", "is_leaf", "layout",
+              "ndim", "is_cuda", "is_sparse", "is_quantized", "is_meta", "_version", "is_nested",
+              "names", "output_nr", "_base", "retains_grad", "_post_accumulate_grad_hooks",
+              "_backward_hooks", "is_mkldnn", "is_sparse_csr", "is_xpu", "is_mps", "itemsize",
+              "nbytes", "is_cpu", "_is_param"):
+    _prop = getattr(_T, _name, None)
+    if _prop is not None and hasattr(_prop, "__get__"):
+        _PASSTHROUGH.add(_prop.__get__)
+_SPECIAL = {_T.detach: _detach, _T.to_dense: _to_dense_method}
