@@ -1,0 +1,153 @@
+"""Conformance kit for layout plugins.
+
+A layout plugin calls these from its own test suite; each compares with the
+dense reference and raises ``AssertionError`` with the failing case.
+
+Example (in a plugin's tests):
+    >>> import sten_core as sten
+    >>> from sten_core.testing import check_layout, check_linear
+    >>> check_layout(sten.CsrTensor)
+    >>> check_linear(sten.CsrTensor)
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from . import dispatch, plugins
+from .layouts import layout_metadata, supports_values, to_dense_tensor
+from .registry import registry
+from .sparsifiers import KeepAll, ScalarFractionSparsifier
+from .tensor import SparseParameterWrapper, SparseTensorWrapper
+
+DEFAULT_SHAPES = ((5, 8), (1, 1), (7, 13), (16, 32))
+DEFAULT_DTYPES = (torch.float32, torch.float64)
+
+
+def _tolerances(dtype: torch.dtype) -> dict:
+    if dtype in (torch.float16, torch.bfloat16):
+        return {"rtol": 2e-2, "atol": 2e-2}
+    return {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _sample(shape: tuple, dtype: torch.dtype, sparsifier: Any, device: str, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+    return dense * sparsifier.mask(dense)
+
+
+def check_layout(layout_cls: type, *, shapes: Iterable[tuple] = DEFAULT_SHAPES,
+                 dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES, sparsifier: Any = None,
+                 device: str = "cpu") -> None:
+    """Round trip, metadata, ``nnz``, wrapper, pickling, conversions, the
+    stored-values protocol and sparsifying into ``layout_cls``."""
+    plugins.ensure_loaded()
+    sparsifier = sparsifier or ScalarFractionSparsifier(0.5)
+    for i, shape in enumerate(shapes):
+        for dtype in dtypes:
+            case = f"{layout_cls.__name__} shape={tuple(shape)} dtype={dtype}"
+            dense = _sample(tuple(shape), dtype, sparsifier, device, seed=i)
+            obj = layout_cls.from_dense(dense)
+            back = to_dense_tensor(obj)
+            assert back.dtype == dtype, f"{case}: to_dense dtype {back.dtype}"
+            assert torch.equal(back.cpu(), dense.cpu()), f"{case}: to_dense(from_dense(x)) != x"
+            got_shape, got_dtype, got_device = layout_metadata(obj)
+            assert tuple(got_shape) == tuple(shape) and got_dtype == dtype, f"{case}: metadata {got_shape}, {got_dtype}"
+            nnz = getattr(obj, "nnz", None)
+            if nnz is not None:
+                assert nnz >= int((dense != 0).sum()), f"{case}: nnz {nnz} below the nonzero count"
+            wrapper = SparseTensorWrapper(obj)
+            assert wrapper.shape == dense.shape and wrapper.dtype == dtype and wrapper.dim() == dense.dim()
+            assert torch.equal(wrapper.to_dense().cpu(), dense.cpu()), f"{case}: wrapper.to_dense()"
+            loaded = pickle.loads(pickle.dumps(wrapper))
+            assert torch.equal(loaded.to_dense().cpu(), dense.cpu()), f"{case}: pickle round trip"
+            param = SparseParameterWrapper(obj)
+            assert isinstance(param, torch.nn.Parameter) and param.requires_grad, f"{case}: parameter"
+            kept = dispatch.sparsify(KeepAll(), dense, layout_cls)
+            assert torch.equal(kept.to_dense().cpu(), dense.cpu()), f"{case}: sparsify(KeepAll(), x, layout)"
+            _check_values_protocol(obj, dense, case)
+            _check_conversions(layout_cls, wrapper, dense, case)
+
+
+def _check_values_protocol(obj: Any, dense: torch.Tensor, case: str) -> None:
+    if not supports_values(obj):
+        return
+    values = obj.values()
+    torch.testing.assert_close(obj.gather(dense), values, msg=f"{case}: gather(x) != values()")
+    doubled = to_dense_tensor(obj.with_values(values * 2))
+    torch.testing.assert_close(doubled, dense * 2, msg=f"{case}: with_values")
+    assert obj.same_pattern(obj.with_values(values * 2)), f"{case}: same_pattern of with_values"
+
+
+def _check_conversions(layout_cls: type, wrapper: SparseTensorWrapper, dense: torch.Tensor, case: str) -> None:
+    for (src, dst) in list(registry.conversions):
+        if src is not layout_cls:
+            continue
+        if dst in (registry.layouts.get("CsrTensor"), registry.layouts.get("CscTensor")) and dense.dim() != 2:
+            continue
+        converted = dispatch.convert(wrapper, dst)
+        assert torch.equal(converted.to_dense().cpu(), dense.cpu()), f"{case}: conversion to {dst.__name__}"
+        if dispatch.conversion_path(dst, src) is not None:
+            again = dispatch.convert(converted, src)
+            assert torch.equal(again.to_dense().cpu(), dense.cpu()), f"{case}: conversion {dst.__name__} -> back"
+
+
+def check_linear(layout_cls: type, *, shapes: Iterable[tuple] = ((7, 16, 12), (1, 8, 4), (33, 20, 9)),
+                 dtype: torch.dtype = torch.float32, sparsifier: Any = None, device: str = "cpu",
+                 sparse_weight_grad: bool = True, require_registered: bool = True) -> None:
+    """``F.linear(x, W, b)`` with ``W`` in ``layout_cls``: values and the
+    gradients of ``x``, ``W`` (dense, and in ``layout_cls`` at the kept
+    positions when ``sparse_weight_grad``) and ``b`` equal the dense ones.
+
+    ``shapes`` are ``(batch, in_features, out_features)``.
+    """
+    plugins.ensure_loaded()
+    sparsifier = sparsifier or ScalarFractionSparsifier(0.5)
+    tol = _tolerances(dtype)
+    plans: list[str] = []
+    observer = lambda event: plans.append(event["plan"])  # noqa: E731
+    dispatch.observers.append(observer)
+    try:
+        for i, (batch, k, n) in enumerate(shapes):
+            grad_fmts = [None] + ([(KeepAll(), layout_cls, KeepAll(), layout_cls)] if sparse_weight_grad else [])
+            for grad_fmt in grad_fmts:
+                for with_bias in (True, False):
+                    case = f"{layout_cls.__name__} linear x=[{batch},{k}] W=[{n},{k}] bias={with_bias} grad_fmt={grad_fmt and 'sparse'}"
+                    w_dense = _sample((n, k), dtype, sparsifier, device, seed=100 + i)
+                    weight = SparseParameterWrapper(layout_cls.from_dense(w_dense), grad_fmt=grad_fmt)
+                    gen = torch.Generator().manual_seed(i)
+                    x = torch.randn(batch, k, generator=gen).to(dtype).to(device).requires_grad_(True)
+                    bias = torch.randn(n, generator=gen).to(dtype).to(device).requires_grad_(True) if with_bias else None
+                    x_ref = x.detach().clone().requires_grad_(True)
+                    w_ref = w_dense.clone().requires_grad_(True)
+                    b_ref = bias.detach().clone().requires_grad_(True) if with_bias else None
+                    plans.clear()
+                    y = F.linear(x, weight, bias)
+                    y_ref = F.linear(x_ref, w_ref, b_ref)
+                    torch.testing.assert_close(y, y_ref, msg=lambda m: f"{case}: forward: {m}", **tol)
+                    g = torch.randn(y_ref.shape, generator=gen).to(dtype).to(device)
+                    y.backward(g)
+                    y_ref.backward(g)
+                    torch.testing.assert_close(x.grad, x_ref.grad, msg=lambda m: f"{case}: grad x: {m}", **tol)
+                    grad_w = weight.grad
+                    if grad_fmt is None:
+                        torch.testing.assert_close(_dense(grad_w), w_ref.grad, msg=lambda m: f"{case}: grad W: {m}", **tol)
+                    else:
+                        assert isinstance(grad_w, SparseTensorWrapper) and isinstance(grad_w.wrapped_tensor, layout_cls), \
+                            f"{case}: grad W is {type(grad_w).__name__}, expected a {layout_cls.__name__} wrapper"
+                        mask = w_dense != 0
+                        torch.testing.assert_close(_dense(grad_w) * mask, w_ref.grad * mask, msg=lambda m: f"{case}: grad W: {m}", **tol)
+                    if with_bias:
+                        torch.testing.assert_close(bias.grad, b_ref.grad, msg=lambda m: f"{case}: grad b: {m}", **tol)
+                    if require_registered:
+                        assert "fallback" not in plans, f"{case}: a dense fallback ran ({plans})"
+    finally:
+        dispatch.observers.remove(observer)
+
+
+def _dense(value: Any) -> torch.Tensor:
+    return value.to_dense() if isinstance(value, SparseTensorWrapper) else value
