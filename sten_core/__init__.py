@@ -45,6 +45,7 @@ from .dispatch import (
 )
 from . import plugins
 from .builder import SparsityBuilder
+from .serialization import densify_state_dict, load_dense_state_dict
 
 
 def register_fwd_op_impl(operator: Callable, inp: Any, out: Any = None) -> Callable:
@@ -111,5 +112,5 @@ __all__ = [
     "SparseTensorWrapper", "Sparsifier", "SparsityBuilder", "convert", "hookimpl", "hookspec",
     "plugins", "random_mask_sparsify", "register_bwd_op_impl", "register_fwd_op_impl",
     "register_sparsifier_implementation", "registry", "scalar_mask_sparsify",
-    "set_dispatch_failure", "sparsified_op", "sparsify",
+    "set_dispatch_failure", "sparsified_op", "sparsify", "densify_state_dict", "load_dense_state_dict",
 ]

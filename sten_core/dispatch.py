@@ -423,10 +423,16 @@ class _Call:
         grad_specs = [_grad_spec(v) if isinstance(v, torch.Tensor) else None for v in self.bound]
         pairs = trim(tuple(None if s is None else (type(s.inline_sparsifier), s.tmp_format) for s in grad_specs))
         key = OpKey("bwd", self.op, self.key.inp, pairs, tuple(layout_of(g) for g in grad_outputs))
-        plan = _plan_for(key)
+        if self.plan.kind == "native":  # the original op ran: so does its own backward
+            plan = Plan("native", key)
+        elif self.plan.kind == "fallback":  # no forward implementation saved anything
+            plan = Plan("fallback", key)
+        else:
+            plan = _plan_for(key)
         started = time.perf_counter() if observers else 0.0
-        if plan.kind == "fallback":
-            _missing(key)
+        if plan.kind in ("fallback", "native"):
+            if plan.kind == "fallback":
+                _missing(key)
             raw = self._dense_backward(grad_outputs, positions, needs)
             done = False
         else:

@@ -178,11 +178,17 @@ class SameFormatSparsifier(Sparsifier):
         return id(self.ref)
 
     def mask(self, tensor: torch.Tensor) -> torch.Tensor:
-        from .layouts import to_dense_tensor
+        """The reference's stored positions (all of them for ``DenseTensor``;
+        the nonzeros for a plain tensor or a layout without stored values)."""
+        from .layouts import supports_values, to_dense_tensor
 
         ref = getattr(self.ref, "wrapped_tensor", self.ref)
-        dense_ref = ref if isinstance(ref, torch.Tensor) else to_dense_tensor(ref)
-        return dense_ref != 0
+        if isinstance(ref, torch.Tensor):
+            return ref != 0
+        if supports_values(ref):
+            values = ref.values()
+            return to_dense_tensor(ref.with_values(torch.ones_like(values))) != 0
+        return to_dense_tensor(ref) != 0
 
 
 # -- dense keep-masks -------------------------------------------------------

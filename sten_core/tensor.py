@@ -76,7 +76,9 @@ class SparseTensorWrapper(torch.Tensor):
         return f"{type(self).__name__}({self.wrapped_tensor!r}{extra})"
 
     def __reduce_ex__(self, protocol: int) -> Any:
-        return (_rebuild, (type(self), self.wrapped_tensor, self.requires_grad, self.grad_fmt))
+        from .serialization import reduce_wrapper
+
+        return reduce_wrapper(self)
 
     def __deepcopy__(self, memo: dict) -> "SparseTensorWrapper":
         new = type(self)(copy.deepcopy(self.wrapped_tensor, memo), self.requires_grad, self.grad_fmt)
@@ -182,7 +184,7 @@ def densify_tree(tree: Any) -> Any:
 
 
 def _detach(self: SparseTensorWrapper) -> SparseTensorWrapper:
-    return type(self)(self.wrapped_tensor, False, self.grad_fmt)
+    return SparseTensorWrapper(self.wrapped_tensor, False, None)
 
 
 def _to_dense_method(self: SparseTensorWrapper, *args: Any, **kwargs: Any) -> torch.Tensor:

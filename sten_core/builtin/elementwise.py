@@ -73,6 +73,8 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool) -> Callable:
         args, kwargs = ctx.call_args
         self = args[0]
         layout = self.wrapped_tensor
+        if op is T.copy_ and isinstance(args[1], SparseTensorWrapper):
+            return _copy_from_sparse(self, args[1])
         try:
             if not supports_values(layout) or _changes_device(op, args, kwargs):
                 raise _NotOnValues
@@ -90,6 +92,21 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool) -> Callable:
         return SparseTensorWrapper(layout.with_values(result), False, self.grad_fmt)
 
     return impl
+
+
+def _copy_from_sparse(self: SparseTensorWrapper, src: SparseTensorWrapper) -> SparseTensorWrapper:
+    """``param.copy_(sparse)`` takes the source's values *and* pattern (as loading does)."""
+    from ..dispatch import convert
+    from ..tensor import _copy_layout
+
+    layout = self.wrapped_tensor
+    if src.wrapped_tensor is not layout:
+        converted = convert(src, type(layout)).wrapped_tensor
+        new = _copy_layout(converted)
+        if supports_values(new) and new.values().dtype != self.dtype:
+            new = new.with_values(new.values().to(self.dtype))
+        self.wrapped_tensor = new
+    return self
 
 
 def _dense(op: Any, args: tuple, kwargs: dict, inplace: bool) -> Any:

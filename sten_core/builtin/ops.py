@@ -40,9 +40,16 @@ def _sparse(w: SparseTensorWrapper, dtype: torch.dtype | None = None) -> torch.T
 
 
 def _sparse_times(w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """sparse [M, K] @ dense [K, N]; CSC goes through CSR (MKL path)."""
+    """sparse [M, K] @ dense [K, N]; CSC goes through CSR (MKL path).
+
+    Half precision on the CPU (no sparse kernel there) computes in float32 and
+    returns the input's dtype, as autocast expects.
+    """
     if w.layout is torch.sparse_csc:
         w = w.to_sparse_csr()
+    if dense.device.type == "cpu" and dense.dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", enabled=False):
+            return torch.sparse.mm(w.to(torch.float32), dense.float()).to(dense.dtype)
     return torch.sparse.mm(w, dense)
 
 

@@ -61,12 +61,13 @@ class _TorchLayout(Layout):
         raise NotImplementedError
 
     def __getstate__(self) -> dict:
-        return {"parts": self._parts(), "shape": tuple(self.shape)}
+        return {"parts": self.state_tensors(), "shape": tuple(self.shape)}
 
     def __setstate__(self, state: dict) -> None:
-        self.data = self._from_parts(state["parts"], state["shape"]).data
+        self.data = self.from_state_tensors(state["parts"], state["shape"]).data
 
-    def _parts(self) -> tuple[torch.Tensor, ...]:
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Plain tensors that, with the shape, rebuild this layout (serialization)."""
         return self._indices() + (self.values(),)
 
 
@@ -97,7 +98,7 @@ class DenseTensor(_TorchLayout):
         return ()
 
     @classmethod
-    def _from_parts(cls, parts: tuple, shape: tuple) -> "DenseTensor":
+    def from_state_tensors(cls, parts: tuple, shape: tuple) -> "DenseTensor":
         return cls(parts[0].view(shape))
 
 
@@ -125,7 +126,7 @@ class CooTensor(_TorchLayout):
         return (self.data._indices(),)
 
     @classmethod
-    def _from_parts(cls, parts: tuple, shape: tuple) -> "CooTensor":
+    def from_state_tensors(cls, parts: tuple, shape: tuple) -> "CooTensor":
         indices, values = parts
         return cls(torch.sparse_coo_tensor(indices, values, shape, is_coalesced=True))
 
@@ -167,7 +168,7 @@ class _Compressed(_TorchLayout):
         return new
 
     @classmethod
-    def _from_parts(cls, parts: tuple, shape: tuple) -> "_Compressed":
+    def from_state_tensors(cls, parts: tuple, shape: tuple) -> "_Compressed":
         make = torch.sparse_csr_tensor if cls._compress_dim == 0 else torch.sparse_csc_tensor
         return cls(make(parts[0], parts[1], parts[2], shape))
 

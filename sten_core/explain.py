@@ -1,0 +1,360 @@
+"""``sten explain``: what the dispatcher did while a model ran.
+
+Inside ``with sten_core.explain() as report:`` every dispatched operator call is
+recorded, one row per (operator and layouts, plan): which implementation ran
+(and from which plugin), every conversion between layouts, every sparsifier
+call and every dense fallback with the ``register_*`` decorator that would
+remove it, with call counts, time and the modules (call sites) it ran in.
+Dense-fallback warnings are silenced inside the block: the report lists them.
+
+Example:
+    >>> import torch, torch.nn.functional as F, sten_core as sten
+    >>> w = sten.sparsify(sten.ScalarFractionSparsifier(0.5), torch.randn(4, 4), sten.CsrTensor)
+    >>> with sten.explain() as report:
+    ...     _ = F.linear(torch.randn(2, 4), w)
+    >>> [(r.plan, r.calls) for r in report.rows]
+    [('impl', 1)]
+    >>> report.fallbacks
+    []
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import dispatch
+from .registry import OpKey, registry
+
+
+@dataclass
+class Row:
+    """One line of the report.
+
+    ``kind`` is ``op`` (forward or backward operator call), ``sparsifier`` or
+    ``conversion``; ``plan`` is ``impl``, ``generic``, ``convert``, ``native``
+    or ``fallback`` (conversions: ``convert``); ``ran`` names the function that
+    ran; ``fix`` is the decorator that would remove a fallback.
+    """
+
+    kind: str
+    what: str
+    plan: str
+    ran: str = ""
+    fix: str | None = None
+    calls: int = 0
+    seconds: float = 0.0
+    sites: dict[str, int] = field(default_factory=dict)
+    key: Any = None
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "what": self.what, "plan": self.plan, "ran": self.ran, "fix": self.fix,
+                "calls": self.calls, "ms": round(self.seconds * 1e3, 3), "sites": dict(self.sites)}
+
+
+def _fn_name(fn: Any) -> str:
+    module = getattr(fn, "__module__", None) or ""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return f"{module}.{name}" if module else name
+
+
+def _owner(key: OpKey) -> str | None:
+    return registry._owners.get(("impls", key))
+
+
+def _layout_name(layout: Any) -> str:
+    if layout is None:
+        return "None"
+    return "Tensor" if layout is torch.Tensor else getattr(layout, "__name__", repr(layout))
+
+
+class Report:
+    """What ran, collected while the ``with`` block is active (re-entrant: no).
+
+    Args:
+        model: optional; its submodules are named by their paths in ``sites``
+            (otherwise by their class names).
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None):
+        self._rows: dict[tuple, Row] = {}
+        self._names = {id(m): (path or type(m).__name__) for path, m in model.named_modules()} if model is not None else {}
+        self._stack: list[str] = []
+        self._sparsifier_fell_back: list[bool] = []
+        self._undo: list[Callable[[], None]] = []
+        self._warnings: Any = None
+
+    # -- reading ---------------------------------------------------------------
+    @property
+    def rows(self) -> list[Row]:
+        """All rows, in the order they first happened."""
+        return list(self._rows.values())
+
+    @property
+    def fallbacks(self) -> list[Row]:
+        return [r for r in self._rows.values() if r.plan == "fallback"]
+
+    @property
+    def conversions(self) -> list[Row]:
+        return [r for r in self._rows.values() if r.kind == "conversion"]
+
+    def as_dicts(self) -> list[dict]:
+        return [r.as_dict() for r in self.rows]
+
+    def __str__(self) -> str:
+        return format_report(self)
+
+    # -- recording --------------------------------------------------------------
+    def _site(self) -> str:
+        return self._stack[-1] if self._stack else "-"
+
+    def _add(self, ident: tuple, seconds: float, make: Callable[[], Row]) -> None:
+        row = self._rows.get(ident)
+        if row is None:
+            row = self._rows[ident] = make()
+        row.calls += 1
+        row.seconds += seconds
+        site = self._site()
+        row.sites[site] = row.sites.get(site, 0) + 1
+
+    def _on_event(self, event: dict) -> None:
+        key, kind = event["key"], event["plan"]
+        self._add(("op", key, kind), event["seconds"], lambda: self._op_row(key, kind))
+
+    def _op_row(self, key: OpKey, kind: str) -> Row:
+        plan = dispatch._cache.get(key)
+        row = Row("op", key.describe(), kind, key=key)
+        if kind == "fallback":
+            row.ran = f"dense {_fn_name(key.op)} (densify inputs, sparsify outputs)"
+            row.fix = dispatch._fix_text(key)
+        elif kind == "native":
+            row.ran = f"torch {_fn_name(key.op)}"
+        elif plan is not None and plan.entry is not None:
+            owner = _owner(plan.key)
+            row.ran = _fn_name(plan.entry.fn) + (f" [{owner}]" if owner else "")
+            if kind == "convert":
+                steps = [f"arg {i}: {_layout_name(key.inp[i])} -> {_layout_name(c)}"
+                         for i, c in enumerate(plan.conversions) if c is not None]
+                row.ran += f" after converting {', '.join(steps)}"
+        return row
+
+    def _sparsify(self, original: Callable) -> Callable:
+        def sparsify(sparsifier: Any, tensor: Any, out_format: type, grad_fmt: Any = None) -> Any:
+            key = OpKey("sparsifier", type(sparsifier), (dispatch.layout_of(tensor),), out_format)
+            trivial = key.op.__name__ == "KeepAll" and key.inp[0] is out_format
+            self._sparsifier_fell_back.append(False)
+            start = time.perf_counter()
+            try:
+                return original(sparsifier, tensor, out_format, grad_fmt)
+            finally:
+                fell_back = self._sparsifier_fell_back.pop()
+                if not trivial:
+                    kind = "fallback" if fell_back else ("impl" if key in registry.impls else "generic")
+                    self._add(("sparsifier", key, kind), time.perf_counter() - start, lambda: self._sp_row(key, kind))
+        return sparsify
+
+    def _sp_row(self, key: OpKey, kind: str) -> Row:
+        row = Row("sparsifier", key.describe(), kind, key=key)
+        if kind == "fallback":
+            row.ran = "dense: densify, keep all, convert"
+            row.fix = dispatch._fix_text(key)
+        else:
+            entry = registry.impls.get(key)
+            owner = _owner(key)
+            row.ran = (_fn_name(entry.fn) + (f" [{owner}]" if owner else "")) if entry else "generic / via conversion"
+        return row
+
+    def _missing(self, original: Callable) -> Callable:
+        def missing(key: OpKey) -> None:
+            if key.direction == "sparsifier" and self._sparsifier_fell_back:
+                self._sparsifier_fell_back[-1] = True
+            return original(key)
+        return missing
+
+    def _convert(self, original: Callable) -> Callable:
+        def convert(value: Any, target: type) -> Any:
+            src = dispatch.layout_of(value)
+            start = time.perf_counter()
+            result = original(value, target)
+            if src is not target:
+                what = f"convert {_layout_name(src)} -> {_layout_name(target)}"
+                self._add(("conversion", src, target), time.perf_counter() - start,
+                          lambda: Row("conversion", what, "convert", ran=_conversion_route(src, target)))
+            return result
+        return convert
+
+    def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        self._stack.append(self._names.get(id(module), type(module).__name__))
+
+    def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    def _patch(self, name: str, wrapper: Callable[[Callable], Callable]) -> None:
+        original = getattr(dispatch, name)
+        setattr(dispatch, name, wrapper(original))
+        self._undo.append(lambda: setattr(dispatch, name, original))
+
+    # -- context manager ------------------------------------------------------------
+    def __enter__(self) -> "Report":
+        from . import plugins
+
+        plugins.ensure_loaded()
+        # Sparsifier and conversion calls have no observer event: wrap the
+        # dispatcher's module functions for the duration of the block.
+        self._patch("sparsify", self._sparsify)
+        self._patch("convert", self._convert)
+        self._patch("_missing", self._missing)
+        dispatch.observers.append(self._on_event)
+        self._undo.append(lambda: dispatch.observers.remove(self._on_event))
+        from torch.nn.modules import module as nn_module
+
+        handles = [nn_module.register_module_forward_pre_hook(self._pre_hook)]
+        try:
+            handles.append(nn_module.register_module_forward_hook(self._post_hook, always_call=True))
+        except TypeError:  # pragma: no cover - older torch
+            handles.append(nn_module.register_module_forward_hook(self._post_hook))
+        self._undo.extend(h.remove for h in handles)
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("ignore", dispatch.DispatchWarning)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._warnings.__exit__(*exc)
+        while self._undo:
+            self._undo.pop()()
+        self._stack.clear()
+
+
+def _conversion_route(src: Any, target: Any) -> str:
+    if target is torch.Tensor:
+        return "densify"
+    if src is None:
+        return "from_dense"
+    path = dispatch.conversion_path(src, target) if src is not torch.Tensor else None
+    if path:
+        return " then ".join(_fn_name(fn) for fn in path)
+    return f"{_layout_name(target)}.from_dense" if src is torch.Tensor else "sten_convert hook or via dense"
+
+
+def explain(model: torch.nn.Module | None = None) -> Report:
+    """A context manager recording what the dispatcher does inside its block.
+
+    >>> import torch, sten_core as sten
+    >>> with sten.explain() as report:
+    ...     pass
+    >>> report.rows
+    []
+    """
+    return Report(model)
+
+
+# -- text ---------------------------------------------------------------------------
+
+def _sites(row: Row, limit: int = 3) -> str:
+    names = [s for s in row.sites if s != "-"]
+    if not names:
+        return "-"
+    text = ", ".join(names[:limit])
+    return text + (f" (+{len(names) - limit})" if len(names) > limit else "")
+
+
+def format_report(report: Report) -> str:
+    """The report as text: one row per (operator and layouts, plan) with the
+    implementation, conversions, fallbacks and the decorator that fixes each."""
+    rows = report.rows
+    if not rows:
+        return "nothing was dispatched (no sparse tensors or sparse operators were used)"
+    order = {"fallback": 0, "convert": 1, "impl": 2, "generic": 3, "native": 4}
+    rows = sorted(rows, key=lambda r: (order.get(r.plan, 5), r.kind != "op"))
+    width = max(len(r.what) for r in rows)
+    lines = [f"{'plan':8s}  {'calls':>5s}  {'ms':>9s}  {'call':{width}s}  sites"]
+    for r in rows:
+        lines.append(f"{r.plan:8s}  {r.calls:5d}  {r.seconds * 1e3:9.3f}  {r.what:{width}s}  {_sites(r)}")
+        if r.ran:
+            lines.append(f"{'':8s}  {'':5s}  {'':9s}  ran: {r.ran}")
+        if r.fix:
+            lines.append(f"{'':8s}  {'':5s}  {'':9s}  fix: {r.fix}")
+    n = len(report.fallbacks)
+    lines.append(f"{len(rows)} rows, {n} dense fallback{'s' if n != 1 else ''}"
+                 + (": add the decorators above (or set_dispatch_failure('raise') to find them)" if n else ""))
+    return "\n".join(lines)
+
+
+# -- models to explain ----------------------------------------------------------------
+
+def example(size: str = "base", batch: int = 2, seq_len: int = 16) -> tuple[torch.nn.Module, tuple]:
+    """The built-in example: a BERT encoder layer with CSR weights (90 %) and
+    its GELU output stored as COO (90 % random), feeding ``output.dense``:
+    ``F.linear`` on (COO, CSR) has no registered implementation, so it falls back.
+
+    ``size`` is ``"base"`` (BERT-base) or ``"tiny"`` (hidden 64, for tests).
+    """
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    from .builder import SparsityBuilder
+    from .builtin.torch_layouts import CooTensor, CsrTensor
+    from .sparsifiers import KeepAll, RandomFractionSparsifier, ScalarFractionSparsifier
+
+    sizes = {"base": {}, "tiny": {"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4}}
+    if size not in sizes:
+        raise ValueError(f"--size: unknown size {size!r}; valid choices: {', '.join(sizes)}")
+    torch.manual_seed(0)
+    config = BertConfig(**sizes[size])
+    config._attn_implementation = "eager"
+    layer = BertLayer(config).eval()
+    builder = SparsityBuilder(layer)
+    for path, module in layer.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            builder.set_weight(f"{path}.weight", initial_sparsifier=ScalarFractionSparsifier(0.9), out_format=CsrTensor)
+    builder.set_interm("intermediate.gelu", inline_sparsifier=RandomFractionSparsifier(0.9), tmp_format=CooTensor,
+                       external_sparsifier=KeepAll(), out_format=CooTensor)
+    return builder.get_sparse_model(), (torch.randn(batch, seq_len, config.hidden_size),)
+
+
+EXAMPLES = {"bert": example}
+
+
+def load_target(spec: str, **example_args: Any) -> tuple[torch.nn.Module, tuple]:
+    """``"bert"`` (built in) or ``"module:factory"``: a callable returning
+    ``(model, inputs)`` (inputs: a tensor or a tuple of arguments)."""
+    if spec in EXAMPLES:
+        return EXAMPLES[spec](**example_args)
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"model {spec!r}: expected a built-in example ({', '.join(EXAMPLES)}) or module:factory")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"model {spec!r}: cannot import {module_name!r}: {error}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"model {spec!r}: {module_name} has no callable {attr!r}")
+    made = factory()
+    if isinstance(made, dict):
+        made = (made.get("model"), made.get("inputs"))
+    if not (isinstance(made, (tuple, list)) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+        raise ValueError(f"model {spec!r}: the factory must return (model, inputs), got {type(made).__name__}")
+    model, inputs = made
+    return model, inputs if isinstance(inputs, tuple) else (tuple(inputs) if isinstance(inputs, list) else (inputs,))
+
+
+def run_explained(model: torch.nn.Module, inputs: tuple, backward: bool = False) -> Report:
+    """Run ``model(*inputs)`` once (and its backward) and report what ran."""
+    with explain(model) as report:
+        if backward:
+            out = model(*inputs)
+        else:
+            with torch.no_grad():
+                out = model(*inputs)
+        if backward:
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            first.float().sum().backward()
+    return report
