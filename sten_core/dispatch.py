@@ -34,7 +34,7 @@ from .registry import Entry, OpKey, registry, trim
 from .signatures import bind, op_name
 from .sparsifiers import KeepAll
 from .spec import DENSE, OutputSpec, coerce_specs
-from .tensor import SparseTensorWrapper, densify, densify_tree
+from .tensor import SparseTensorWrapper, densify, densify_tree, write_back
 from .layouts import to_dense_tensor
 
 
@@ -289,15 +289,34 @@ def apply_spec(value: Any, spec: OutputSpec, inline_done: bool = False) -> Any:
 
 # -- forward resolution ---------------------------------------------------------
 
+_DENSE_OUT = ((KeepAll, torch.Tensor),)
+_inplace_ops: dict[Any, bool] = {}
+
+
 def _is_inplace(op: Any, kwargs: dict) -> bool:
-    name = getattr(op, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or kwargs.get("out") is not None
+    """Whether a call writes into its first argument (``add_``, ``__iadd__``) or ``out=``."""
+    if kwargs and kwargs.get("out") is not None:
+        return True
+    try:
+        return _inplace_ops[op]
+    except (KeyError, TypeError):
+        name = getattr(op, "__name__", "")
+        result = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+        try:
+            _inplace_ops[op] = result
+        except TypeError:
+            pass
+        return result
 
 
 def _resolve(key: OpKey) -> Plan:
     entry = registry.impls.get(key)
     if entry is not None:
         return Plan("impl", key, entry)
+    if key.out is None:  # an implicit call: a registered dense-output implementation comes first
+        entry = registry.impls.get(key._replace(out=_DENSE_OUT))
+        if entry is not None:
+            return Plan("impl", key._replace(out=_DENSE_OUT), entry)
     hooked = plugins.get_plugin_manager().hook.sten_resolve_op(key=key)
     if hooked is not None:
         entry = hooked if isinstance(hooked, Entry) else Entry(hooked, len(key.inp))
@@ -305,9 +324,7 @@ def _resolve(key: OpKey) -> Plan:
     if key.direction == "bwd":
         return Plan("fallback", key)
     if key.out is None:  # the caller let the implementation choose: dense otherwise
-        dense_key = key._replace(out=((KeepAll, torch.Tensor),))
-        plan = _resolve(dense_key)
-        return plan
+        return _resolve(key._replace(out=_DENSE_OUT))
     if all(layout in (torch.Tensor, None) for layout in key.inp):
         return Plan("native", key)
     best = None
@@ -356,11 +373,18 @@ class OpContext:
 
 
 def _detach(value: Any) -> Any:
-    if isinstance(value, SparseTensorWrapper):
-        return SparseTensorWrapper(value.wrapped_tensor, False, value.grad_fmt) if value.requires_grad else value
-    if isinstance(value, torch.Tensor):
+    """An input as implementations see it: no autograd history (call with torch
+    functions disabled, so reading ``requires_grad`` costs nothing)."""
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        if isinstance(value, SparseTensorWrapper):
+            return SparseTensorWrapper(value.wrapped_tensor, False, value.grad_fmt)
         return value.detach()
     return value
+
+
+def _detach_all(values: list) -> list:
+    with torch._C.DisableTorchFunctionSubclass():
+        return [_detach(v) for v in values]
 
 
 class _Call:
@@ -379,7 +403,7 @@ class _Call:
         plan, op = self.plan, self.op
         started = time.perf_counter() if observers else 0.0
         if plan.kind in ("impl", "generic", "convert"):
-            inputs = [_detach(v) for v in self.bound]
+            inputs = _detach_all(self.bound)
             if plan.kind == "convert":
                 inputs = [convert(v, c) if c is not None else v for v, c in zip(inputs, plan.conversions)] + inputs[len(plan.conversions):]
             nargs = max(plan.entry.nargs, len(plan.key.inp))
@@ -394,7 +418,7 @@ class _Call:
             args, kwargs = self._dense_args(detach=True)
             raw = op(*args, **kwargs)
             if _is_inplace(op, self.kwargs) and isinstance(self.bound[0], SparseTensorWrapper):
-                raw = _write_back(self.bound[0], args[0])
+                raw = write_back(self.bound[0], args[0])
         if observers:
             _notify("op", self.key, plan, time.perf_counter() - started)
         return self._finish(raw)
@@ -436,7 +460,7 @@ class _Call:
             raw = self._dense_backward(grad_outputs, positions, needs)
             done = False
         else:
-            ctx = self.ctx or OpContext(self.op, [_detach(v) for v in self.bound])
+            ctx = self.ctx or OpContext(self.op, _detach_all(self.bound))
             ctx.needs_input_grad = tuple(
                 any(p == i and n for p, n in zip(positions, needs)) for i in range(len(self.bound))
             )
@@ -494,16 +518,6 @@ def _grad_spec(value: torch.Tensor) -> OutputSpec:
     return DENSE if fmt is None else OutputSpec.coerce(fmt, "grad_fmt")
 
 
-def _write_back(target: SparseTensorWrapper, dense: torch.Tensor) -> SparseTensorWrapper:
-    """Store the result of a dense in-place fallback back into ``target``'s layout."""
-    layout = target.wrapped_tensor
-    if hasattr(layout, "gather") and callable(getattr(layout, "values", None)) and layout.values() is not None:
-        layout.values().copy_(layout.gather(dense))
-    else:
-        target.wrapped_tensor = type(layout).from_dense(dense)
-    return target
-
-
 def _notify(kind: str, key: OpKey, plan: Plan, seconds: float) -> None:
     event = {"kind": kind, "key": key, "plan": plan.kind, "seconds": seconds}
     for observer in observers:
@@ -536,9 +550,9 @@ def call_op(op: Any, args: tuple, kwargs: dict, out_specs: tuple | None = None,
     out_key = None if out_specs is None else tuple((type(s.inline_sparsifier), s.tmp_format) for s in out_specs)
     call = _Call(op, args, kwargs, bound, OpKey("fwd", op, inp, out_key), out_specs, grad_out_specs)
     if torch.is_grad_enabled() and not _is_inplace(op, kwargs):
-        positions = [i for i, v in enumerate(bound) if isinstance(v, torch.Tensor)]
-        if any(bound[i].requires_grad for i in positions):
-            with torch._C.DisableTorchFunctionSubclass():
+        with torch._C.DisableTorchFunctionSubclass():
+            positions = [i for i, v in enumerate(bound) if isinstance(v, torch.Tensor)]
+            if any(bound[i].requires_grad for i in positions):
                 return _DispatchFunction.apply(call, positions, *[bound[i] for i in positions])
     return call.forward()
 

@@ -30,6 +30,7 @@ import torch
 
 from . import dispatch
 from .registry import OpKey, registry
+from .signatures import op_name
 
 
 @dataclass
@@ -129,11 +130,13 @@ class Report:
     def _op_row(self, key: OpKey, kind: str) -> Row:
         plan = dispatch._cache.get(key)
         row = Row("op", key.describe(), kind, key=key)
+        name = op_name(key.op)
         if kind == "fallback":
-            row.ran = f"dense {_fn_name(key.op)} (densify inputs, sparsify outputs)"
+            what = "backward through autograd" if key.direction == "bwd" else "op"
+            row.ran = f"dense {name} {what} (inputs densified, outputs sparsified)"
             row.fix = dispatch._fix_text(key)
         elif kind == "native":
-            row.ran = f"torch {_fn_name(key.op)}"
+            row.ran = f"torch's own {name}" + (" backward (autograd)" if key.direction == "bwd" else "")
         elif plan is not None and plan.entry is not None:
             owner = _owner(plan.key)
             row.ran = _fn_name(plan.entry.fn) + (f" [{owner}]" if owner else "")
@@ -171,8 +174,11 @@ class Report:
 
     def _missing(self, original: Callable) -> Callable:
         def missing(key: OpKey) -> None:
-            if key.direction == "sparsifier" and self._sparsifier_fell_back:
-                self._sparsifier_fell_back[-1] = True
+            if key.direction == "sparsifier":
+                if self._sparsifier_fell_back:  # inside a recorded sparsify(): it adds the row
+                    self._sparsifier_fell_back[-1] = True
+                else:  # called from outside the dispatcher (sten.sparsify): no timing
+                    self._add(("sparsifier", key, "fallback"), 0.0, lambda: self._sp_row(key, "fallback"))
             return original(key)
         return missing
 

@@ -116,8 +116,7 @@ class SparseTensorWrapper(torch.Tensor):
         dense_args, dense_kwargs = densify_tree((args, kwargs))
         out = func(*dense_args, **dense_kwargs)
         if packet.__name__.endswith("_") and isinstance(first, SparseTensorWrapper):
-            first.wrapped_tensor = type(first.wrapped_tensor).from_dense(dense_args[0])
-            return first
+            return write_back(first, dense_args[0])
         return out
 
 
@@ -139,6 +138,19 @@ class SparseParameterWrapper(SparseTensorWrapper):
         self = SparseTensorWrapper.__new__(cls, wrapped_tensor, requires_grad, grad_fmt)
         self._is_param = True
         return self
+
+
+def write_back(target: SparseTensorWrapper, dense: torch.Tensor) -> SparseTensorWrapper:
+    """Store the result of a dense in-place computation into ``target``: at its
+    stored positions when the layout allows (pattern kept), else re-built."""
+    layout = target.wrapped_tensor
+    if supports_values(layout) and hasattr(layout, "gather"):
+        values = layout.values()
+        values.copy_(layout.gather(dense).to(values.dtype))
+        target.wrapped_tensor = layout.with_values(values)
+    else:
+        target.wrapped_tensor = type(layout).from_dense(dense)
+    return target
 
 
 def _rebuild(cls: type, wrapped: Any, requires_grad: bool, grad_fmt: Any) -> SparseTensorWrapper:

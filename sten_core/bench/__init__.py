@@ -28,7 +28,7 @@ from .models import bert_case, linear_case
 from .runner import Settings, run
 
 TARGETS = ("bert", "linear")
-QUICK = {"sparsities": "50,90", "repeats": 3, "warmup": 1, "budget_s": 3.0, "batch": 2}
+QUICK = {"sparsities": "50,90", "repeats": 3, "warmup": 1, "budget_s": 1.5, "batch": 2}
 FULL = {"sparsities": "50,60,70,80,90,95", "repeats": 10, "warmup": 2, "budget_s": 20.0, "batch": 8}
 
 

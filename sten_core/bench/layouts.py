@@ -58,8 +58,10 @@ class BenchLayout:
         """The storage class (``torch.Tensor`` for dense)."""
         if self.layout_name is None:
             return torch.Tensor
+        from ..plugins import ensure_loaded
         from ..registry import registry
 
+        ensure_loaded()
         return registry.layout(self.layout_name)
 
     def runs_at(self, sparsity: float) -> bool:
@@ -148,8 +150,10 @@ def by_name(name: str) -> BenchLayout | None:
     for layout in KNOWN:
         if name == layout.name or name in layout.aliases or name == layout.layout_name:
             return layout
+    from ..plugins import ensure_loaded
     from ..registry import registry
 
+    ensure_loaded()
     if name in registry.layouts:
         return _generic(name)
     return None

@@ -25,7 +25,7 @@ import torch
 
 from ..layouts import supports_values
 from ..registry import Entry, OpKey
-from ..tensor import SparseTensorWrapper, densify_tree
+from ..tensor import SparseTensorWrapper, densify_tree, write_back
 
 T = torch.Tensor
 INPLACE = {
@@ -113,9 +113,7 @@ def _dense(op: Any, args: tuple, kwargs: dict, inplace: bool) -> Any:
     dense_args, dense_kwargs = densify_tree((args, kwargs))
     result = op(*dense_args, **dense_kwargs)
     if inplace:
-        from ..dispatch import _write_back
-
-        return _write_back(args[0], dense_args[0])
+        return write_back(args[0], dense_args[0])
     return result
 
 
