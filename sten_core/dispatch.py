@@ -290,6 +290,7 @@ def apply_spec(value: Any, spec: OutputSpec, inline_done: bool = False) -> Any:
 # -- forward resolution ---------------------------------------------------------
 
 _DENSE_OUT = ((KeepAll, torch.Tensor),)
+_KEEP_ALL = KeepAll()
 _inplace_ops: dict[Any, bool] = {}
 
 
@@ -399,23 +400,23 @@ class _Call:
         self.n_outputs = 1
 
     # forward
-    def forward(self) -> Any:
+    def forward(self, detach: bool = True) -> Any:
         plan, op = self.plan, self.op
         started = time.perf_counter() if observers else 0.0
         if plan.kind in ("impl", "generic", "convert"):
-            inputs = _detach_all(self.bound)
+            inputs = _detach_all(self.bound) if detach else list(self.bound)
             if plan.kind == "convert":
                 inputs = [convert(v, c) if c is not None else v for v, c in zip(inputs, plan.conversions)] + inputs[len(plan.conversions):]
             nargs = max(plan.entry.nargs, len(plan.key.inp))
             inputs = inputs[:nargs] + [None] * (nargs - len(inputs))
             self.ctx = OpContext(op, inputs)
             self.ctx.call_args = (self.args, self.kwargs)
-            sparsifiers = [s.inline_sparsifier for s in self.out_specs] if self.out_specs else [KeepAll()]
+            sparsifiers = [s.inline_sparsifier for s in self.out_specs] if self.out_specs else [_KEEP_ALL]
             raw = wrap(plan.entry.fn(self.ctx, inputs, sparsifiers))
         else:
             if plan.kind == "fallback":
                 _missing(plan.key)
-            args, kwargs = self._dense_args(detach=True)
+            args, kwargs = self._dense_args(detach=detach)
             raw = op(*args, **kwargs)
             if _is_inplace(op, self.kwargs) and isinstance(self.bound[0], SparseTensorWrapper):
                 raw = write_back(self.bound[0], args[0])
@@ -540,21 +541,37 @@ class _DispatchFunction(torch.autograd.Function):
         return (None, None, *call.backward(grads, fctx.positions, needs))
 
 
+def _scan(bound: list) -> tuple[tuple, list[int], bool]:
+    """Input layouts (trimmed), tensor positions, and whether any needs grad."""
+    layouts: list = []
+    positions: list[int] = []
+    needs_grad = False
+    with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads on wrappers
+        for i, v in enumerate(bound):
+            if isinstance(v, torch.Tensor):
+                positions.append(i)
+                layouts.append(type(v.wrapped_tensor) if isinstance(v, SparseTensorWrapper) else torch.Tensor)
+                needs_grad = needs_grad or v.requires_grad
+            else:
+                layouts.append(None)
+    while layouts and layouts[-1] is None:
+        layouts.pop()
+    return tuple(layouts), positions, needs_grad
+
+
 def call_op(op: Any, args: tuple, kwargs: dict, out_specs: tuple | None = None,
             grad_out_specs: tuple | None = None) -> Any:
     """Dispatch one call of ``op`` (the entry point of wrappers and sparse ops)."""
     if not plugins._loaded:
         plugins.ensure_loaded()
     bound = bind(op, args, kwargs)
-    inp = trim(tuple(layout_of(v) for v in bound))
+    inp, positions, needs_grad = _scan(bound)
     out_key = None if out_specs is None else tuple((type(s.inline_sparsifier), s.tmp_format) for s in out_specs)
     call = _Call(op, args, kwargs, bound, OpKey("fwd", op, inp, out_key), out_specs, grad_out_specs)
-    if torch.is_grad_enabled() and not _is_inplace(op, kwargs):
+    if needs_grad and torch.is_grad_enabled() and not _is_inplace(op, kwargs):
         with torch._C.DisableTorchFunctionSubclass():
-            positions = [i for i, v in enumerate(bound) if isinstance(v, torch.Tensor)]
-            if any(bound[i].requires_grad for i in positions):
-                return _DispatchFunction.apply(call, positions, *[bound[i] for i in positions])
-    return call.forward()
+            return _DispatchFunction.apply(call, positions, *[bound[i] for i in positions])
+    return call.forward(detach=needs_grad)
 
 
 def sparsified_op(orig_op: Callable, out_fmt: Any, grad_out_fmt: Any = None) -> Callable:

@@ -21,6 +21,8 @@ Example:
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -364,3 +366,15 @@ def run_explained(model: torch.nn.Module, inputs: tuple, backward: bool = False)
             first = out[0] if isinstance(out, (tuple, list)) else out
             first.float().sum().backward()
     return report
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this submodule sets ``sten_core.explain`` to the module itself,
+    hiding the ``explain`` function that ``sten_core.__getattr__`` exposes; so
+    the module is callable too: ``sten_core.explain()`` works either way."""
+
+    def __call__(self, model: torch.nn.Module | None = None) -> Report:
+        return explain(model)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -73,6 +73,11 @@ class Layout:
         """Whether ``other`` stores exactly the same positions."""
         return False
 
+    # -- serialization (optional) -----------------------------------------
+    # ``state_tensors()`` returns plain tensors and the classmethod
+    # ``from_state_tensors(tensors, shape)`` rebuilds the layout from them; with
+    # both, a wrapper saves for ``torch.load(..., weights_only=True)``.
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, nnz={self.nnz})"
 

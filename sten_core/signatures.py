@@ -62,7 +62,9 @@ def _from_callable(fn: Any) -> Params | None:
         return None
     names, defaults = [], []
     for p in sig.parameters.values():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+        if p.kind is p.VAR_POSITIONAL:  # f(x, *args, sep=...): positions cannot be named
+            return None
+        if p.kind is p.VAR_KEYWORD:
             continue
         names.append(p.name)
         defaults.append(_REQUIRED if p.default is p.empty else p.default)
@@ -93,24 +95,55 @@ def signature_of(op: Any) -> Params | None:
     return params
 
 
+class _Binder(NamedTuple):
+    """Precomputed per operator: where each keyword goes, and the defaults
+    (``None`` for a required argument that was not given)."""
+
+    index: dict[str, int]
+    fill: tuple[Any, ...]
+
+
+_binders: dict[Any, _Binder | None] = {}
+
+
+def _binder(op: Any) -> _Binder | None:
+    params = signature_of(op)
+    binder = None
+    if params is not None:
+        fill = tuple(None if d is _REQUIRED else d for d in params.defaults)
+        binder = _Binder({name: i for i, name in enumerate(params.names)}, fill)
+    try:
+        _binders[op] = binder
+    except TypeError:
+        pass
+    return binder
+
+
 def bind(op: Any, args: tuple, kwargs: dict) -> list:
     """Arguments in signature order with defaults; unknown ops keep positional
-    arguments followed by keyword values."""
-    params = signature_of(op)
-    if params is None:
-        return list(args) + list(kwargs.values())
-    names, defaults = params
-    if len(args) > len(names):
-        return list(args) + list(kwargs.values())
-    bound = list(args) + [_REQUIRED] * (len(names) - len(args))
-    for key, value in kwargs.items():
-        try:
-            bound[names.index(key)] = value
-        except ValueError:
-            bound.append(value)
-    for i in range(len(args), len(names)):
-        if bound[i] is _REQUIRED:
-            bound[i] = defaults[i] if defaults[i] is not _REQUIRED else None
+    arguments followed by keyword values.
+
+    This runs on every dispatched call: the per-operator work is cached.
+    """
+    try:
+        binder = _binders[op]
+    except (KeyError, TypeError):
+        binder = _binder(op)
+    if binder is None:
+        return [*args, *kwargs.values()] if kwargs else list(args)
+    fill = binder.fill
+    n = len(args)
+    if n > len(fill):
+        return [*args, *kwargs.values()] if kwargs else list(args)
+    bound = [*args, *fill[n:]]
+    if kwargs:
+        index = binder.index
+        for key, value in kwargs.items():
+            i = index.get(key)
+            if i is None:
+                bound.append(value)
+            else:
+                bound[i] = value
     return bound
 
 

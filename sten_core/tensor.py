@@ -94,9 +94,7 @@ class SparseTensorWrapper(torch.Tensor):
         special = _SPECIAL.get(func)
         if special is not None:
             return special(*args, **kwargs)
-        from .dispatch import call_op
-
-        return call_op(func, args, kwargs)
+        return _dispatch()(func, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -123,11 +121,12 @@ class SparseTensorWrapper(torch.Tensor):
 class SparseParameterWrapper(SparseTensorWrapper):
     """A ``SparseTensorWrapper`` that ``nn.Module`` registers as a parameter.
 
-    >>> import torch, sten_core as sten
-    >>> m = torch.nn.Linear(4, 3)
-    >>> m.weight = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(m.weight.detach()))
-    >>> [name for name, _ in m.named_parameters()]
-    ['weight', 'bias']
+    Example:
+        >>> import torch, sten_core as sten
+        >>> m = torch.nn.Linear(4, 3)
+        >>> m.weight = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(m.weight.detach()))
+        >>> isinstance(m.weight, torch.nn.Parameter), len(list(m.parameters()))
+        (True, 2)
     """
 
     @staticmethod
@@ -151,6 +150,19 @@ def write_back(target: SparseTensorWrapper, dense: torch.Tensor) -> SparseTensor
     else:
         target.wrapped_tensor = type(layout).from_dense(dense)
     return target
+
+
+_call_op = None
+
+
+def _dispatch() -> Any:
+    """``dispatch.call_op`` (imported on first use: dispatch imports this module)."""
+    global _call_op
+    if _call_op is None:
+        from .dispatch import call_op
+
+        _call_op = call_op
+    return _call_op
 
 
 def _rebuild(cls: type, wrapped: Any, requires_grad: bool, grad_fmt: Any) -> SparseTensorWrapper:

@@ -29,6 +29,7 @@ class MyCscTensor:
 @pytest.fixture
 def fresh_registry():
     """Undo the registrations this test makes."""
+    sten.plugins.ensure_loaded()
     before = dict(sten.registry.impls)
     sten.dispatch._warned.clear()
     yield

@@ -114,8 +114,9 @@ def sparse_model(case: Case, layout: BenchLayout, sparsity: float) -> torch.nn.M
         return case.model
     builder = SparsityBuilder(case.model)
     out_format = layout.layout_class()
-    for name in case.weights:
-        builder.set_weight(name, initial_sparsifier=layout.sparsifier(sparsity), out_format=out_format)
+    for name in case.weights:  # tmp_format too: the sparsifier builds the layout itself (n:m keeps its n and m)
+        builder.set_weight(name, initial_sparsifier=layout.sparsifier(sparsity), tmp_format=out_format,
+                           out_format=out_format)
     return builder.get_sparse_model()
 
 
