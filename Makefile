@@ -22,13 +22,14 @@ $(STAMP): pyproject.toml $(PLUGINS) Makefile
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/sten demo
+	$(VENV)/bin/sten bench --quick --out bench-out
 
 test: setup
 	$(PY) -m pytest -q
 
 bench: setup
 	$(PY) benchmarks/bench_dispatch.py
+	$(PY) benchmarks/bench_bert.py --out bench-out
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict

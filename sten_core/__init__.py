@@ -98,7 +98,7 @@ def register_sparsifier_implementation(sparsifier: type = None, inp: type = None
 
 def __getattr__(name: str) -> Any:
     if name == "explain":
-        from .explain import explain
+        from .explain_report import explain
 
         return explain
     raise AttributeError(f"module 'sten_core' has no attribute {name!r}")

@@ -172,9 +172,13 @@ class SparsityBuilder:
         """The sparse parameter for weight ``name`` made from ``dense``."""
         initial, spec = self.weights[name]
         with torch.no_grad():
-            value = sparsify(initial, dense.detach(), spec.tmp_format)
-            value = sparsify(spec.inline_sparsifier, value, spec.tmp_format)
-            value = sparsify(spec.external_sparsifier, value, spec.out_format)
+            if type(spec.inline_sparsifier) is KeepAll and type(spec.external_sparsifier) is KeepAll:
+                # straight into the output layout: it sees the initial sparsifier's structure
+                value = sparsify(initial, dense.detach(), spec.out_format)
+            else:
+                value = sparsify(initial, dense.detach(), spec.tmp_format)
+                value = sparsify(spec.inline_sparsifier, value, spec.tmp_format)
+                value = sparsify(spec.external_sparsifier, value, spec.out_format)
         grad_fmt = self.weight_grads.get(name)
         if not isinstance(value, SparseTensorWrapper):
             return value  # a dense out_format: stays a plain tensor

@@ -47,14 +47,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import bench
 
-    bench(args.target, quick=args.quick, layouts=args.layouts, sparsities=args.sparsities, threads=args.threads,
-          device=args.device, dtype=args.dtype, out=args.out, batch=args.batch, seq_len=args.seq_len,
-          shape=args.shape, tokens=args.tokens, repeats=args.repeats, progress=not args.no_progress)
-    return 0
+    result = bench(args.target, quick=args.quick, layouts=args.layouts, sparsities=args.sparsities,
+                   threads=args.threads, device=args.device, dtype=args.dtype, out=args.out, batch=args.batch,
+                   seq_len=args.seq_len, size=args.size, shape=args.shape, tokens=args.tokens, repeats=args.repeats,
+                   progress=not args.no_progress)
+    return 1 if any(row.get("error") for row in result["rows"]) else 0  # a layout failed to run
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from .explain import EXAMPLES, format_report, load_target, run_explained
+    from .explain_report import EXAMPLES, format_report, load_target, run_explained
 
     extra = {"size": args.size, "batch": args.batch, "seq_len": args.seq_len} if args.model in EXAMPLES else {}
     model, inputs = load_target(args.model, **extra)
@@ -79,6 +80,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench-out", help="directory for the CSV, JSON and PNG (default bench-out)")
     p.add_argument("--batch", type=int, help="batch size (default 8, --quick 2)")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length (default 128)")
+    p.add_argument("--size", default="base", choices=("base", "tiny"), help="bert: BERT size (tiny: smoke test)")
     p.add_argument("--shape", default="3072x768", help="linear: weight shape OUTxIN (default 3072x768)")
     p.add_argument("--tokens", type=int, help="linear: input rows (default batch*seq-len)")
     p.add_argument("--repeats", type=int, help="timed runs per configuration (default 10, --quick 3)")

@@ -82,7 +82,7 @@ class Plan:
         return f"Plan({self.kind}, {self.key.describe()})"
 
 
-_cache: dict[OpKey, Plan] = {}
+_cache: dict[OpKey, Any] = {}  # operator keys → Plan; sparsifier keys → (kind, impl)
 _warned: set[OpKey] = set()
 _path_cache: dict[tuple[type, type], tuple | None] = {}
 observers: list[Callable[[dict], None]] = []
@@ -178,6 +178,17 @@ def convert(value: Any, target: type) -> Any:
     trip through dense. Returns a dense tensor for ``torch.Tensor``.
     """
     plugins.ensure_loaded()
+    if not observers:
+        return _convert(value, target)
+    source = layout_of(value)
+    started = time.perf_counter()
+    result = _convert(value, target)
+    if source is not target:
+        _notify("convert", OpKey("convert", None, (source,), target), "convert", time.perf_counter() - started)
+    return result
+
+
+def _convert(value: Any, target: type) -> Any:
     if target is torch.Tensor:
         return densify(value)
     if isinstance(value, SparseTensorWrapper):
@@ -211,36 +222,37 @@ def wrap(value: Any) -> Any:
 
 # -- sparsifiers --------------------------------------------------------------------
 
-def _resolve_sparsifier(key: OpKey) -> Callable:
+def _resolve_sparsifier(key: OpKey) -> tuple[str, Callable]:
+    """``(plan kind, impl)`` for a sparsifier key, by the same chain as operators."""
     sp_cls, (inp,), out = key.op, key.inp, key.out
     entry = registry.impls.get(key)
     if entry is not None:
-        return _call_sparsifier_entry(entry)
+        return "impl", _call_sparsifier_entry(entry)
     hooked = plugins.get_plugin_manager().hook.sten_resolve_op(key=key)
     if isinstance(hooked, Entry):
-        return _call_sparsifier_entry(hooked)
+        return "generic", _call_sparsifier_entry(hooked)
     if hooked is not None:
-        return lambda sp, t, grad_fmt=None: wrap(hooked(sp, t, grad_fmt))
+        return "generic", lambda sp, t, grad_fmt=None: wrap(hooked(sp, t, grad_fmt))
     if sp_cls is KeepAll:
         if inp is out:
-            return lambda sp, t, grad_fmt=None: t
-        return lambda sp, t, grad_fmt=None: convert(t, out)
+            return "identity", lambda sp, t, grad_fmt=None: t
+        return "convert", lambda sp, t, grad_fmt=None: convert(t, out)
     dense_key = OpKey("sparsifier", sp_cls, (torch.Tensor,), out)
     if inp is not torch.Tensor and dense_key in registry.impls:
         impl = _call_sparsifier_entry(registry.impls[dense_key])
-        return lambda sp, t, grad_fmt=None: impl(sp, densify(t), grad_fmt)
+        return "convert", lambda sp, t, grad_fmt=None: impl(sp, densify(t), grad_fmt)
     for (k, entry) in list(registry.impls.items()):
         if k.direction == "sparsifier" and k.op is sp_cls and k.inp[0] in (inp, torch.Tensor):
             path = conversion_path(k.out, out) if k.out is not torch.Tensor else None
             if path is not None:
                 impl = _call_sparsifier_entry(entry)
-                return lambda sp, t, grad_fmt=None, impl=impl: convert(impl(sp, densify(t), grad_fmt), out)
+                return "convert", lambda sp, t, grad_fmt=None, impl=impl: convert(impl(sp, densify(t), grad_fmt), out)
 
     def fallback(sp: Any, t: Any, grad_fmt: Any = None) -> Any:
         _missing(key)
         return convert(densify(t), out)
 
-    return fallback
+    return "fallback", fallback
 
 
 def _call_sparsifier_entry(entry: Entry) -> Callable:
@@ -258,18 +270,24 @@ def sparsify(sparsifier: Any, tensor: Any, out_format: type, grad_fmt: Any = Non
     >>> w.wrapped_tensor.nnz
     4
     """
-    if sparsifier is None or isinstance(sparsifier, type):
-        raise TypeError(f"sparsifier must be a sparsifier instance, got {sparsifier!r}")
+    if sparsifier is None or isinstance(sparsifier, (type, str, bytes, int, float, complex, torch.Tensor)):
+        raise TypeError(f"sparsifier must be a sparsifier instance (e.g. sten.KeepAll()), got {sparsifier!r}")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor or sparse wrapper, got {type(tensor).__name__}")
     if not isinstance(out_format, type):
         raise TypeError(f"out_format must be a layout class, got {out_format!r}")
     plugins.ensure_loaded()
     key = OpKey("sparsifier", type(sparsifier), (layout_of(tensor),), out_format)
-    impl = _cache.get(key)
-    if impl is None:
-        impl = _cache[key] = _resolve_sparsifier(key)
-    result = impl(sparsifier, tensor, grad_fmt)
+    resolved = _cache.get(key)
+    if resolved is None:
+        resolved = _cache[key] = _resolve_sparsifier(key)
+    kind, impl = resolved
+    if observers:
+        started = time.perf_counter()
+        result = impl(sparsifier, tensor, grad_fmt)
+        _notify("sparsifier", key, kind, time.perf_counter() - started)
+    else:
+        result = impl(sparsifier, tensor, grad_fmt)
     if grad_fmt is not None and isinstance(result, SparseTensorWrapper):
         result.grad_fmt = grad_fmt
     return result
@@ -421,7 +439,7 @@ class _Call:
             if _is_inplace(op, self.kwargs) and isinstance(self.bound[0], SparseTensorWrapper):
                 raw = write_back(self.bound[0], args[0])
         if observers:
-            _notify("op", self.key, plan, time.perf_counter() - started)
+            _notify("op", self.key, plan.kind, time.perf_counter() - started)
         return self._finish(raw)
 
     def _dense_args(self, detach: bool) -> tuple[tuple, dict]:
@@ -471,7 +489,7 @@ class _Call:
             raw = tuple(wrap(g) for g in raw)
             done = True
         if observers:
-            _notify("op", key, plan, time.perf_counter() - started)
+            _notify("op", key, plan.kind, time.perf_counter() - started)
         out = []
         for pos, need in zip(positions, needs):
             g = raw[pos] if pos < len(raw) else None
@@ -519,8 +537,11 @@ def _grad_spec(value: torch.Tensor) -> OutputSpec:
     return DENSE if fmt is None else OutputSpec.coerce(fmt, "grad_fmt")
 
 
-def _notify(kind: str, key: OpKey, plan: Plan, seconds: float) -> None:
-    event = {"kind": kind, "key": key, "plan": plan.kind, "seconds": seconds}
+def _notify(kind: str, key: OpKey, plan: str, seconds: float) -> None:
+    """Tell the observers about one call: ``kind`` is ``op``, ``sparsifier`` or
+    ``convert``; ``plan`` how it ran (``impl``, ``generic``, ``convert``,
+    ``native``, ``identity`` or ``fallback``)."""
+    event = {"kind": kind, "key": key, "plan": plan, "seconds": seconds}
     for observer in observers:
         observer(event)
 

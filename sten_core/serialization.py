@@ -47,13 +47,17 @@ def rebuild_sparse(is_param: bool, layout_name: str, shape: tuple, tensors: tupl
 
 
 def reduce_wrapper(wrapper: SparseTensorWrapper) -> tuple:
-    """The pickle form of a wrapper: plain tensors where the layout allows."""
+    """The pickle form of a wrapper: plain tensors where the layout allows.
+
+    A wrapper with a ``grad_fmt`` (sparsifier objects) pickles whole; state
+    dicts hold detached wrappers, which have none.
+    """
     layout = wrapper.wrapped_tensor
     from . import plugins
 
     plugins.ensure_loaded()
     name = _layout_name(type(layout))
-    if name is not None and hasattr(layout, "state_tensors") and hasattr(type(layout), "from_state_tensors"):
+    if wrapper.grad_fmt is None and name is not None and hasattr(layout, "state_tensors") and hasattr(type(layout), "from_state_tensors"):
         args = (isinstance(wrapper, SparseParameterWrapper), name, tuple(wrapper.shape),
                 tuple(layout.state_tensors()), wrapper.requires_grad)
         return (rebuild_sparse, args)

@@ -184,6 +184,7 @@ def _add_same_pattern(a: Any, b: Any, inplace: bool) -> Any:
         return None
     if inplace:
         la.values().add_(lb.values())
+        a.wrapped_tensor = la.with_values(la.values())
         return a
     return SparseTensorWrapper(la.with_values(la.values() + lb.values()), False, a.grad_fmt)
 

@@ -1,5 +1,6 @@
 """DDP with 2 gloo ranks on loopback equals one process on the whole batch."""
 
+import gc
 import os
 import socket
 
@@ -11,7 +12,7 @@ import torch.multiprocessing as mp
 import sten_core as sten
 from sten_core.distributed import sparse_ddp
 
-STEPS = 4
+STEPS = 5
 
 
 def make_model(grad_layout):
@@ -30,15 +31,25 @@ def data():
     return torch.randn(STEPS, 8, 12, generator=gen), torch.randint(0, 3, (STEPS, 8), generator=gen)
 
 
+def live_tensors():
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
 def train(model, xs, ys, ddp=None):
     net = ddp or model
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    counts = []
     for x, y in zip(xs, ys):
         loss = torch.nn.functional.cross_entropy(net(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return {n: (p.to_dense() if isinstance(p, sten.SparseTensorWrapper) else p.detach()).clone() for n, p in model.named_parameters()}
+        del loss
+        counts.append(live_tensors())
+    params = {n: (p.to_dense() if isinstance(p, sten.SparseTensorWrapper) else p.detach()).clone() for n, p in model.named_parameters()}
+    params["live_tensors"] = torch.tensor(counts)
+    return params
 
 
 def worker(rank, world, port, grad_layout, out_path):
@@ -68,6 +79,10 @@ def test_ddp_two_ranks_match_single_process(tmp_path, grad_layout):
     ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
     xs, ys = data()
     single = train(make_model(grad_layout), xs, ys)
+    for r in range(2):  # nothing accumulates from step to step
+        counts = ranks[r].pop("live_tensors")
+        assert len(set(counts[1:].tolist())) == 1, counts
+    single.pop("live_tensors")
     for name in single:
         torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
         torch.testing.assert_close(ranks[0][name], single[name], rtol=1e-5, atol=1e-5)

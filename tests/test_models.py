@@ -174,3 +174,11 @@ def test_transformer_encoder_unknown_intermediate_lists_calls():
     sparse = sb.get_sparse_model()
     with pytest.raises(ValueError, match="relu"):
         sparse(torch.randn(3, 2, 64))
+
+
+def test_scalar_add_is_not_stored_values_only():
+    w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(2)))
+    out = w + 2
+    assert torch.equal(sten.dispatch.densify(out), torch.eye(2) + 2)
+    both = torch.add(w, w)
+    assert isinstance(both, sten.SparseTensorWrapper) and torch.equal(both.to_dense(), 2 * torch.eye(2))

@@ -29,12 +29,12 @@ from .runner import Settings, run
 
 TARGETS = ("bert", "linear")
 QUICK = {"sparsities": "50,90", "repeats": 3, "warmup": 1, "budget_s": 1.5, "batch": 2}
-FULL = {"sparsities": "50,60,70,80,90,95", "repeats": 10, "warmup": 2, "budget_s": 20.0, "batch": 8}
+FULL = {"sparsities": "50,60,70,80,90,95", "repeats": 10, "warmup": 2, "budget_s": 10.0, "batch": 8}
 
 
 def bench(target: str = "bert", *, quick: bool = False, layouts: str | None = None, sparsities: str | None = None,
           threads: str | None = None, device: str = "auto", dtype: str | None = None, out: str = "bench-out",
-          batch: int | None = None, seq_len: int = 128, shape: str = "3072x768", tokens: int | None = None,
+          batch: int | None = None, seq_len: int = 128, size: str = "base", shape: str = "3072x768", tokens: int | None = None,
           repeats: int | None = None, progress: bool = True, echo: bool = True,
           print_fn: Callable[[str], Any] = print) -> dict:
     """Run the benchmark and write its files; returns ``{"rows", "files", "meta"}``.
@@ -60,7 +60,7 @@ def bench(target: str = "bert", *, quick: bool = False, layouts: str | None = No
     chosen = layouts_mod.choose(options.parse_layouts(layouts), dev)
     if target == "bert":
         b = preset["batch"] if batch is None else batch
-        make_case = lambda: bert_case(batch=b, seq_len=seq_len, device=dev, dtype=settings.dtype)  # noqa: E731
+        make_case = lambda: bert_case(batch=b, seq_len=seq_len, device=dev, dtype=settings.dtype, size=size)  # noqa: E731
     else:
         out_f, in_f = options.parse_shape(shape)
         n = (preset["batch"] * seq_len if batch is None else batch * seq_len) if tokens is None else tokens
@@ -75,7 +75,7 @@ def bench(target: str = "bert", *, quick: bool = False, layouts: str | None = No
         print_fn(f"{meta['description']} on {dev} ({meta['dtype']}), median of up to {settings.repeats} runs")
         print_fn(report.format_table(rows))
         for name, reason in skipped.items():
-            print_fn(f"skipped {name}: {reason}")
+            print_fn(f"skipped {name}: {reason} (see `sten plugins`)")
         print_fn(f"wrote {files['csv']} and {files['json']}")
         print_fn(f"plot: {files['png']}" if files["png"] else "plot: not written (pip install matplotlib)")
     return {"rows": rows, "files": files, "meta": meta}

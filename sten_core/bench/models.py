@@ -33,9 +33,13 @@ def linear_weight_names(model: torch.nn.Module) -> list[str]:
     return [f"{path}.weight" if path else "weight" for path, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
+BERT_SIZES = {"base": {}, "tiny": {"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4}}
+
+
 def bert_case(batch: int = 8, seq_len: int = 128, device: str = "cpu", dtype: torch.dtype = torch.float32,
-              seed: int = 0) -> Case:
-    """``BertLayer(BertConfig())`` in eval mode with hidden states ``[batch, seq_len, 768]``."""
+              seed: int = 0, size: str = "base") -> Case:
+    """``BertLayer(BertConfig())`` in eval mode with hidden states ``[batch, seq_len, 768]``
+    (``size="tiny"``: hidden 64, for smoke tests)."""
     try:
         from transformers import BertConfig
         from transformers.models.bert.modeling_bert import BertLayer
@@ -43,13 +47,16 @@ def bert_case(batch: int = 8, seq_len: int = 128, device: str = "cpu", dtype: to
         raise ValueError(f"the BERT benchmark needs transformers ({error}); pip install transformers") from None
     if batch < 1 or seq_len < 1:
         raise ValueError(f"batch and seq_len must be >= 1, got {batch} and {seq_len}")
+    if size not in BERT_SIZES:
+        raise ValueError(f"--size: unknown size {size!r}; valid choices: {', '.join(BERT_SIZES)}")
     torch.manual_seed(seed)
-    config = BertConfig()
+    config = BertConfig(**BERT_SIZES[size])
     config._attn_implementation = "eager"
     model = BertLayer(config).eval().to(device=device, dtype=dtype)
     x = torch.randn(batch, seq_len, config.hidden_size, device=device, dtype=dtype)
+    name = "BERT-base" if size == "base" else f"BERT-{size}"
     return Case("bert_layer", model, (x,), linear_weight_names(model),
-                f"BERT-base encoder layer, batch {batch}, sequence {seq_len}")
+                f"{name} encoder layer, batch {batch}, sequence {seq_len}")
 
 
 def linear_case(out_features: int = 3072, in_features: int = 768, tokens: int = 1024, device: str = "cpu",

@@ -18,7 +18,7 @@ from typing import Any
 
 CSV_FIELDS = ("case", "layout", "pattern", "sparsity", "device", "dtype", "threads", "median_ms", "min_ms",
               "speedup", "runs", "build_s", "weight_density", "max_abs_err", "max_rel_err",
-              "fallback_keys", "fallback_calls")
+              "fallback_keys", "fallback_calls", "error")
 
 
 def _fmt(value: Any, spec: str, none: str = "-") -> str:
@@ -33,7 +33,11 @@ def format_table(rows: list[dict]) -> str:
         name = r["layout"] + (f" {r['pattern']}" if r.get("pattern") else "")
         sparsity = "-" if r["layout"] == "dense" else f"{r['sparsity']:.0%}"
         fallbacks = "0" if not r["fallback_keys"] else f"{r['fallback_keys']} ({r['fallback_calls']} calls)"
-        lines.append((name, sparsity, f"{r['median_ms']:.2f}", _fmt(r.get("speedup"), ".2f") + "x",
+        if r.get("error"):
+            lines.append((name, sparsity, "failed", "-", str(r["threads"]), "0", "-", "-"))
+            continue
+        lines.append((name, sparsity, f"{r['median_ms']:.2f}",
+                      "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x",
                       str(r["threads"]), str(r["runs"]), _fmt(r.get("max_rel_err"), ".1e"), fallbacks))
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
     right = {1, 2, 3, 4, 5, 6}
@@ -43,6 +47,7 @@ def format_table(rows: list[dict]) -> str:
 
     out = [render(header), render(tuple("-" * w for w in widths))]
     out.extend(render(line) for line in lines)
+    out.extend(f"{r['layout']} at {r['sparsity']:.0%} failed: {r['error']}" for r in rows if r.get("error"))
     notes = sorted({f for r in rows for f in r.get("fallbacks", [])})
     if notes:
         out.append("dense fallbacks (run `sten explain` for the decorator that removes each):")
@@ -77,7 +82,7 @@ def plot(rows: list[dict], title: str, path: str) -> str | None:
     threads = sorted({r["threads"] for r in rows})
     fig, axes = plt.subplots(1, len(threads), figsize=(6.4 * len(threads), 4.4), squeeze=False)
     for ax, t in zip(axes[0], threads):
-        mine = [r for r in rows if r["threads"] == t]
+        mine = [r for r in rows if r["threads"] == t and r.get("median_ms")]
         for r in mine:
             if r["layout"] == "dense":
                 ax.axhline(r["median_ms"], color="black", linestyle="--", label="dense (torch)")
@@ -89,9 +94,11 @@ def plot(rows: list[dict], title: str, path: str) -> str | None:
         ax.set_yscale("log")
         ax.set_xlabel("weight sparsity (%)")
         ax.set_ylabel("forward time (ms, median)")
-        ax.set_title(f"{title}\n{mine[0]['device']}, {t} thread{'s' if t != 1 else ''}", fontsize=9)
+        device = mine[0]["device"] if mine else ""
+        ax.set_title(f"{title}\n{device}, {t} thread{'s' if t != 1 else ''}", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if mine:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -181,7 +181,10 @@ def run(make_case: Callable[[], Case], layouts: list[BenchLayout], settings: Set
             if bar is not None:
                 bar.set_description(f"{layout.name} {sparsity:.0%}")
             with num_threads(threads) as used, torch.no_grad():
-                rows.append(_run_one(case, reference, layout, sparsity, used, settings))
+                try:
+                    rows.append(_run_one(case, reference, layout, sparsity, used, settings))
+                except Exception as error:  # one layout failing must not lose the others' results
+                    rows.append(_failed_row(case, layout, sparsity, used, settings, error))
             if bar is not None:
                 bar.update(1)
     finally:
@@ -224,8 +227,18 @@ def _run_one(case: Case, reference: Any, layout: BenchLayout, sparsity: float, t
     }
 
 
+def _failed_row(case: Case, layout: BenchLayout, sparsity: float, threads: int, settings: Settings,
+                error: Exception) -> dict:
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return {"case": case.name, "layout": layout.name, "label": layout.label, "pattern": layout.pattern(sparsity),
+            "sparsity": sparsity, "device": settings.device, "dtype": str(settings.dtype).replace("torch.", ""),
+            "threads": threads, "median_ms": None, "min_ms": None, "runs": 0, "build_s": None,
+            "weight_density": None, "max_abs_err": None, "max_rel_err": None, "fallback_keys": 0,
+            "fallback_calls": 0, "fallbacks": [], "error": f"{type(error).__name__}: {message}"[:300]}
+
+
 def _add_speedups(rows: list[dict]) -> None:
-    dense = {r["threads"]: r["median_ms"] for r in rows if r["layout"] == "dense"}
+    dense = {r["threads"]: r["median_ms"] for r in rows if r["layout"] == "dense" and r["median_ms"]}
     for row in rows:
         ref = dense.get(row["threads"])
-        row["speedup"] = ref / row["median_ms"] if ref and row["median_ms"] > 0 else None
+        row["speedup"] = ref / row["median_ms"] if ref and row["median_ms"] else None

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..layouts import supports_values
+from ..layouts import Layout, supports_values
 from ..registry import Entry, OpKey
 from ..tensor import SparseTensorWrapper, densify_tree, write_back
 
@@ -68,7 +68,10 @@ def _changes_device(op: Any, args: tuple, kwargs: dict) -> bool:
     return any(isinstance(v, (str, torch.device)) or (isinstance(v, torch.Tensor)) for v in values)
 
 
-def _on_values(op: Any, inplace: bool, dense_ok: bool) -> Callable:
+def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False) -> Callable:
+    """An implementation on stored values; ``sparse_only``: every positional
+    operand must be a wrapper of the same pattern (``a + 2`` is not zero-preserving)."""
+
     def impl(ctx: Any, inputs: list, output_sparsifiers: list) -> Any:
         args, kwargs = ctx.call_args
         self = args[0]
@@ -77,6 +80,8 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool) -> Callable:
             return _copy_from_sparse(self, args[1])
         try:
             if not supports_values(layout) or _changes_device(op, args, kwargs):
+                raise _NotOnValues
+            if sparse_only and not all(isinstance(a, SparseTensorWrapper) for a in args[1:]):
                 raise _NotOnValues
             values = layout.values()
             rest = tuple(_operand(a, layout, dense_ok) for a in args[1:])
@@ -121,6 +126,8 @@ def resolve(key: OpKey) -> Entry | None:
     """The ``sten_resolve_op`` part: element-wise ops whose first argument is sparse."""
     if key.direction != "fwd" or not key.inp or key.inp[0] in (None, torch.Tensor):
         return None
+    if not _has_values(key.inp[0]):
+        return None  # nothing to compute on: the dispatcher's fallback reports it
     op = key.op
     if op in INPLACE:
         return Entry(_on_values(op, True, True), len(key.inp))
@@ -129,9 +136,12 @@ def resolve(key: OpKey) -> Entry | None:
     if op in ZERO_PRESERVING:
         return Entry(_on_values(op, False, op not in (T.div, torch.div, T.__truediv__)), len(key.inp))
     if op in SAME_PATTERN_ONLY:
-        return Entry(_on_values(op, False, False), len(key.inp))
+        return Entry(_on_values(op, False, False, sparse_only=True), len(key.inp))
     return None
 
 
-def usable(wrapper: Any) -> bool:
-    return isinstance(wrapper, SparseTensorWrapper) and supports_values(wrapper.wrapped_tensor)
+def _has_values(layout_cls: type) -> bool:
+    """Whether a layout class implements the stored-values protocol."""
+    values = getattr(layout_cls, "values", None)
+    return callable(values) and values is not Layout.values and callable(getattr(layout_cls, "with_values", None)) \
+        and getattr(layout_cls, "with_values") is not Layout.with_values

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from ..hookspecs import hookimpl
 from . import elementwise, ops, sparsifier_impls

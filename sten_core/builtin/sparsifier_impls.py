@@ -58,7 +58,18 @@ def resolve(key: OpKey) -> Any:
     if key.direction != "sparsifier":
         return None
     if key.op is SameFormatSparsifier:
-        return Entry(same_format, 1)
+        out = key.out
+
+        def same_format_into(sp: Any, tensor: torch.Tensor, grad_fmt: Any = None) -> Any:
+            result = same_format(sp, tensor, grad_fmt)
+            produced = type(result.wrapped_tensor) if isinstance(result, SparseTensorWrapper) else torch.Tensor
+            if produced is out:
+                return result
+            from ..dispatch import convert
+
+            return convert(result, out)
+
+        return Entry(same_format_into, 1)
     if key.op is KeepAll or not callable(getattr(key.op, "mask", None)):
         return None
     if key.out is not torch.Tensor and not callable(getattr(key.out, "from_dense", None)):

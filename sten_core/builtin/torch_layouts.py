@@ -102,50 +102,78 @@ class DenseTensor(_TorchLayout):
         return cls(parts[0].view(shape))
 
 
-class CooTensor(_TorchLayout):
+class _Members(_TorchLayout):
+    """A sparse torch layout that keeps its member tensors (indices..., values).
+
+    ``with_values`` builds the new torch tensor from the *same* member objects
+    rather than from fresh aliases of ``data``: repeated updates (an optimizer
+    step each) then create no chain of aliases.
+    """
+
+    def __init__(self, data: torch.Tensor, members: tuple | None = None):
+        super().__init__(data)
+        self._members = members if members is not None else self._extract(data)
+
+    @property
+    def nnz(self) -> int:
+        return self._members[-1].shape[0]
+
+    def values(self) -> torch.Tensor:
+        return self._members[-1]
+
+    def _indices(self) -> tuple:
+        return self._members[:-1]
+
+    def with_values(self, values: torch.Tensor) -> "_Members":
+        members = self._indices() + (values,)
+        return type(self)(self._build(members, self.shape), members)
+
+    @classmethod
+    def from_state_tensors(cls, parts: tuple, shape: tuple) -> "_Members":
+        parts = tuple(parts)
+        return cls(cls._build(parts, tuple(shape)), parts)
+
+    def __setstate__(self, state: dict) -> None:
+        parts = tuple(state["parts"])
+        self.data = self._build(parts, tuple(state["shape"]))
+        self._members = parts
+
+    @staticmethod
+    def _extract(data: torch.Tensor) -> tuple:
+        raise NotImplementedError
+
+    @staticmethod
+    def _build(members: tuple, shape: tuple) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class CooTensor(_Members):
     """Coordinate format (``torch.sparse_coo``, coalesced), any number of dims."""
 
     @classmethod
     def from_dense(cls, tensor: torch.Tensor) -> "CooTensor":
         return cls(_check_dense(tensor, cls).to_sparse().coalesce())
 
-    @property
-    def nnz(self) -> int:
-        return self.data._nnz()
+    @staticmethod
+    def _extract(data: torch.Tensor) -> tuple:
+        return (data._indices(), data._values())
 
-    def values(self) -> torch.Tensor:
-        return self.data._values()
-
-    def with_values(self, values: torch.Tensor) -> "CooTensor":
-        return CooTensor(torch.sparse_coo_tensor(self.data._indices(), values, self.shape, is_coalesced=True))
+    @staticmethod
+    def _build(members: tuple, shape: tuple) -> torch.Tensor:
+        return torch.sparse_coo_tensor(members[0], members[1], shape, is_coalesced=True)
 
     def gather(self, dense: torch.Tensor) -> torch.Tensor:
-        return dense.expand(self.shape)[tuple(self.data._indices())]
-
-    def _indices(self) -> tuple:
-        return (self.data._indices(),)
-
-    @classmethod
-    def from_state_tensors(cls, parts: tuple, shape: tuple) -> "CooTensor":
-        indices, values = parts
-        return cls(torch.sparse_coo_tensor(indices, values, shape, is_coalesced=True))
+        return dense.expand(self.shape)[tuple(self._members[0])]
 
 
-class _Compressed(_TorchLayout):
+class _Compressed(_Members):
     """Shared parts of CSR and CSC (2-D)."""
 
     _compress_dim = 0  # 0 for CSR (rows compressed), 1 for CSC
 
-    def __init__(self, data: torch.Tensor):
-        super().__init__(data)
+    def __init__(self, data: torch.Tensor, members: tuple | None = None):
+        super().__init__(data, members)
         self._coords: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def nnz(self) -> int:
-        return self.data._nnz()
-
-    def values(self) -> torch.Tensor:
-        return self.data.values()
 
     def coords(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Row and column index of every stored value (cached)."""
@@ -161,16 +189,9 @@ class _Compressed(_TorchLayout):
         return dense.expand(self.shape)[rows, cols]
 
     def with_values(self, values: torch.Tensor) -> "_Compressed":
-        compressed, plain = self._indices()
-        make = torch.sparse_csr_tensor if self._compress_dim == 0 else torch.sparse_csc_tensor
-        new = type(self)(make(compressed, plain, values, self.shape))
+        new = super().with_values(values)
         new._coords = self._coords
         return new
-
-    @classmethod
-    def from_state_tensors(cls, parts: tuple, shape: tuple) -> "_Compressed":
-        make = torch.sparse_csr_tensor if cls._compress_dim == 0 else torch.sparse_csc_tensor
-        return cls(make(parts[0], parts[1], parts[2], shape))
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -184,8 +205,13 @@ class CsrTensor(_Compressed):
     def from_dense(cls, tensor: torch.Tensor) -> "CsrTensor":
         return cls(_check_dense(tensor, cls, 2).to_sparse_csr())
 
-    def _indices(self) -> tuple:
-        return (self.data.crow_indices(), self.data.col_indices())
+    @staticmethod
+    def _extract(data: torch.Tensor) -> tuple:
+        return (data.crow_indices(), data.col_indices(), data.values())
+
+    @staticmethod
+    def _build(members: tuple, shape: tuple) -> torch.Tensor:
+        return torch.sparse_csr_tensor(members[0], members[1], members[2], shape)
 
 
 class CscTensor(_Compressed):
@@ -197,8 +223,13 @@ class CscTensor(_Compressed):
     def from_dense(cls, tensor: torch.Tensor) -> "CscTensor":
         return cls(_check_dense(tensor, cls, 2).to_sparse_csc())
 
-    def _indices(self) -> tuple:
-        return (self.data.ccol_indices(), self.data.row_indices())
+    @staticmethod
+    def _extract(data: torch.Tensor) -> tuple:
+        return (data.ccol_indices(), data.row_indices(), data.values())
+
+    @staticmethod
+    def _build(members: tuple, shape: tuple) -> torch.Tensor:
+        return torch.sparse_csc_tensor(members[0], members[1], members[2], shape)
 
 
 TORCH_LAYOUTS = (DenseTensor, CooTensor, CsrTensor, CscTensor)

@@ -21,9 +21,6 @@ Example:
 from __future__ import annotations
 
 import importlib
-import sys
-import types
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -88,7 +85,6 @@ class Report:
         self._rows: dict[tuple, Row] = {}
         self._names = {id(m): (path or type(m).__name__) for path, m in model.named_modules()} if model is not None else {}
         self._stack: list[str] = []
-        self._sparsifier_fell_back: list[bool] = []
         self._undo: list[Callable[[], None]] = []
         self._warnings: Any = None
 
@@ -126,8 +122,16 @@ class Report:
         row.sites[site] = row.sites.get(site, 0) + 1
 
     def _on_event(self, event: dict) -> None:
-        key, kind = event["key"], event["plan"]
-        self._add(("op", key, kind), event["seconds"], lambda: self._op_row(key, kind))
+        key, kind, seconds = event["key"], event["plan"], event["seconds"]
+        if event["kind"] == "op":
+            self._add(("op", key, kind), seconds, lambda: self._op_row(key, kind))
+        elif event["kind"] == "sparsifier" and kind != "identity":
+            self._add(("sparsifier", key, kind), seconds, lambda: self._sp_row(key, kind))
+        elif event["kind"] == "convert":
+            src, target = key.inp[0], key.out
+            what = f"convert {_layout_name(src)} -> {_layout_name(target)}"
+            self._add(("conversion", src, target), seconds,
+                      lambda: Row("conversion", what, "convert", ran=_conversion_route(src, target)))
 
     def _op_row(self, key: OpKey, kind: str) -> Row:
         plan = dispatch._cache.get(key)
@@ -148,21 +152,6 @@ class Report:
                 row.ran += f" after converting {', '.join(steps)}"
         return row
 
-    def _sparsify(self, original: Callable) -> Callable:
-        def sparsify(sparsifier: Any, tensor: Any, out_format: type, grad_fmt: Any = None) -> Any:
-            key = OpKey("sparsifier", type(sparsifier), (dispatch.layout_of(tensor),), out_format)
-            trivial = key.op.__name__ == "KeepAll" and key.inp[0] is out_format
-            self._sparsifier_fell_back.append(False)
-            start = time.perf_counter()
-            try:
-                return original(sparsifier, tensor, out_format, grad_fmt)
-            finally:
-                fell_back = self._sparsifier_fell_back.pop()
-                if not trivial:
-                    kind = "fallback" if fell_back else ("impl" if key in registry.impls else "generic")
-                    self._add(("sparsifier", key, kind), time.perf_counter() - start, lambda: self._sp_row(key, kind))
-        return sparsify
-
     def _sp_row(self, key: OpKey, kind: str) -> Row:
         row = Row("sparsifier", key.describe(), kind, key=key)
         if kind == "fallback":
@@ -174,28 +163,6 @@ class Report:
             row.ran = (_fn_name(entry.fn) + (f" [{owner}]" if owner else "")) if entry else "generic / via conversion"
         return row
 
-    def _missing(self, original: Callable) -> Callable:
-        def missing(key: OpKey) -> None:
-            if key.direction == "sparsifier":
-                if self._sparsifier_fell_back:  # inside a recorded sparsify(): it adds the row
-                    self._sparsifier_fell_back[-1] = True
-                else:  # called from outside the dispatcher (sten.sparsify): no timing
-                    self._add(("sparsifier", key, "fallback"), 0.0, lambda: self._sp_row(key, "fallback"))
-            return original(key)
-        return missing
-
-    def _convert(self, original: Callable) -> Callable:
-        def convert(value: Any, target: type) -> Any:
-            src = dispatch.layout_of(value)
-            start = time.perf_counter()
-            result = original(value, target)
-            if src is not target:
-                what = f"convert {_layout_name(src)} -> {_layout_name(target)}"
-                self._add(("conversion", src, target), time.perf_counter() - start,
-                          lambda: Row("conversion", what, "convert", ran=_conversion_route(src, target)))
-            return result
-        return convert
-
     def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         self._stack.append(self._names.get(id(module), type(module).__name__))
 
@@ -203,21 +170,11 @@ class Report:
         if self._stack:
             self._stack.pop()
 
-    def _patch(self, name: str, wrapper: Callable[[Callable], Callable]) -> None:
-        original = getattr(dispatch, name)
-        setattr(dispatch, name, wrapper(original))
-        self._undo.append(lambda: setattr(dispatch, name, original))
-
     # -- context manager ------------------------------------------------------------
     def __enter__(self) -> "Report":
         from . import plugins
 
         plugins.ensure_loaded()
-        # Sparsifier and conversion calls have no observer event: wrap the
-        # dispatcher's module functions for the duration of the block.
-        self._patch("sparsify", self._sparsify)
-        self._patch("convert", self._convert)
-        self._patch("_missing", self._missing)
         dispatch.observers.append(self._on_event)
         self._undo.append(lambda: dispatch.observers.remove(self._on_event))
         from torch.nn.modules import module as nn_module
@@ -304,27 +261,21 @@ def example(size: str = "base", batch: int = 2, seq_len: int = 16) -> tuple[torc
 
     ``size`` is ``"base"`` (BERT-base) or ``"tiny"`` (hidden 64, for tests).
     """
-    from transformers import BertConfig
-    from transformers.models.bert.modeling_bert import BertLayer
-
     from .builder import SparsityBuilder
     from .builtin.torch_layouts import CooTensor, CsrTensor
     from .sparsifiers import KeepAll, RandomFractionSparsifier, ScalarFractionSparsifier
 
-    sizes = {"base": {}, "tiny": {"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4}}
-    if size not in sizes:
-        raise ValueError(f"--size: unknown size {size!r}; valid choices: {', '.join(sizes)}")
-    torch.manual_seed(0)
-    config = BertConfig(**sizes[size])
-    config._attn_implementation = "eager"
-    layer = BertLayer(config).eval()
+    from .bench.models import bert_case
+
+    case = bert_case(batch=batch, seq_len=seq_len, size=size)
+    layer = case.model
     builder = SparsityBuilder(layer)
     for path, module in layer.named_modules():
         if isinstance(module, torch.nn.Linear):
             builder.set_weight(f"{path}.weight", initial_sparsifier=ScalarFractionSparsifier(0.9), out_format=CsrTensor)
     builder.set_interm("intermediate.gelu", inline_sparsifier=RandomFractionSparsifier(0.9), tmp_format=CooTensor,
                        external_sparsifier=KeepAll(), out_format=CooTensor)
-    return builder.get_sparse_model(), (torch.randn(batch, seq_len, config.hidden_size),)
+    return builder.get_sparse_model(), case.inputs
 
 
 EXAMPLES = {"bert": example}
@@ -366,15 +317,3 @@ def run_explained(model: torch.nn.Module, inputs: tuple, backward: bool = False)
             first = out[0] if isinstance(out, (tuple, list)) else out
             first.float().sum().backward()
     return report
-
-
-class _CallableModule(types.ModuleType):
-    """Importing this submodule sets ``sten_core.explain`` to the module itself,
-    hiding the ``explain`` function that ``sten_core.__getattr__`` exposes; so
-    the module is callable too: ``sten_core.explain()`` works either way."""
-
-    def __call__(self, model: torch.nn.Module | None = None) -> Report:
-        return explain(model)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,135 @@
+"""Probes for the optional pieces: CUDA, cuSPARSELt, CUTLASS ops, Triton, nvcc.
+
+Private torch APIs are looked up here only, by name, so a torch that lacks them
+makes the plugin report itself unavailable instead of failing at import.
+
+Example:
+    >>> from sten_cuda24._compat import availability
+    >>> ok, reason = availability()
+    >>> isinstance(ok, bool) and (ok or bool(reason))
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+from typing import Any, Callable
+
+import torch
+
+
+def private_op(name: str) -> Callable[..., Any] | None:
+    """``torch.<name>`` if this torch has it, else ``None``."""
+    fn = getattr(torch, name, None)
+    return fn if callable(fn) else None
+
+
+@functools.lru_cache(maxsize=None)
+def has_cuda() -> bool:
+    try:
+        return bool(torch.cuda.is_available()) and torch.cuda.device_count() > 0
+    except Exception:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def has_cusparselt() -> bool:
+    """cuSPARSELt ops present and the library loaded (needs a CUDA build)."""
+    if private_op("_cslt_compress") is None or private_op("_cslt_sparse_mm") is None:
+        return False
+    try:
+        return bool(torch.backends.cusparselt.is_available())
+    except Exception:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def has_cutlass() -> bool:
+    """torch's CUTLASS semi-structured ops are present (sm_80+ at run time)."""
+    return private_op("_sparse_semi_structured_mm") is not None or private_op("_sparse_semi_structured_linear") is not None
+
+
+def cuda_capability(device: torch.device | None = None) -> tuple[int, int] | None:
+    if not has_cuda():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+def nvcc_path() -> str | None:
+    """``$STEN_NVCC``, ``$CUDA_HOME/bin/nvcc`` or ``nvcc`` on ``PATH``."""
+    env = os.environ.get("STEN_NVCC")
+    if env and os.path.exists(env):
+        return env
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def semi_structured_backend() -> str | None:
+    """``"cusparselt"``, ``"cutlass"`` or ``None`` (``STEN_CUDA24_BACKEND`` forces one)."""
+    forced = os.environ.get("STEN_CUDA24_BACKEND")
+    if forced == "cusparselt":
+        return "cusparselt" if has_cusparselt() else None
+    if forced == "cutlass":
+        return "cutlass" if has_cutlass() else None
+    if has_cusparselt():
+        return "cusparselt"
+    if has_cutlass():
+        return "cutlass"
+    return None
+
+
+def availability() -> tuple[bool, str | None]:
+    """Whether the GPU paths can run here, and why not."""
+    if not torch.version.cuda:
+        return False, f"torch {torch.__version__} is not a CUDA build (no CUDA device)"
+    if not has_cuda():
+        return False, "no CUDA device"
+    cap = cuda_capability()
+    if cap is not None and cap < (8, 0):
+        return False, f"2:4 sparse tensor cores need sm_80+, device is sm_{cap[0]}{cap[1]}"
+    if semi_structured_backend() is None:
+        return False, (
+            "neither cuSPARSELt (torch._cslt_compress/_cslt_sparse_mm) nor CUTLASS "
+            "(torch._sparse_semi_structured_mm/_linear) is available in this torch"
+        )
+    return True, None
+
+
+def describe() -> dict[str, Any]:
+    """Everything the probes found (for reports and the benchmark)."""
+    ok, reason = availability()
+    return {
+        "available": ok,
+        "reason": reason,
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "cuda_device": torch.cuda.get_device_name() if has_cuda() else None,
+        "capability": cuda_capability(),
+        "cusparselt": has_cusparselt(),
+        "cutlass": has_cutlass(),
+        "backend": semi_structured_backend(),
+        "triton": has_triton(),
+        "nvcc": nvcc_path(),
+    }
+
+
+def require_cuda(tensor: torch.Tensor, what: str) -> None:
+    """Raise a clear error when a GPU-only path gets a CPU tensor or no GPU exists."""
+    if tensor.device.type != "cuda":
+        raise ValueError(f"{what} runs on CUDA tensors only; got a tensor on {tensor.device}")
+    if not has_cuda():
+        raise RuntimeError(f"{what} needs a CUDA device; none is available")

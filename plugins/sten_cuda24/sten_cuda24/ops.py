@@ -1,0 +1,260 @@
+"""Operator implementations for ``Sparse24Tensor`` and ``BlockSparseTensor``.
+
+- ``F.linear(x, W, bias)`` with a 2:4 or block-sparse weight: forward and
+  backward (input gradient through the sparse weight; weight gradient dense or
+  only at the kept positions, as the requested gradient format says).
+- ``torch.mm`` / ``torch.matmul`` with a 2:4 left operand (2:4 along the
+  contraction dim).
+- ``F.linear(x, W)`` with a 2:4 *activation* ``x`` (runtime 2:4 sparsity).
+- ``F.relu`` / ``F.gelu`` / ``F.silu`` whose output is sparsified inline by
+  ``Sparse24Sparsifier``: activation and pruning fused in one Triton pass.
+
+On CUDA the sparse kernels run (cuSPARSELt/CUTLASS, Triton); elsewhere the
+same implementations compute through the dense tensor, so CPU runs give the
+same results (slowly).
+
+Example:
+    >>> import torch, torch.nn.functional as F, sten_core as sten
+    >>> from sten_cuda24 import Sparse24Sparsifier, Sparse24Tensor
+    >>> w = sten.sparsify(Sparse24Sparsifier(), torch.randn(8, 16), Sparse24Tensor)  # doctest: +SKIP
+    >>> F.linear(torch.randn(2, 16), w).shape                                         # doctest: +SKIP
+    torch.Size([2, 8])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import _compat
+from .blocksparse import BlockSparseTensor
+from .sparse24 import Sparse24Tensor
+
+T = torch.Tensor
+
+
+def _wrap(layout: Any) -> Any:
+    from sten_core import SparseTensorWrapper
+
+    return SparseTensorWrapper(layout)
+
+
+def _autocast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    device = x.device.type
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+        x = x.to(torch.get_autocast_dtype(device))
+    return x
+
+
+def _check_weight_2d(layout: Any) -> None:
+    if len(layout.shape) != 2:
+        raise ValueError(f"F.linear needs a 2-D weight [out_features, in_features]; the sparse weight has shape {tuple(layout.shape)}")
+
+
+# -- 2:4 ------------------------------------------------------------------------------------
+
+def linear24(x: torch.Tensor, w: Sparse24Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + bias``: semi-structured kernel on CUDA, dense elsewhere."""
+    _check_weight_2d(w)
+    x = _autocast(x, w.dtype)
+    if x.device.type == "cuda" and w.device.type == "cuda" and _compat.semi_structured_backend() is not None:
+        from . import backends
+
+        return backends.linear(x, w, None if bias is None else bias.to(x.dtype))
+    return F.linear(x, w.to_dense().to(x.dtype), bias)
+
+
+def _grad_input24(g2: torch.Tensor, w: Sparse24Tensor) -> torch.Tensor:
+    """``g @ W``: the sparse kernel through the transposed pair when there is one."""
+    if w.transposable and g2.device.type == "cuda" and _compat.semi_structured_backend() is not None:
+        from . import backends
+
+        return backends.linear(g2.to(w.dtype), w.transposed())
+    return g2 @ w.to_dense().to(g2.dtype)
+
+
+def linear24_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    x, w, bias = (list(inputs) + [None, None])[:3]
+    ctx.save_for_backward(x, w)
+    return linear24(x, w.wrapped_tensor, bias)
+
+
+def _linear_bwd(grad_input: Any, weight_grad: Any, sparse_weight_grad: bool) -> Any:
+    def impl(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+        x, w = ctx.saved_tensors
+        (g,) = grad_outputs
+        layout = w.wrapped_tensor
+        g2 = g.reshape(-1, g.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]).to(g2.dtype)
+        needs = tuple(ctx.needs_input_grad) + (True,) * 3
+        grad_x = grad_input(g2, layout).reshape(x.shape).to(x.dtype) if needs[0] else None
+        grad_w = None
+        if needs[1]:
+            grad_w = weight_grad(g2, x2, layout, sparse_weight_grad)
+        has_bias = len(ctx.inputs) > 2 and ctx.inputs[2] is not None
+        grad_b = g2.sum(0) if has_bias and needs[2] else None
+        return grad_x, grad_w, grad_b
+
+    return impl
+
+
+def _weight_grad24(g2: torch.Tensor, x2: torch.Tensor, layout: Sparse24Tensor, sparse: bool) -> Any:
+    dense = g2.t() @ x2
+    if not sparse:
+        return dense
+    return _wrap(layout.with_values(layout.gather(dense.to(layout.dtype))))
+
+
+def mm24_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    """``A @ B`` with ``A`` 2:4 ``[M, K]`` (2:4 along K) and ``B`` dense ``[K, N]``."""
+    a, b = inputs[:2]
+    layout = a.wrapped_tensor
+    _check_weight_2d(layout)
+    ctx.save_for_backward(a, b)
+    return linear24(b.t(), layout).t()
+
+
+def mm24_bwd(sparse_grad: bool) -> Any:
+    def impl(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+        a, b = ctx.saved_tensors
+        (g,) = grad_outputs
+        layout = a.wrapped_tensor
+        dense = g @ b.t().to(g.dtype)
+        grad_a = _wrap(layout.with_values(layout.gather(dense.to(layout.dtype)))) if sparse_grad else dense
+        grad_b = _grad_input24(g.t(), layout).t()
+        return grad_a, grad_b
+
+    return impl
+
+
+# -- runtime 2:4 activations -------------------------------------------------------------------
+
+def act24_linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    """``F.linear(x24, W, bias)`` with a 2:4 activation ``x24`` and a dense weight."""
+    x, w, bias = (list(inputs) + [None, None])[:3]
+    ctx.save_for_backward(x, w)
+    layout = x.wrapped_tensor
+    if layout.device.type == "cuda" and _compat.semi_structured_backend() is not None:
+        from . import backends
+
+        return backends.sparse_activation_linear(layout, w.to(layout.dtype), bias)
+    return F.linear(layout.to_dense().to(w.dtype), w, bias)
+
+
+def act24_linear_bwd(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+    x, w = ctx.saved_tensors
+    (g,) = grad_outputs
+    layout = x.wrapped_tensor
+    g2 = g.reshape(-1, g.shape[-1])
+    xd = layout.to_dense().reshape(-1, layout.shape[-1]).to(g2.dtype)
+    grad_x = (g2 @ w.to(g2.dtype)).reshape(layout.shape)
+    grad_w = g2.t() @ xd
+    has_bias = len(ctx.inputs) > 2 and ctx.inputs[2] is not None
+    return grad_x, grad_w, (g2.sum(0) if has_bias else None)
+
+
+_ACTS = {F.relu: "relu", F.gelu: "gelu", F.silu: "silu"}
+
+
+def _act_fwd(name: str) -> Any:
+    def impl(ctx: Any, inputs: list, output_sparsifiers: list) -> Any:
+        from .sparsifiers import sparsify_24
+
+        x = inputs[0]
+        if name == "gelu" and len(inputs) > 1 and inputs[1] not in (None, "none"):
+            raise ValueError(f"the fused 2:4 gelu computes the exact (erf) gelu; approximate={inputs[1]!r} is not offered")
+        sp = output_sparsifiers[0] if output_sparsifiers else None
+        if getattr(sp, "transposable", False):
+            raise ValueError("the fused activation + 2:4 kernel makes row-wise masks only (transposable=False)")
+        out = sparsify_24(x, activation=name)
+        ctx.save_for_backward(x, out.mask())
+        return _wrap(out)
+
+    return impl
+
+
+def _act_bwd(fn: Any) -> Any:
+    def impl(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+        x, mask = ctx.saved_tensors
+        (g,) = grad_outputs
+        g = g.to_dense() if hasattr(g, "wrapped_tensor") else g
+        with torch.enable_grad():
+            xx = x.detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(fn(xx), xx, g * mask.to(g.dtype))
+        return (grad,)
+
+    return impl
+
+
+# -- block sparse ---------------------------------------------------------------------------------
+
+def _triton_ok(x: torch.Tensor) -> bool:
+    return _compat.has_triton() and (x.device.type == "cuda" or _compat.triton_interpret())
+
+
+def _block_ok(w: BlockSparseTensor) -> bool:
+    return all(16 <= s <= 128 and not s & (s - 1) for s in w.block_shape)
+
+
+def linear_bsr(x: torch.Tensor, w: BlockSparseTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + bias``: the Triton kernel on CUDA, dense elsewhere."""
+    _check_weight_2d(w)
+    x = _autocast(x, w.dtype)
+    if _triton_ok(x) and _block_ok(w) and x.dtype == w.dtype and x.device == w.device:
+        from .triton_bsr import bsr_linear
+
+        return bsr_linear(x, w, None if bias is None else bias.to(x.dtype))
+    return F.linear(x, w.to_dense().to(x.dtype), bias)
+
+
+def _grad_input_bsr(g2: torch.Tensor, w: BlockSparseTensor) -> torch.Tensor:
+    if _triton_ok(g2) and _block_ok(w) and g2.dtype == w.dtype:
+        from .triton_bsr import bsr_linear
+
+        return bsr_linear(g2, w.transposed())
+    return g2 @ w.to_dense().to(g2.dtype)
+
+
+def _weight_grad_bsr(g2: torch.Tensor, x2: torch.Tensor, layout: BlockSparseTensor, sparse: bool) -> Any:
+    if not sparse:
+        return g2.t() @ x2
+    if _triton_ok(g2) and _block_ok(layout) and g2.dtype == layout.dtype:
+        from .triton_bsr import bsr_sdd
+
+        return _wrap(layout.with_values(bsr_sdd(g2, x2, layout)))
+    return _wrap(layout.with_values(layout.gather((g2.t() @ x2).to(layout.dtype))))
+
+
+def linear_bsr_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    x, w, bias = (list(inputs) + [None, None])[:3]
+    ctx.save_for_backward(x, w)
+    return linear_bsr(x, w.wrapped_tensor, bias)
+
+
+def register(registry: Any) -> None:
+    from sten_core import KeepAll
+
+    from .sparsifiers import Sparse24Sparsifier
+
+    keep = (KeepAll, T)
+    for layout, fwd, grad_in, grad_w in (
+        (Sparse24Tensor, linear24_fwd, _grad_input24, _weight_grad24),
+        (BlockSparseTensor, linear_bsr_fwd, _grad_input_bsr, _weight_grad_bsr),
+    ):
+        for inp in ((T, layout, T), (T, layout)):
+            registry.register_fwd_op_impl(F.linear, inp, [keep], fwd)
+            n = len(inp)
+            registry.register_bwd_op_impl(F.linear, (T,), (keep, keep, keep)[:n], inp, _linear_bwd(grad_in, grad_w, False))
+            registry.register_bwd_op_impl(F.linear, (T,), (keep, (KeepAll, layout), keep)[:n], inp, _linear_bwd(grad_in, grad_w, True))
+    for op in (torch.mm, torch.matmul):
+        registry.register_fwd_op_impl(op, (Sparse24Tensor, T), [keep], mm24_fwd)
+        registry.register_bwd_op_impl(op, (T,), (keep, keep), (Sparse24Tensor, T), mm24_bwd(False))
+        registry.register_bwd_op_impl(op, (T,), ((KeepAll, Sparse24Tensor), keep), (Sparse24Tensor, T), mm24_bwd(True))
+    for inp in ((Sparse24Tensor, T, T), (Sparse24Tensor, T)):
+        registry.register_fwd_op_impl(F.linear, inp, [keep], act24_linear_fwd)
+        registry.register_bwd_op_impl(F.linear, (T,), (keep, keep, keep)[: len(inp)], inp, act24_linear_bwd)
+    for fn, name in _ACTS.items():
+        registry.register_fwd_op_impl(fn, (T,), [(Sparse24Sparsifier, Sparse24Tensor)], _act_fwd(name))
+        registry.register_bwd_op_impl(fn, (T,), (keep,), (T,), _act_bwd(fn))

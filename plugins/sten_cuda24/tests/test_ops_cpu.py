@@ -1,0 +1,143 @@
+"""Operators and sparsifiers through STen's dispatch, on CPU (dense paths and,
+under TRITON_INTERPRET=1, the Triton kernels), compared with dense references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sten_cuda24 import BlockSparseTensor, Sparse24Sparsifier, Sparse24Tensor
+from sten_cuda24 import encoding, plugin
+
+
+def test_plugin_info_reports_reason():
+    info = plugin.sten_plugin_info()
+    assert info["name"] == "cuda24" and info["version"]
+    if not torch.cuda.is_available():
+        assert info["available"] is False and "CUDA" in info["reason"]
+
+
+def test_plugin_registered(sten):
+    report = {r["name"]: r for r in sten.plugins.plugin_report()}
+    assert {"Sparse24Tensor", "BlockSparseTensor"} <= set(report["cuda24"]["layouts"])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("sparse_grad", [False, True])
+def test_linear24_forward_backward(sten, bias, sparse_grad):
+    torch.manual_seed(0)
+    w = sten.sparsify(Sparse24Sparsifier(), torch.randn(12, 20), Sparse24Tensor)
+    grad_fmt = (sten.KeepAll(), Sparse24Tensor, sten.KeepAll(), Sparse24Tensor) if sparse_grad else None
+    w = sten.SparseParameterWrapper(w.wrapped_tensor, grad_fmt=grad_fmt)
+    wd = w.wrapped_tensor.to_dense().clone().requires_grad_(True)
+    x = torch.randn(2, 3, 20, requires_grad=True)
+    b = torch.randn(12, requires_grad=True) if bias else None
+    y = F.linear(x, w, b)
+    ref = F.linear(x, wd, b)
+    torch.testing.assert_close(y, ref)
+    gx_ref, gw_ref = torch.autograd.grad(ref.square().sum(), (x, wd))
+    y.square().sum().backward()
+    torch.testing.assert_close(x.grad, gx_ref)
+    grad = w.grad.wrapped_tensor.to_dense() if hasattr(w.grad, "wrapped_tensor") else w.grad
+    mask = w.wrapped_tensor.mask()
+    if sparse_grad:
+        assert isinstance(w.grad.wrapped_tensor, Sparse24Tensor)
+        torch.testing.assert_close(grad, gw_ref * mask)   # only at the kept positions
+    else:
+        torch.testing.assert_close(grad, gw_ref)
+
+
+def test_per_block_fraction_maps_to_24(sten):
+    x = torch.randn(8, 16)
+    w = sten.sparsify(sten.PerBlockFractionSparsifier(2, 4), x, Sparse24Tensor)
+    assert isinstance(w.wrapped_tensor, Sparse24Tensor)
+    torch.testing.assert_close(w.wrapped_tensor.to_dense(), x * encoding.row_mask(x))
+    w1 = sten.sparsify(sten.PerBlockFractionSparsifier(1, 4), x, Sparse24Tensor)
+    assert int((w1.wrapped_tensor.to_dense() != 0).sum()) == 8 * 4
+    with pytest.raises(ValueError, match="m == 4 and n <= 2"):
+        sten.sparsify(sten.PerBlockFractionSparsifier(3, 4), x, Sparse24Tensor)
+
+
+def test_transposable_sparsifier(sten):
+    w = sten.sparsify(Sparse24Sparsifier(transposable=True), torch.randn(16, 32), Sparse24Tensor)
+    assert w.wrapped_tensor.transposable
+    x = torch.randn(5, 32, requires_grad=True)
+    F.linear(x, w).sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(5, 16) @ w.wrapped_tensor.to_dense())
+
+
+def test_mm24(sten):
+    a = sten.sparsify(Sparse24Sparsifier(), torch.randn(8, 16), Sparse24Tensor)
+    b = torch.randn(16, 5, requires_grad=True)
+    y = torch.mm(a, b)
+    torch.testing.assert_close(y, a.wrapped_tensor.to_dense() @ b)
+    y.sum().backward()
+    torch.testing.assert_close(b.grad, a.wrapped_tensor.to_dense().t() @ torch.ones(8, 5))
+
+
+def test_blockwise_fraction_maps_to_bsr(sten):
+    x = torch.randn(64, 96)
+    w = sten.sparsify(sten.BlockwiseFractionSparsifier(0.5, (16, 32)), x, BlockSparseTensor)
+    layout = w.wrapped_tensor
+    assert isinstance(layout, BlockSparseTensor) and layout.block_shape == (16, 32)
+    assert layout.num_blocks == 6
+    torch.testing.assert_close(layout.to_dense(), x * sten.BlockwiseFractionSparsifier(0.5, (16, 32)).mask(x))
+
+
+@pytest.mark.parametrize("sparse_grad", [False, True])
+def test_linear_bsr_forward_backward(sten, sparse_grad):
+    torch.manual_seed(1)
+    layout = BlockSparseTensor.from_dense_block_mask(torch.randn(40, 48), torch.rand(3, 3) < 0.6, (16, 16))
+    grad_fmt = (sten.KeepAll(), BlockSparseTensor, sten.KeepAll(), BlockSparseTensor) if sparse_grad else None
+    w = sten.SparseParameterWrapper(layout, grad_fmt=grad_fmt)
+    wd = layout.to_dense().clone().requires_grad_(True)
+    x = torch.randn(7, 48, requires_grad=True)
+    b = torch.randn(40, requires_grad=True)
+    y = F.linear(x, w, b)
+    ref = F.linear(x, wd, b)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    gx_ref, gw_ref = torch.autograd.grad(ref.square().sum(), (x, wd))
+    y.square().sum().backward()
+    torch.testing.assert_close(x.grad, gx_ref, atol=1e-4, rtol=1e-4)
+    grad = w.grad.wrapped_tensor.to_dense() if sparse_grad else w.grad
+    expect = gw_ref * (layout.to_dense() != 0) if sparse_grad else gw_ref
+    torch.testing.assert_close(grad, expect, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "silu"])
+def test_fused_activation_inline_sparsifier(sten, act):
+    fn = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[act]
+    op = sten.sparsified_op(fn, out_fmt=(Sparse24Sparsifier(), Sparse24Tensor, sten.KeepAll(), Sparse24Tensor), grad_out_fmt=None)
+    x = torch.randn(4, 24, requires_grad=True)
+    y = op(x)
+    assert isinstance(y.wrapped_tensor, Sparse24Tensor)
+    ref = fn(x.detach())
+    ref = ref * encoding.row_mask(ref)
+    torch.testing.assert_close(y.wrapped_tensor.to_dense(), ref, atol=1e-5, rtol=1e-5)
+    w = torch.randn(6, 24, requires_grad=True)
+    out = F.linear(y, w)       # 2:4 activation x dense weight
+    torch.testing.assert_close(out, ref @ w.detach().t(), atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    xx = x.detach().requires_grad_(True)
+    mask = y.wrapped_tensor.mask()
+    (fn(xx) * mask @ w.detach().t()).sum().backward()
+    torch.testing.assert_close(x.grad, xx.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_gpu_only_paths_refuse_cpu_tensors():
+    from sten_cuda24 import backends
+    s = Sparse24Tensor.from_dense(torch.zeros(32, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="CUDA tensors only"):
+        backends.linear(torch.zeros(4, 64, dtype=torch.float16), s)
+    with pytest.raises(ValueError, match="expects 64"):
+        backends.linear(torch.zeros(4, 63, dtype=torch.float16), s)
+    with pytest.raises(TypeError, match="dtype"):
+        backends.linear(torch.zeros(4, 64), s)
+    with pytest.raises(ValueError, match="2-D"):
+        backends.linear(torch.zeros(4, 64, dtype=torch.float16), Sparse24Tensor.from_dense(torch.zeros(2, 32, 64, dtype=torch.float16)))
+    from sten_cuda24.cuda_lib import sparsify24_cuda
+    with pytest.raises(ValueError, match="CUDA tensors only"):
+        sparsify24_cuda(torch.zeros(4, 16))
+    with pytest.raises(TypeError, match="float16, bfloat16, float32"):
+        sparsify24_cuda(torch.zeros(4, 16, dtype=torch.float64))

@@ -1,0 +1,76 @@
+"""The Triton kernels give the dense result (CPU under TRITON_INTERPRET=1, or the GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from sten_cuda24 import BlockSparseTensor, encoding
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_sparsify24_kernel_exact(kernel_device, dtype, activation):
+    from sten_cuda24.triton_sparsify24 import reference_sparsify24, sparsify24
+
+    x = torch.randn(5, 37).to(dtype).to(kernel_device)
+    x[0, :8] = 0.0                                   # underfull groups
+    packed, meta, dense = sparsify24(x, activation=activation, write_dense=True)
+    ref = reference_sparsify24(x, activation)
+    assert torch.equal(dense, ref)
+    ref_packed, ref_meta = encoding.compress(ref)
+    assert torch.equal(packed, ref_packed) and torch.equal(meta, ref_meta)
+
+
+def test_sparsify24_kernel_gelu_close(kernel_device):
+    from sten_cuda24.triton_sparsify24 import reference_sparsify24, sparsify24
+
+    x = torch.randn(4, 32, device=kernel_device)
+    _, _, dense = sparsify24(x, activation="gelu", write_dense=True)
+    torch.testing.assert_close(dense, reference_sparsify24(x, "gelu"), atol=1e-5, rtol=1e-5)
+
+
+def test_sparsify24_kernel_errors(kernel_device):
+    from sten_cuda24.triton_sparsify24 import sparsify24
+
+    with pytest.raises(ValueError, match="activation"):
+        sparsify24(torch.zeros(2, 16, device=kernel_device), activation="tanh")
+    with pytest.raises(TypeError, match="float16, bfloat16, float32"):
+        sparsify24(torch.zeros(2, 16, dtype=torch.float64, device=kernel_device))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
+@pytest.mark.parametrize("block", [(16, 16), (32, 16)])
+def test_bsr_kernels_match_dense(kernel_device, dtype, tol, block):
+    from sten_cuda24.triton_bsr import bsr_linear, bsr_sdd
+
+    torch.manual_seed(0)
+    n, k = 40, 50   # not divisible by the block: padded inside
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    w = BlockSparseTensor.from_dense_block_mask(torch.randn(n, k), torch.rand(grid) < 0.5, block).to(kernel_device, dtype)
+    wd = w.to_dense().float()
+    x = torch.randn(3, 7, k).to(kernel_device, dtype)
+    b = torch.randn(n).to(kernel_device, dtype)
+    y = bsr_linear(x, w, b)
+    torch.testing.assert_close(y.float(), x.float() @ wd.t() + b.float(), atol=tol, rtol=tol)
+    g = torch.randn(3, 7, n).to(kernel_device, dtype)
+    gx = bsr_linear(g, w.transposed())
+    torch.testing.assert_close(gx.float(), g.float() @ wd, atol=tol, rtol=tol)
+    gw = bsr_sdd(g, x, w)
+    ref = w.gather((g.reshape(-1, n).float().t() @ x.reshape(-1, k).float()).to(dtype))
+    torch.testing.assert_close(gw.float(), ref.float(), atol=tol * 4, rtol=tol)
+
+
+def test_bsr_kernel_errors(kernel_device):
+    from sten_cuda24.triton_bsr import bsr_linear
+
+    w = BlockSparseTensor.from_dense(torch.ones(8, 8, device=kernel_device), (8, 8))
+    with pytest.raises(ValueError, match="powers of two in 16..128"):
+        bsr_linear(torch.ones(2, 8, device=kernel_device), w)
+    w = BlockSparseTensor.from_dense(torch.ones(16, 16, device=kernel_device), (16, 16))
+    with pytest.raises(ValueError, match="expects 16"):
+        bsr_linear(torch.ones(2, 15, device=kernel_device), w)

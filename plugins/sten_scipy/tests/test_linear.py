@@ -1,0 +1,111 @@
+"""F.linear, torch.mm and torch.matmul: values and gradients against dense."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sten_core as sten
+from sten_core.testing import check_linear
+
+from conftest import LAYOUTS, check_against_dense, sample, sparse_fmt, sparse_param
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_conformance_kit(layout):
+    check_linear(layout)
+    check_linear(layout, dtype=torch.float64, shapes=((5, 6, 4),))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("x_shape", [(9, 12), (2, 3, 12), (12,)])
+def test_linear(layout, bias, x_shape):
+    w_dense = sample((7, 12))
+    w = sparse_param(layout, w_dense)
+    x = torch.randn(x_shape, requires_grad=True)
+    b = torch.randn(7, requires_grad=True) if bias else None
+    check_against_dense(F.linear, [x, w, b])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("grad_layout", LAYOUTS)
+def test_linear_sparse_weight_grad_is_sampled(layout, grad_layout):
+    w_dense = sample((6, 10))
+    w = sparse_param(layout, w_dense, grad_fmt=sparse_fmt(grad_layout))
+    x = torch.randn(4, 10, requires_grad=True)
+    b = torch.randn(6, requires_grad=True)
+    check_against_dense(F.linear, [x, w, b], masks={1: w_dense != 0})
+    assert isinstance(w.grad.wrapped_tensor, grad_layout) and w.grad.wrapped_tensor.nnz == int((w_dense != 0).sum())
+
+
+def test_sparse_weight_grad_never_densifies(monkeypatch):
+    """The sampled path does not form g.T @ x."""
+    import sten_scipy.linear as lin
+
+    w = sparse_param(sten.registry.layout("ScipyCsrTensor"), sample((5, 8)), grad_fmt=sparse_fmt(sten.registry.layout("ScipyCsrTensor")))
+    x = torch.randn(3, 8)
+    seen = []
+    original = lin.sampled
+    monkeypatch.setattr(lin, "sampled", lambda *a: seen.append(1) or original(*a))
+    F.linear(x, w).sum().backward()
+    assert seen == [1]
+
+
+def test_linear_float64():
+    layout = LAYOUTS[0]
+    w = sparse_param(layout, sample((5, 6), torch.float64))
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    out = check_against_dense(F.linear, [x, w, None], tol={"rtol": 1e-10, "atol": 1e-12})
+    assert out.dtype == torch.float64
+
+
+MM_OPS = [torch.mm, torch.matmul, lambda a, b: a @ b, lambda a, b: a.mm(b), lambda a, b: a.matmul(b)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op", MM_OPS, ids=["mm", "matmul", "at", "Tensor.mm", "Tensor.matmul"])
+@pytest.mark.parametrize("sparse_grad", [False, True])
+def test_mm_both_orders(layout, op, sparse_grad):
+    a_dense = sample((6, 9))
+    fmt = sparse_fmt(layout) if sparse_grad else None
+    masks = {0: a_dense != 0} if sparse_grad else None
+    check_against_dense(op, [sparse_param(layout, a_dense, fmt), torch.randn(9, 4, requires_grad=True)], masks=masks)
+    masks = {1: a_dense != 0} if sparse_grad else None
+    check_against_dense(op, [torch.randn(5, 6, requires_grad=True), sparse_param(layout, a_dense, fmt)], masks=masks)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matmul_vectors_and_batches(layout):
+    a_dense = sample((6, 9))
+    check_against_dense(torch.matmul, [sparse_param(layout, a_dense), torch.randn(9, requires_grad=True)])
+    check_against_dense(torch.matmul, [torch.randn(6, requires_grad=True), sparse_param(layout, a_dense)])
+    check_against_dense(torch.matmul, [torch.randn(2, 3, 6, requires_grad=True), sparse_param(layout, a_dense)])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_no_grad_forward(layout):
+    w_dense = sample((4, 5))
+    w = sten.SparseTensorWrapper(layout.from_dense(w_dense))
+    x = torch.randn(3, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(F.linear(x, w), F.linear(x, w_dense))
+        torch.testing.assert_close(torch.mm(w, x.t()), w_dense @ x.t())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bad_input(layout):
+    w = sten.SparseTensorWrapper(layout.from_dense(sample((4, 5))))
+    with pytest.raises(ValueError, match=r"in_features 5.*input shape \(3, 6\)"):
+        F.linear(torch.randn(3, 6), w)
+    with pytest.raises(TypeError, match="input dtype torch.float64 does not match.*torch.float32"):
+        F.linear(torch.randn(3, 5, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match=r"bias must have shape \(4,\)"):
+        F.linear(torch.randn(3, 5), w, torch.randn(5))
+    with pytest.raises(ValueError, match="inner dims must match"):
+        torch.mm(w, torch.randn(4, 2))
+    with pytest.raises(ValueError, match="inner dims must match"):
+        torch.mm(torch.randn(2, 3), w)
+    with pytest.raises(ValueError, match="both operands must be 2-D"):
+        torch.mm(w, torch.randn(5))
+    with pytest.raises(ValueError, match="must be 1-D or 2-D"):
+        torch.matmul(w, torch.randn(2, 5, 3))

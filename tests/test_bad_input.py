@@ -1,0 +1,165 @@
+"""Bad input gets a clear ValueError / TypeError naming the argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sten_core as sten
+
+T = torch.Tensor
+
+
+def test_unknown_layout_lists_the_known_ones():
+    sten.plugins.ensure_loaded()
+    with pytest.raises(ValueError, match=r"unknown layout 'nope'.*CsrTensor"):
+        sten.registry.layout("nope")
+
+
+@pytest.mark.parametrize("bad", [sten.ScalarFractionSparsifier, None,
+                                 "magnitude",
+                                 0.5])
+def test_unknown_or_uninstantiated_sparsifier(bad):
+    sten.set_dispatch_failure("raise")  # never a silent dense fallback here
+    try:
+        with pytest.raises(TypeError, match="sparsifier"):
+            sten.sparsify(bad, torch.ones(2, 2), sten.CsrTensor)
+    finally:
+        sten.set_dispatch_failure("warn")
+
+
+@pytest.mark.parametrize("bad", ["CsrTensor", None, sten.CsrTensor.from_dense(torch.eye(2))])
+def test_bad_out_format(bad):
+    with pytest.raises(TypeError, match="out_format"):
+        sten.sparsify(sten.KeepAll(), torch.ones(2, 2), bad)
+
+
+def test_wrong_pattern_arity_names_inp_and_the_signature():
+    with pytest.raises(ValueError, match=r"inp has 5 entries but torch.add takes 4 arguments \(input, other, alpha, out\)"):
+        sten.register_fwd_op_impl(torch.add, inp=(T, T, T, T, T))(lambda ctx, inputs, sp: None)
+    with pytest.raises(ValueError, match="inp has 5 entries"):
+        sten.register_bwd_op_impl(torch.add, grad_out=(T,), grad_inp=((sten.KeepAll, T),), inp=(T, T, T, T, T))(
+            lambda ctx, g, sp: None)
+
+
+def test_pattern_entries_must_be_layout_classes():
+    with pytest.raises(TypeError, match=r"inp\[1\]"):
+        sten.register_fwd_op_impl(torch.add, inp=(T, "CsrTensor"))(lambda ctx, inputs, sp: None)
+    with pytest.raises(TypeError, match="operator"):
+        sten.register_fwd_op_impl("torch.add", inp=(T, T))(lambda ctx, inputs, sp: None)
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.5, float("nan"), float("inf")])
+@pytest.mark.parametrize("make", [
+    sten.RandomFractionSparsifier,
+    sten.ScalarFractionSparsifier,
+    lambda f: sten.BlockwiseFractionSparsifier(f, (2, 2)),
+])
+def test_fraction_outside_unit_interval(make, fraction):
+    with pytest.raises(ValueError, match=r"fraction must be in \[0, 1\]"):
+        make(fraction)
+
+
+@pytest.mark.parametrize("fraction", ["0.5", None, True])
+def test_fraction_of_wrong_type(fraction):
+    with pytest.raises(TypeError, match="fraction"):
+        sten.ScalarFractionSparsifier(fraction)
+
+
+def test_helper_fraction_is_checked():
+    with pytest.raises(ValueError, match="frac"):
+        sten.random_mask_sparsify(torch.ones(2), frac=2.0)
+
+
+def test_n_greater_than_m():
+    with pytest.raises(ValueError, match="n must be <= m"):
+        sten.PerBlockFractionSparsifier(5, 4)
+    with pytest.raises(ValueError, match="m"):
+        sten.PerBlockFractionSparsifier(0, 0)
+    with pytest.raises(TypeError, match="n must be an int"):
+        sten.PerBlockFractionSparsifier(2.0, 4)
+
+
+def test_bad_block_shape():
+    with pytest.raises(ValueError, match="block_shape"):
+        sten.BlockwiseFractionSparsifier(0.5, (0, 2))
+    with pytest.raises(ValueError, match="block_shape"):
+        sten.BlockwiseFractionSparsifier(0.5, ())
+
+
+def test_threshold_must_be_a_number():
+    with pytest.raises(TypeError, match="threshold"):
+        sten.ScalarThresholdSparsifier("1")
+
+
+@pytest.mark.parametrize("value", [[1, 2], (1.0,), 3.0, None])
+def test_non_tensor_to_sparsify(value):
+    with pytest.raises(TypeError, match="tensor must be a torch.Tensor"):
+        sten.sparsify(sten.KeepAll(), value, sten.CsrTensor)
+
+
+def test_non_tensor_to_helpers():
+    with pytest.raises(TypeError, match="tensor"):
+        sten.random_mask_sparsify([1.0, 2.0], frac=0.5)
+    with pytest.raises(TypeError, match="tensor"):
+        sten.scalar_mask_sparsify([1.0, 2.0], threshold=0.5)
+
+
+def test_wrapper_of_a_plain_tensor():
+    with pytest.raises(TypeError, match="wrapped_tensor must be a layout object"):
+        sten.SparseTensorWrapper(torch.ones(2))
+
+
+def test_wrapped_from_dense_needs_a_tensor():
+    with pytest.raises(TypeError, match="dense must be a torch.Tensor"):
+        sten.SparseTensorWrapper.wrapped_from_dense(sten.CooTensor.from_dense(torch.ones(2)), [1.0, 2.0])
+
+
+def test_layout_from_dense_needs_a_tensor():
+    with pytest.raises(TypeError, match="tensor must be a torch.Tensor"):
+        sten.CsrTensor.from_dense([[1.0, 0.0]])
+
+
+def test_register_layout_needs_a_layout_class():
+    with pytest.raises(TypeError, match="layout"):
+        sten.registry.register_layout(object())
+
+    class NoDense:
+        pass
+
+    with pytest.raises(TypeError, match="from_dense"):
+        sten.registry.register_layout(NoDense)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ((sten.KeepAll(), torch.Tensor, sten.KeepAll()), "4-tuple"),
+    ((sten.KeepAll, torch.Tensor, sten.KeepAll(), torch.Tensor), "inline_sparsifier"),
+    ((sten.KeepAll(), torch.Tensor, sten.KeepAll(), "CsrTensor"), "out_format"),
+])
+def test_bad_output_spec(bad, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        sten.sparsified_op(torch.add, out_fmt=bad)
+
+
+def test_sparsified_op_needs_callable_and_out_fmt():
+    with pytest.raises(TypeError, match="orig_op"):
+        sten.sparsified_op("add", out_fmt=(sten.KeepAll(), T, sten.KeepAll(), T))
+    with pytest.raises(ValueError, match="out_fmt"):
+        sten.sparsified_op(torch.add, out_fmt=None)
+
+
+def test_register_sparsifier_implementation_arguments():
+    with pytest.raises(TypeError, match="unexpected arguments: sparsifyer"):
+        sten.register_sparsifier_implementation(sparsifyer=sten.KeepAll, inp=T, out=T)
+    with pytest.raises(TypeError, match="needs sparsifier, inp and out"):
+        sten.register_sparsifier_implementation(sparsifier=sten.KeepAll, inp=T)
+
+
+def test_block_sparsifier_on_too_few_dims():
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        sten.sparsify(sten.BlockwiseFractionSparsifier(0.5, (2, 2)), torch.ones(4), torch.Tensor)
+
+
+def test_set_dispatch_failure_names_mode():
+    with pytest.raises(ValueError, match="mode must be 'warn' or 'raise'"):
+        sten.set_dispatch_failure("loud")

@@ -1,0 +1,443 @@
+"""Dispatch: exact → hook → conversion → fallback, warnings, errors, cache,
+pattern forms, backward specs. Each test registers a fake layout of its own
+and removes every registration afterwards."""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+import torch
+
+import sten_core as sten
+from sten_core import dispatch
+
+T = torch.Tensor
+OWNER = "test-dispatch"
+DENSE_SPEC = (sten.KeepAll(), T, sten.KeepAll(), T)
+
+
+class FakeLayout(sten.Layout):
+    """A layout that stores a dense copy (enough to see what ran)."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor) -> "FakeLayout":
+        return cls(tensor.detach().clone())
+
+    def to_dense(self) -> torch.Tensor:
+        return self.data
+
+    shape = property(lambda self: self.data.shape)
+    dtype = property(lambda self: self.data.dtype)
+    device = property(lambda self: self.data.device)
+
+
+class OtherFake(FakeLayout):
+    """A second layout, convertible to ``FakeLayout`` losslessly."""
+
+
+class ThirdFake(FakeLayout):
+    """Converts to ``FakeLayout`` only through ``OtherFake``."""
+
+
+@pytest.fixture
+def events():
+    """Registrations tagged with OWNER, an observer, clean global state after."""
+    sten.plugins.ensure_loaded()
+    dispatch._warned.clear()
+    seen: list[dict] = []
+
+    def on_op(event: dict) -> None:  # operator calls only (not sparsifiers, conversions)
+        if event["kind"] == "op":
+            seen.append(event)
+
+    dispatch.observers.append(on_op)
+    try:
+        with sten.registry.owner(OWNER):
+            yield seen
+    finally:
+        dispatch.observers.remove(on_op)
+        sten.registry.remove_owner(OWNER)
+        sten.plugins.unregister_plugin("test-dispatch-hook")
+        sten.set_dispatch_failure("warn")
+        dispatch._warned.clear()
+
+
+def add(*args, **kwargs):
+    """``torch.add`` with its output spec stated (dense, keep all)."""
+    return sten.sparsified_op(torch.add, out_fmt=DENSE_SPEC)(*args, **kwargs)
+
+
+def wrap(layout: type, x: torch.Tensor, **kw) -> sten.SparseTensorWrapper:
+    return sten.SparseTensorWrapper(layout.from_dense(x), **kw)
+
+
+def plans(seen: list[dict], direction: str = "fwd") -> list[str]:
+    return [e["plan"] for e in seen if e["key"].direction == direction]
+
+
+def dispatch_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, sten.DispatchWarning)]
+
+
+def xy():
+    torch.manual_seed(0)
+    return torch.randn(4, 5), torch.randn(4, 5)
+
+
+def register_add(layouts=(FakeLayout, FakeLayout), calls=None, tag="impl"):
+    @sten.register_fwd_op_impl(operator=torch.add, inp=layouts, out=[(sten.KeepAll, T)])
+    def add_impl(ctx, inputs, output_sparsifiers):
+        if calls is not None:
+            calls.append((tag, [type(getattr(i, "wrapped_tensor", i)) for i in inputs[:2]]))
+        a, b = (i.to_dense() if isinstance(i, sten.SparseTensorWrapper) else i for i in inputs[:2])
+        alpha = inputs[2] if len(inputs) > 2 and inputs[2] is not None else 1
+        return torch.add(a, b, alpha=alpha)
+
+    return add_impl
+
+
+def hook_plugin(calls: list, layouts=(FakeLayout, FakeLayout)) -> types.ModuleType:
+    module = types.ModuleType("test_dispatch_hook")
+
+    @sten.hookimpl
+    def sten_resolve_op(key):
+        if key.direction == "fwd" and key.op is torch.add and key.inp == layouts:
+            def generic(ctx, inputs, output_sparsifiers):
+                calls.append(("hook", None))
+                return torch.add(inputs[0].to_dense(), inputs[1].to_dense())
+
+            return generic
+        return None
+
+    module.sten_resolve_op = sten_resolve_op
+    return module
+
+
+# -- resolution order -----------------------------------------------------------------
+
+def test_exact_implementation_runs(events):
+    calls = []
+    register_add(calls=calls)
+    a, b = xy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sten.DispatchWarning)
+        out = add(wrap(FakeLayout, a), wrap(FakeLayout, b))
+    assert type(out) is torch.Tensor and torch.equal(out, a + b)
+    assert calls == [("impl", [FakeLayout, FakeLayout])]
+    assert plans(events) == ["impl"]
+    assert events[0]["key"].inp == (FakeLayout, FakeLayout) and events[0]["seconds"] >= 0
+
+
+def test_hook_runs_when_no_exact_implementation(events):
+    calls = []
+    assert sten.plugins.register_plugin(hook_plugin(calls), name="test-dispatch-hook")
+    a, b = xy()
+    out = add(wrap(FakeLayout, a), wrap(FakeLayout, b))
+    assert torch.equal(out, a + b)
+    assert calls == [("hook", None)] and plans(events) == ["generic"]
+
+
+def test_exact_beats_hook(events):
+    calls = []
+    sten.plugins.register_plugin(hook_plugin(calls), name="test-dispatch-hook")
+    register_add(calls=calls)
+    a, b = xy()
+    add(wrap(FakeLayout, a), wrap(FakeLayout, b))
+    assert [c[0] for c in calls] == ["impl"] and plans(events) == ["impl"]
+
+
+def test_conversion_runs_when_no_implementation_or_hook(events):
+    calls = []
+    register_add(calls=calls)
+    sten.registry.register_conversion(OtherFake, FakeLayout, lambda x: FakeLayout(x.data))
+    a, b = xy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sten.DispatchWarning)
+        out = add(wrap(OtherFake, a), wrap(FakeLayout, b))
+    assert torch.equal(out, a + b)
+    assert calls == [("impl", [FakeLayout, FakeLayout])], "the inputs were converted first"
+    assert plans(events) == ["convert"]
+
+
+def test_conversion_path_of_several_steps(events):
+    calls = []
+    register_add(calls=calls)
+    sten.registry.register_conversion(ThirdFake, OtherFake, lambda x: OtherFake(x.data))
+    sten.registry.register_conversion(OtherFake, FakeLayout, lambda x: FakeLayout(x.data))
+    a, b = xy()
+    out = add(wrap(ThirdFake, a), wrap(ThirdFake, b))
+    assert torch.equal(out, a + b) and calls == [("impl", [FakeLayout, FakeLayout])]
+    assert plans(events) == ["convert"]
+
+
+def test_hook_beats_conversion(events):
+    calls = []
+    register_add(calls=calls)
+    sten.registry.register_conversion(OtherFake, FakeLayout, lambda x: FakeLayout(x.data))
+    sten.plugins.register_plugin(hook_plugin(calls, (OtherFake, OtherFake)), name="test-dispatch-hook")
+    a, b = xy()
+    add(wrap(OtherFake, a), wrap(OtherFake, b))
+    assert [c[0] for c in calls] == ["hook"] and plans(events) == ["generic"]
+
+
+def test_fallback_warns_once_per_key(events):
+    a, b = xy()
+    sub = sten.sparsified_op(torch.sub, out_fmt=DENSE_SPEC)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out1 = add(wrap(FakeLayout, a), wrap(FakeLayout, b))
+        out2 = add(wrap(FakeLayout, b), wrap(FakeLayout, a))
+        out3 = sub(wrap(FakeLayout, a), wrap(FakeLayout, b))
+    assert torch.equal(out1, a + b) and torch.equal(out2, a + b) and torch.equal(out3, a - b)
+    text = dispatch_warnings(record)
+    assert len(text) == 2, text  # add once, sub once
+    assert "torch.add" in text[0] and "FakeLayout" in text[0]
+    assert "@sten.register_fwd_op_impl(operator=torch.add, inp=(FakeLayout, FakeLayout)" in text[0]
+    assert "torch.sub" in text[1]
+    assert plans(events) == ["fallback"] * 3
+
+
+def test_fallback_sparsifies_outputs(events):
+    a, b = xy()
+    add = sten.sparsified_op(torch.add, out_fmt=(sten.KeepAll(), T, sten.ScalarFractionSparsifier(0.5), sten.CsrTensor))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        out = add(wrap(FakeLayout, a), wrap(FakeLayout, b))
+    assert type(out.wrapped_tensor) is sten.CsrTensor
+    ref = (a + b) * sten.ScalarFractionSparsifier(0.5).mask(a + b)
+    assert torch.equal(out.to_dense(), ref)
+
+
+def test_raise_mode_names_op_layouts_and_decorator(events):
+    sten.set_dispatch_failure("raise")
+    a, b = xy()
+    with pytest.raises(sten.DispatchError) as info:
+        add(wrap(FakeLayout, a), b)
+    text = str(info.value)
+    assert "torch.add" in text and "FakeLayout" in text
+    assert "@sten.register_fwd_op_impl(operator=torch.add, inp=(FakeLayout, torch.Tensor), out=[(KeepAll, torch.Tensor)])" in text
+    sten.set_dispatch_failure("warn")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert torch.equal(add(wrap(FakeLayout, a), b), a + b)
+    assert len(dispatch_warnings(record)) == 1
+
+
+def test_sparsifier_fallback_raises_with_decorator_text(events):
+    class MySparsifier:
+        pass
+
+    sten.set_dispatch_failure("raise")
+    with pytest.raises(sten.DispatchError, match="register_sparsifier_implementation") as info:
+        sten.sparsify(MySparsifier(), torch.ones(2, 2), FakeLayout)
+    assert "MySparsifier" in str(info.value) and "FakeLayout" in str(info.value)
+
+
+def test_set_dispatch_failure_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="mode"):
+        sten.set_dispatch_failure("ignore")
+
+
+# -- cache ------------------------------------------------------------------------------
+
+def test_second_call_hits_the_cache(events, monkeypatch):
+    register_add()
+    resolved = []
+    original = dispatch._resolve
+
+    def counting(key):
+        resolved.append(key)
+        return original(key)
+
+    monkeypatch.setattr(dispatch, "_resolve", counting)
+    a, b = xy()
+    wa, wb = wrap(FakeLayout, a), wrap(FakeLayout, b)
+    add(wa, wb)
+    key = events[-1]["key"]
+    assert key in dispatch._cache and dispatch._cache[key].kind == "impl"
+    n = len(resolved)
+    add(wa, wb)
+    add(wb, wa)
+    assert len(resolved) == n, "repeated calls resolve nothing"
+    sten.registry.register_conversion(ThirdFake, FakeLayout, lambda x: FakeLayout(x.data))
+    assert key not in dispatch._cache, "a registration clears the cache"
+
+
+def test_plain_call_uses_registered_dense_output_implementation(events):
+    """A call without an output spec: a registered (KeepAll, Tensor) implementation
+    comes before the generic (hook) ones."""
+    calls = []
+    register_add(calls=calls)
+    a, b = xy()
+    assert torch.equal(torch.add(wrap(FakeLayout, a), wrap(FakeLayout, b)), a + b)
+    assert calls == [("impl", [FakeLayout, FakeLayout])] and plans(events) == ["impl"]
+    for layout in (sten.DenseTensor, sten.CsrTensor):  # also before the built-in stored-values path
+        register_add((layout, layout), calls, tag=layout.__name__)
+        torch.add(wrap(layout, a), wrap(layout, b))
+        assert calls[-1][0] == layout.__name__
+
+
+def test_plain_call_fallback_warns(events):
+    a, b = xy()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch.add(wrap(FakeLayout, a), wrap(FakeLayout, b))
+    assert len(dispatch_warnings(record)) == 1
+
+
+# -- pattern forms -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", [T, FakeLayout])
+def test_both_pattern_forms_match_add(events, layout):
+    got = {}
+    for form in ((layout, layout, None, None), (layout, layout)):
+        @sten.register_fwd_op_impl(operator=torch.add, inp=form, out=tuple([(sten.KeepAll, T)]))
+        def impl(ctx, inputs, output_sparsifiers, form=form):
+            got[len(form)] = list(inputs)
+            a, b = (sten.dispatch.densify(i) for i in inputs[:2])
+            return torch.add(a, b)
+
+        a, b = xy()
+        wa = a if layout is T else wrap(layout, a)
+        wb = b if layout is T else wrap(layout, b)
+        add = sten.sparsified_op(torch.add, out_fmt=DENSE_SPEC)
+        out = add(wa, wb)
+        assert torch.equal(out, a + b)
+        sten.registry.remove_owner(OWNER)
+    four, two = got[4], got[2]
+    assert len(four) == 4 and four[2:] == [1, None]
+    assert torch.equal(sten.dispatch.densify(four[0]), a) and torch.equal(sten.dispatch.densify(four[1]), b)
+    assert len(two) == 2
+
+
+def test_four_form_receives_keyword_arguments_in_signature_order(events):
+    got = []
+
+    @sten.register_fwd_op_impl(operator=torch.add, inp=(FakeLayout, FakeLayout, None, None), out=[(sten.KeepAll, T)])
+    def impl(ctx, inputs, output_sparsifiers):
+        got.append(inputs)
+        input, other, alpha, out = inputs
+        return torch.add(input.to_dense(), other.to_dense(), alpha=alpha)
+
+    a, b = xy()
+    res = add(wrap(FakeLayout, a), other=wrap(FakeLayout, b), alpha=3)
+    assert torch.allclose(res, a + 3 * b)
+    assert got[0][2:] == [3, None]
+
+
+# -- all-dense calls -------------------------------------------------------------------
+
+def test_all_dense_keep_all_runs_the_original_op(events):
+    a, b = xy()
+    add = sten.sparsified_op(torch.add, out_fmt=DENSE_SPEC)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = add(a, b, alpha=2)
+    assert type(out) is torch.Tensor and torch.equal(out, torch.add(a, b, alpha=2))
+    assert plans(events) == ["native"]
+
+
+def test_all_dense_keep_all_backward_has_no_warning(events):
+    a, b = (t.requires_grad_() for t in xy())
+    add = sten.sparsified_op(torch.mul, out_fmt=DENSE_SPEC, grad_out_fmt=DENSE_SPEC)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sten.DispatchWarning)
+        add(a, b).sum().backward()
+    assert torch.equal(a.grad, b.detach()) and torch.equal(b.grad, a.detach())
+
+
+# -- backward ----------------------------------------------------------------------------
+
+def test_backward_with_grad_out_fmt_and_parameter_grad_fmt(events):
+    torch.manual_seed(0)
+    a_dense, b = torch.randn(4, 6), torch.randn(6, 3, requires_grad=True)
+    grad_fmt = (sten.KeepAll(), T, sten.ScalarFractionSparsifier(0.5), sten.CooTensor)
+    a = wrap(FakeLayout, a_dense, requires_grad=True, grad_fmt=grad_fmt)
+    threshold = sten.ScalarThresholdSparsifier(0.5)
+    mm = sten.sparsified_op(torch.mm, out_fmt=DENSE_SPEC, grad_out_fmt=((sten.KeepAll(), T, threshold, T),))
+    g = torch.randn(4, 3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        y = mm(a, b)
+        assert torch.allclose(y, a_dense @ b.detach(), atol=1e-6)
+        y.backward(g)
+    g_sparse = g * threshold.mask(g)  # the per-output grad_out_fmt ran
+    ref_a = g_sparse @ b.detach().t()
+    ref_a = ref_a * sten.ScalarFractionSparsifier(0.5).mask(ref_a)  # the parameter's grad_fmt ran
+    assert isinstance(a.grad, sten.SparseTensorWrapper) and type(a.grad.wrapped_tensor) is sten.CooTensor
+    assert torch.allclose(a.grad.to_dense(), ref_a, atol=1e-5)
+    assert torch.allclose(b.grad, a_dense.t() @ g_sparse, atol=1e-5)
+    assert any("(bwd)" in t and "torch.mm" in t for t in dispatch_warnings(record))
+    assert plans(events, "bwd") == ["fallback"]
+
+
+def test_backward_implementation_runs(events):
+    torch.manual_seed(1)
+    a_dense, b = torch.randn(4, 6), torch.randn(6, 3, requires_grad=True)
+    a = wrap(FakeLayout, a_dense, requires_grad=True)
+    ran = []
+
+    @sten.register_fwd_op_impl(operator=torch.mm, inp=(FakeLayout, T), out=[(sten.KeepAll, T)])
+    def mm_fwd(ctx, inputs, output_sparsifiers):
+        x, y = inputs[:2]
+        ctx.save_for_backward(x.to_dense(), y)
+        ran.append("fwd")
+        return x.to_dense() @ y
+
+    @sten.register_bwd_op_impl(operator=torch.mm, grad_out=(T,), grad_inp=((sten.KeepAll, T), (sten.KeepAll, T)),
+                               inp=(FakeLayout, T))
+    def mm_bwd(ctx, grad_outputs, input_sparsifiers):
+        x, y = ctx.saved_tensors
+        (g,) = grad_outputs
+        ran.append("bwd")
+        return g @ y.t(), x.t() @ g
+
+    g = torch.randn(4, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sten.DispatchWarning)
+        torch.mm(a, b).backward(g)
+    assert ran == ["fwd", "bwd"]
+    assert plans(events, "fwd") == ["impl"] and plans(events, "bwd") == ["impl"]
+    assert torch.allclose(a.grad, g @ b.detach().t(), atol=1e-6)
+    assert torch.allclose(b.grad, a_dense.t() @ g, atol=1e-6)
+
+
+# -- sparsifier dispatch ----------------------------------------------------------------------
+
+def test_sparsifier_implementation_is_used_and_cached(events):
+    class HalfSparsifier:
+        pass
+
+    calls = []
+
+    @sten.register_sparsifier_implementation(sparsifier=HalfSparsifier, inp=T, out=FakeLayout)
+    def half(sparsifier, tensor, grad_fmt=None):
+        calls.append(grad_fmt)
+        return sten.SparseTensorWrapper(FakeLayout(tensor * 0.5))
+
+    x = torch.randn(3, 3)
+    w = sten.sparsify(HalfSparsifier(), x, FakeLayout)
+    assert type(w.wrapped_tensor) is FakeLayout and torch.equal(w.to_dense(), x * 0.5)
+    key = sten.OpKey("sparsifier", HalfSparsifier, (T,), FakeLayout)
+    assert key in dispatch._cache
+    sten.sparsify(HalfSparsifier(), x, FakeLayout)
+    assert len(calls) == 2
+
+
+def test_sparsifier_fallback_warns_once(events):
+    class Unknown:
+        pass
+
+    x = torch.randn(3, 3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        w1 = sten.sparsify(Unknown(), x, FakeLayout)
+        w2 = sten.sparsify(Unknown(), x, FakeLayout)
+    assert torch.equal(w1.to_dense(), x) and torch.equal(w2.to_dense(), x)
+    text = dispatch_warnings(record)
+    assert len(text) == 1 and "Unknown" in text[0] and "FakeLayout" in text[0]

@@ -1,0 +1,158 @@
+"""``sten_core.explain``: what ran, conversions, fallbacks and their fixes."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sten_core as sten
+from sten_core import dispatch
+from sten_core.tensor import densify
+
+
+def csr(shape=(6, 8), fraction=0.5, seed=0):
+    torch.manual_seed(seed)
+    return sten.sparsify(sten.ScalarFractionSparsifier(fraction), torch.randn(*shape), sten.CsrTensor)
+
+
+def test_impl_row_and_result_matches_dense():
+    w, x = csr(), torch.randn(3, 8)
+    with sten.explain() as report:
+        y = F.linear(x, w)
+    torch.testing.assert_close(y, F.linear(x, densify(w)))
+    (row,) = report.rows
+    assert (row.kind, row.plan, row.calls) == ("op", "impl", 1)
+    assert "linear_fwd" in row.ran and "[builtin]" in row.ran
+    assert row.fix is None and report.fallbacks == []
+    assert row.seconds > 0
+
+
+def test_counts_accumulate_per_key():
+    w = csr()
+    with sten.explain() as report:
+        for _ in range(3):
+            F.linear(torch.randn(2, 8), w)
+    assert [r.calls for r in report.rows] == [3]
+
+
+def test_conversion_rows():
+    torch.manual_seed(1)
+    dense_w = torch.randn(4, 6)
+    w = sten.SparseTensorWrapper(sten.DenseTensor.from_dense(dense_w))
+    x = torch.randn(3, 6)
+    with sten.explain() as report:
+        y = F.linear(x, w)
+    torch.testing.assert_close(y, F.linear(x, dense_w))
+    op = next(r for r in report.rows if r.kind == "op")
+    assert op.plan == "convert" and "DenseTensor -> CooTensor" in op.ran
+    assert [r.what for r in report.conversions] == ["convert DenseTensor -> CooTensor"]
+
+
+class _Unregistered:
+    """A sparsifier class with no implementation anywhere."""
+
+
+def test_sparsifier_fallback_row_and_fix():
+    x = torch.randn(4, 4)
+    with sten.explain() as report:
+        out = sten.sparsify(_Unregistered(), x, sten.CsrTensor)
+    torch.testing.assert_close(densify(out), x)
+    (fb,) = report.fallbacks
+    assert fb.kind == "sparsifier"
+    assert fb.fix == "@sten.register_sparsifier_implementation(sparsifier=_Unregistered, inp=torch.Tensor, out=CsrTensor)"
+
+
+def test_fallback_warning_silenced_and_dispatcher_restored():
+    observers, originals = list(dispatch.observers), (dispatch.sparsify, dispatch.convert, dispatch._missing)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sten.explain():
+            sten.sparsify(_Unregistered(), torch.randn(2, 2), sten.CooTensor)
+    assert not [w for w in caught if issubclass(w.category, sten.DispatchWarning)]
+    assert dispatch.observers == observers
+    assert (dispatch.sparsify, dispatch.convert, dispatch._missing) == originals
+
+
+def test_empty_report_text():
+    with sten.explain() as report:
+        torch.ones(2) + 1
+    assert report.rows == [] and "nothing was dispatched" in str(report)
+
+
+# -- the built-in example: a BERT layer with a COO intermediate --------------------
+
+transformers = pytest.importorskip("transformers")
+FIX = ("@sten.register_fwd_op_impl(operator=torch.nn.functional.linear, "
+       "inp=(CooTensor, CsrTensor, torch.Tensor), out=[(KeepAll, torch.Tensor)])")
+
+
+@pytest.fixture(scope="module")
+def example():
+    from sten_core.explain_report import example as make
+
+    return make("tiny", batch=1, seq_len=4)
+
+
+def _run(model, inputs, backward=False):
+    from sten_core.explain_report import run_explained
+
+    torch.manual_seed(123)  # the intermediate's random sparsifier
+    return run_explained(model, inputs, backward=backward)
+
+
+def _dense_reference(model, inputs):
+    """Run the example with its weights and intermediate densified (same random mask)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        torch.manual_seed(123)
+        with torch.no_grad():
+            out = model(*inputs)
+    return densify(out[0] if isinstance(out, tuple) else out)
+
+
+def test_example_shows_fallback_with_fix_and_sites(example):
+    model, inputs = example
+    report = _run(model, inputs)
+    (fb,) = report.fallbacks
+    assert fb.fix == FIX
+    assert "output.dense" in fb.sites
+    impl = next(r for r in report.rows if r.plan == "impl" and r.kind == "op")
+    assert impl.calls == 5  # the other five linears run the CSR implementation
+    text = str(report)
+    assert "fix: " + FIX in text and "1 dense fallback" in text
+
+
+def test_registering_the_fix_removes_the_row(example):
+    model, inputs = example
+    reference = _dense_reference(model, inputs)
+    owner = "test_explain_fix"
+    with sten.registry.owner(owner):
+        @sten.register_fwd_op_impl(operator=F.linear, inp=(sten.CooTensor, sten.CsrTensor, torch.Tensor),
+                                   out=[(sten.KeepAll, torch.Tensor)])
+        def coo_csr_linear(ctx, inputs, output_sparsifiers):
+            x, w, bias = inputs
+            x2 = densify(x).reshape(-1, x.shape[-1])
+            y = torch.sparse.mm(w.wrapped_tensor.data, x2.t()).t() + bias
+            return y.reshape(*x.shape[:-1], w.shape[0])
+    try:
+        report = _run(model, inputs)
+        assert report.fallbacks == []
+        row = next(r for r in report.rows if "CooTensor, CsrTensor" in r.what)
+        assert row.plan == "impl" and "coo_csr_linear" in row.ran and f"[{owner}]" in row.ran
+        torch.manual_seed(123)
+        with torch.no_grad():
+            out = model(*inputs)
+        torch.testing.assert_close(densify(out[0] if isinstance(out, tuple) else out), reference,
+                                   atol=1e-5, rtol=1e-5)
+    finally:
+        sten.registry.remove_owner(owner)
+
+
+def test_backward_rows(example):
+    model, inputs = example
+    report = _run(model, inputs, backward=True)
+    directions = {r.key.direction for r in report.rows if r.kind == "op"}
+    assert directions == {"fwd", "bwd"}
+    assert any(r.fix and r.fix.startswith("@sten.register_bwd_op_impl(") for r in report.fallbacks)
+    model.zero_grad(set_to_none=True)
