@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml $(PLUGINS) Makefile
 demo: setup
 	$(VENV)/bin/sten bench --quick --out bench-out
 
+# The core's suite, then each plugin's own suite from its folder (its own pytest config).
 test: setup
 	$(PY) -m pytest -q
+	for p in $(dir $(PLUGINS)); do (cd $$p && $(abspath $(PY)) -m pytest -q) || exit 1; done
 
 bench: setup
 	$(PY) benchmarks/bench_dispatch.py

@@ -450,8 +450,7 @@ class SparsityScheduler:
     def _apply(self, entry: _Entry, step: int, force: bool = False) -> None:
         schedule = entry.schedule
         if not (force or schedule.updates(step)):
-            if entry.masked_dense:
-                self._remask(entry)
+            self._remask(entry, stored_too=entry.masked_dense)
             return
         param = entry.param
         with torch.no_grad():
@@ -521,7 +520,7 @@ class SparsityScheduler:
         entry.mask = new
         self._remap_state(entry, keep, new, params)
         if entry.masked_dense:
-            self._remask(entry)
+            self._remask(entry, stored_too=True)
 
     def _remap_state(self, entry: _Entry, keep: torch.Tensor, new: torch.Tensor, params: dict) -> None:
         param = entry.param
@@ -537,14 +536,17 @@ class SparsityScheduler:
             else:
                 value.mul_(keep.to(value.dtype))
 
-    def _remask(self, entry: _Entry) -> None:
-        """Zero the dropped positions of a layout that stores them too."""
+    def _remask(self, entry: _Entry, stored_too: bool) -> None:
+        """Zero the dropped positions of dense optimizer state (SGD's momentum
+        of a sparse weight sees the dense gradient) and, with ``stored_too``,
+        of a weight and state whose layout stores the dropped positions too."""
         param, mask = entry.param, entry.mask
         with torch.no_grad():
-            targets = [param]
+            targets = [param] if stored_too else []
             if self.optimizer is not None and param in self.optimizer.state:
                 targets += [v for v in self.optimizer.state[param].values()
-                            if isinstance(v, torch.Tensor) and v.shape == param.shape]
+                            if isinstance(v, torch.Tensor) and v.shape == param.shape
+                            and (stored_too or not isinstance(v, SparseTensorWrapper))]
             for t in targets:
                 if isinstance(t, SparseTensorWrapper):
                     layout = t.wrapped_tensor
@@ -557,6 +559,8 @@ class SparsityScheduler:
 
     def _replace_param(self, entry: _Entry, old: torch.Tensor, new: SparseParameterWrapper) -> None:
         """Swap a dense parameter for its sparse wrapper in the module and the optimizer."""
+        if old.grad is not None:
+            new.grad = old.grad  # a dense gradient, as backward gives a sparse weight with no grad_fmt
         setattr(entry.module, entry.attr, new)
         if self.optimizer is None:
             return
