@@ -68,7 +68,7 @@ class Plan:
     """How a key is executed: ``kind`` is ``impl``, ``native``, ``convert``,
     ``generic`` or ``fallback``."""
 
-    __slots__ = ("kind", "entry", "conversions", "key", "fixes_inline")
+    __slots__ = ("kind", "entry", "conversions", "key", "fixes_inline", "nargs", "direct")
 
     def __init__(self, kind: str, key: OpKey, entry: Entry | None = None, conversions: tuple = ()):
         self.kind = kind
@@ -77,6 +77,8 @@ class Plan:
         self.conversions = conversions
         # implementations produce tmp_format themselves; the rest need the inline sparsifier applied
         self.fixes_inline = kind in ("impl", "convert", "generic")
+        self.nargs = max(entry.nargs, len(key.inp)) if entry is not None else 0
+        self.direct = kind in ("impl", "generic")  # runs the implementation on the inputs as they are
 
     def __repr__(self) -> str:
         return f"Plan({self.kind}, {self.key.describe()})"
@@ -380,12 +382,14 @@ def _plan_for(key: OpKey) -> Plan:
 class OpContext:
     """The ``ctx`` that implementations receive (shared by forward and backward)."""
 
-    def __init__(self, op: Any, inputs: list):
+    __slots__ = ("op", "inputs", "saved_tensors", "needs_input_grad", "call_args", "__dict__")
+
+    def __init__(self, op: Any, inputs: list, call_args: tuple = ((), {})):
         self.op = op
         self.inputs = inputs
         self.saved_tensors: tuple = ()
         self.needs_input_grad: tuple = ()
-        self.call_args: tuple = ((), {})
+        self.call_args = call_args
 
     def save_for_backward(self, *tensors: Any) -> None:
         self.saved_tensors = tensors
@@ -425,10 +429,9 @@ class _Call:
             inputs = _detach_all(self.bound) if detach else list(self.bound)
             if plan.kind == "convert":
                 inputs = [convert(v, c) if c is not None else v for v, c in zip(inputs, plan.conversions)] + inputs[len(plan.conversions):]
-            nargs = max(plan.entry.nargs, len(plan.key.inp))
+            nargs = plan.nargs
             inputs = inputs[:nargs] + [None] * (nargs - len(inputs))
-            self.ctx = OpContext(op, inputs)
-            self.ctx.call_args = (self.args, self.kwargs)
+            self.ctx = OpContext(op, inputs, (self.args, self.kwargs))
             sparsifiers = [s.inline_sparsifier for s in self.out_specs] if self.out_specs else [_KEEP_ALL]
             raw = wrap(plan.entry.fn(self.ctx, inputs, sparsifiers))
         else:
@@ -562,19 +565,35 @@ class _DispatchFunction(torch.autograd.Function):
         return (None, None, *call.backward(grads, fctx.positions, needs))
 
 
+_WRAPPER_TYPES = {SparseTensorWrapper}
+_DENSE_TYPES = {torch.Tensor, torch.nn.Parameter}
+_KEEP_ALL_LIST = [_KEEP_ALL]
+
+
 def _scan(bound: list) -> tuple[tuple, list[int], bool]:
     """Input layouts (trimmed), tensor positions, and whether any needs grad."""
     layouts: list = []
     positions: list[int] = []
+    wrappers = False
     needs_grad = False
-    with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads on wrappers
-        for i, v in enumerate(bound):
-            if isinstance(v, torch.Tensor):
-                positions.append(i)
-                layouts.append(type(v.wrapped_tensor) if isinstance(v, SparseTensorWrapper) else torch.Tensor)
-                needs_grad = needs_grad or v.requires_grad
-            else:
-                layouts.append(None)
+    for i, v in enumerate(bound):
+        t = type(v)
+        if t in _WRAPPER_TYPES or (t not in _DENSE_TYPES and isinstance(v, SparseTensorWrapper)):
+            positions.append(i)
+            layouts.append(type(v.wrapped_tensor))
+            wrappers = True
+        elif t in _DENSE_TYPES or isinstance(v, torch.Tensor):
+            positions.append(i)
+            layouts.append(torch.Tensor)
+            needs_grad = needs_grad or v.requires_grad
+        else:
+            layouts.append(None)
+    if wrappers and not needs_grad:
+        with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads on wrappers
+            for i in positions:
+                if bound[i].requires_grad:
+                    needs_grad = True
+                    break
     while layouts and layouts[-1] is None:
         layouts.pop()
     return tuple(layouts), positions, needs_grad
@@ -587,8 +606,18 @@ def call_op(op: Any, args: tuple, kwargs: dict, out_specs: tuple | None = None,
         plugins.ensure_loaded()
     bound = bind(op, args, kwargs)
     inp, positions, needs_grad = _scan(bound)
-    out_key = None if out_specs is None else tuple((type(s.inline_sparsifier), s.tmp_format) for s in out_specs)
-    call = _Call(op, args, kwargs, bound, OpKey("fwd", op, inp, out_key), out_specs, grad_out_specs)
+    if out_specs is None:
+        key = OpKey("fwd", op, inp, None)
+        plan = _cache.get(key)
+        if plan is not None and plan.direct and not needs_grad and not observers:
+            # the hot path: an implicit call with a cached implementation, no autograd
+            nargs = plan.nargs
+            inputs = bound[:nargs] if len(bound) >= nargs else bound + [None] * (nargs - len(bound))
+            raw = plan.entry.fn(OpContext(op, inputs, (args, kwargs)), inputs, _KEEP_ALL_LIST)
+            return raw if type(raw) in _DENSE_TYPES else wrap(raw)
+    else:
+        key = OpKey("fwd", op, inp, tuple((type(s.inline_sparsifier), s.tmp_format) for s in out_specs))
+    call = _Call(op, args, kwargs, bound, key, out_specs, grad_out_specs)
     if needs_grad and torch.is_grad_enabled() and not _is_inplace(op, kwargs):
         with torch._C.DisableTorchFunctionSubclass():
             return _DispatchFunction.apply(call, positions, *[bound[i] for i in positions])

@@ -88,13 +88,13 @@ class SparseTensorWrapper(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _PASSTHROUGH:
+        handler = _HANDLERS.get(func)
+        if handler is None:
+            return (_call_op or _dispatch())(func, args, kwargs)
+        if handler is _PASS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        special = _SPECIAL.get(func)
-        if special is not None:
-            return special(*args, **kwargs)
-        return _dispatch()(func, args, kwargs)
+        return handler(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -235,3 +235,5 @@ for _name in ("shape", "dtype", "device", "requires_grad", "grad", "grad_fn", "i
     if _prop is not None and hasattr(_prop, "__get__"):
         _PASSTHROUGH.add(_prop.__get__)
 _SPECIAL = {_T.detach: _detach, _T.to_dense: _to_dense_method}
+_PASS = object()  # marks functions that run as on any tensor (metadata)
+_HANDLERS: dict = {**{f: _PASS for f in _PASSTHROUGH}, **_SPECIAL}

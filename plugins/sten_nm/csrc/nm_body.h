@@ -1,0 +1,199 @@
+/* Kernel bodies, included by nm_impl.h once per NV (vectors per batch chunk).
+ * Needs: VW (floats per vector), NV, SUF (ISA suffix), vf (vector type).
+ * Offsets are decoded once per block of rows (nm_decode) into float offsets of
+ * the panel, so the inner loops are: load value, load offset, NV FMAs. */
+#define BCHN (VW * NV)
+#define NMCAT3_(a, b, c) a##_##b##_##c
+#define NMCAT3(a, b, c) NMCAT3_(a, b, c)
+#define FN(name) NMCAT3(name, SUF, NV)
+
+static void FN(gather)(const nm_mat *A, const float *xp, int64_t Cpad, int64_t nbc, int64_t B,
+                       float *Y, int64_t ldy, const float *bias, int64_t r0, int64_t r1,
+                       float *ytmp, int32_t *offs, int64_t kbg)
+{
+    /* Loop order: block of rows (offsets decoded once) -> batch chunk -> block of
+     * columns (panel block in L1) -> row (accumulators in ytmp, L1) -> kept values. */
+    const int n = A->n;
+    const int64_t G = A->G, gn = G * n;
+    for (int64_t rb = r0; rb < r1; rb += NM_ROWS) {
+        const int64_t re = rb + NM_ROWS < r1 ? rb + NM_ROWS : r1;
+        nm_decode(A, rb, re, 0, G, BCHN, offs);
+        for (int64_t bc = 0; bc < nbc; bc++) {
+            const float *panel = xp + bc * Cpad * BCHN;
+            const int64_t bmax = B - bc * BCHN < BCHN ? B - bc * BCHN : BCHN;
+            for (int64_t g0 = 0; g0 < G; g0 += kbg) {
+                const int64_t g1 = g0 + kbg < G ? g0 + kbg : G;
+                const int64_t e0 = g0 * n, e1 = g1 * n;
+                for (int64_t r = rb; r < re; r++) {
+                    vf acc[NV];
+                    float *yt = ytmp + (r - rb) * BCHN;
+                    if (g0 == 0) {
+                        for (int u = 0; u < NV; u++) acc[u] = (vf){0};
+                    } else {
+                        for (int u = 0; u < NV; u++) acc[u] = *(const vf *)(yt + u * VW);
+                    }
+                    const float *v = A->vals + r * gn;
+                    const int32_t *o = offs + (r - rb) * gn;
+                    for (int64_t e = e0; e < e1; e++) {
+                        const float s = v[e];
+                        const float *px = panel + o[e];
+#pragma GCC unroll 8
+                        for (int u = 0; u < NV; u++) acc[u] += s * *(const vf *)(px + u * VW);
+                    }
+                    for (int u = 0; u < NV; u++) *(vf *)(yt + u * VW) = acc[u];
+                }
+            }
+            for (int64_t b = 0; b < bmax; b++) {
+                float *yrow = Y + (bc * BCHN + b) * ldy;
+                if (bias) {
+                    for (int64_t r = rb; r < re; r++) yrow[r] = ytmp[(r - rb) * BCHN + b] + bias[r];
+                } else {
+                    for (int64_t r = rb; r < re; r++) yrow[r] = ytmp[(r - rb) * BCHN + b];
+                }
+            }
+        }
+    }
+}
+
+static void FN(scatter)(const nm_mat *A, const float *yp, int64_t nbc, int64_t B, float *X,
+                        int64_t ldx, const float *bias, int64_t ga, int64_t gb, float *acc,
+                        int32_t *offs, int64_t kbg)
+{
+    /* Loop order: block of columns (offsets of all rows decoded once) -> batch chunk
+     * -> row -> kept values (read-modify-write of the L1 accumulator block). */
+    const int n = A->n, m = A->m;
+    const int64_t gn = A->G * n, R = A->R, C = A->C;
+    for (int64_t g0 = ga; g0 < gb; g0 += kbg) {
+        const int64_t g1 = g0 + kbg < gb ? g0 + kbg : gb;
+        const int64_t ne = (g1 - g0) * n;
+        const int64_t ncols = (g1 - g0) * m;
+        nm_decode(A, 0, R, g0, g1, BCHN, offs);
+        for (int64_t bc = 0; bc < nbc; bc++) {
+            const float *panel = yp + bc * R * BCHN;
+            const int64_t bmax = B - bc * BCHN < BCHN ? B - bc * BCHN : BCHN;
+            for (int64_t i = 0; i < ncols * BCHN; i++) acc[i] = 0.0f;
+            for (int64_t r = 0; r < R; r++) {
+                vf yv[NV];
+                for (int u = 0; u < NV; u++) yv[u] = *(const vf *)(panel + r * BCHN + u * VW);
+                const float *v = A->vals + r * gn + g0 * n;
+                const int32_t *o = offs + r * ne;
+                for (int64_t e = 0; e < ne; e++) {
+                    const float s = v[e];
+                    float *q = acc + o[e];
+#pragma GCC unroll 8
+                    for (int u = 0; u < NV; u++) *(vf *)(q + u * VW) += s * yv[u];
+                }
+            }
+            const int64_t c0 = g0 * m, c1 = g1 * m < C ? g1 * m : C;
+            for (int64_t b = 0; b < bmax; b++) {
+                float *xrow = X + (bc * BCHN + b) * ldx;
+                if (bias) {
+                    for (int64_t c = c0; c < c1; c++) xrow[c] = acc[(c - c0) * BCHN + b] + bias[c];
+                } else {
+                    for (int64_t c = c0; c < c1; c++) xrow[c] = acc[(c - c0) * BCHN + b];
+                }
+            }
+        }
+    }
+}
+
+static void FN(sddmm)(const nm_mat *A, const float *xp, int64_t Cpad, const float *yp,
+                      int64_t nbc, float *out, int64_t r0, int64_t r1, int32_t *offs, int64_t kbg)
+{
+    const int n = A->n;
+    const int64_t G = A->G, gn = G * n, R = A->R;
+    for (int64_t i = r0 * gn; i < r1 * gn; i++) out[i] = 0.0f;
+    for (int64_t rb = r0; rb < r1; rb += NM_ROWS) {
+        const int64_t re = rb + NM_ROWS < r1 ? rb + NM_ROWS : r1;
+        nm_decode(A, rb, re, 0, G, BCHN, offs);
+        for (int64_t bc = 0; bc < nbc; bc++) {
+            const float *panel = xp + bc * Cpad * BCHN;
+            const float *ypanel = yp + bc * R * BCHN;
+            for (int64_t g0 = 0; g0 < G; g0 += kbg) {
+                const int64_t g1 = g0 + kbg < G ? g0 + kbg : G;
+                const int64_t e0 = g0 * n, e1 = g1 * n;
+                for (int64_t r = rb; r < re; r++) {
+                    vf yv[NV];
+                    for (int u = 0; u < NV; u++) yv[u] = *(const vf *)(ypanel + r * BCHN + u * VW);
+                    float *o_out = out + r * gn;
+                    const int32_t *o = offs + (r - rb) * gn;
+                    int64_t e = e0;
+                    for (; e + 4 <= e1; e += 4) {   /* 4 dot products, one reduction */
+                        const float *p0 = panel + o[e], *p1 = panel + o[e + 1];
+                        const float *p2 = panel + o[e + 2], *p3 = panel + o[e + 3];
+                        vf s0 = yv[0] * *(const vf *)p0, s1 = yv[0] * *(const vf *)p1;
+                        vf s2 = yv[0] * *(const vf *)p2, s3 = yv[0] * *(const vf *)p3;
+#pragma GCC unroll 8
+                        for (int u = 1; u < NV; u++) {
+                            s0 += yv[u] * *(const vf *)(p0 + u * VW);
+                            s1 += yv[u] * *(const vf *)(p1 + u * VW);
+                            s2 += yv[u] * *(const vf *)(p2 + u * VW);
+                            s3 += yv[u] * *(const vf *)(p3 + u * VW);
+                        }
+                        float h0 = 0.0f, h1 = 0.0f, h2 = 0.0f, h3 = 0.0f;
+                        for (int l = 0; l < VW; l++) { h0 += s0[l]; h1 += s1[l]; h2 += s2[l]; h3 += s3[l]; }
+                        o_out[e] += h0; o_out[e + 1] += h1; o_out[e + 2] += h2; o_out[e + 3] += h3;
+                    }
+                    for (; e < e1; e++) {
+                        const float *px = panel + o[e];
+                        vf s = yv[0] * *(const vf *)px;
+#pragma GCC unroll 8
+                        for (int u = 1; u < NV; u++) s += yv[u] * *(const vf *)(px + u * VW);
+                        float h = 0.0f;
+                        for (int l = 0; l < VW; l++) h += s[l];
+                        o_out[e] += h;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* CSR gather (used for X = Y A, through the transpose of A built per call):
+ * X[b][c] = sum_{p in row c} tv[p] * Y[b][src(p)], with toff[p] = src(p) * BCHN and
+ * the entries of each row sorted by src. Blocked over src rows with per-row cursors. */
+static void FN(cgather)(const int64_t *rowptr, const int32_t *toff, const float *tv, int64_t c0,
+                        int64_t c1, const float *yp, int64_t R, int64_t nbc, int64_t B, float *X,
+                        int64_t ldx, const float *bias, float *ytmp, int64_t *cur, int64_t kbr)
+{
+    for (int64_t rb = c0; rb < c1; rb += NM_ROWS) {
+        const int64_t re = rb + NM_ROWS < c1 ? rb + NM_ROWS : c1;
+        for (int64_t bc = 0; bc < nbc; bc++) {
+            const float *panel = yp + bc * R * BCHN;
+            const int64_t bmax = B - bc * BCHN < BCHN ? B - bc * BCHN : BCHN;
+            for (int64_t c = rb; c < re; c++) cur[c - rb] = rowptr[c];
+            for (int64_t s0 = 0; s0 < R; s0 += kbr) {
+                const int64_t lim = (s0 + kbr < R ? s0 + kbr : R) * BCHN;
+                for (int64_t c = rb; c < re; c++) {
+                    vf acc[NV];
+                    float *yt = ytmp + (c - rb) * BCHN;
+                    if (s0 == 0) {
+                        for (int u = 0; u < NV; u++) acc[u] = (vf){0};
+                    } else {
+                        for (int u = 0; u < NV; u++) acc[u] = *(const vf *)(yt + u * VW);
+                    }
+                    int64_t p = cur[c - rb];
+                    const int64_t end = rowptr[c + 1];
+                    for (; p < end && toff[p] < lim; p++) {
+                        const float s = tv[p];
+                        const float *px = panel + toff[p];
+#pragma GCC unroll 8
+                        for (int u = 0; u < NV; u++) acc[u] += s * *(const vf *)(px + u * VW);
+                    }
+                    cur[c - rb] = p;
+                    for (int u = 0; u < NV; u++) *(vf *)(yt + u * VW) = acc[u];
+                }
+            }
+            for (int64_t b = 0; b < bmax; b++) {
+                float *xrow = X + (bc * BCHN + b) * ldx;
+                for (int64_t c = rb; c < re; c++)
+                    xrow[c] = ytmp[(c - rb) * BCHN + b] + (bias ? bias[c] : 0.0f);
+            }
+        }
+    }
+}
+
+#undef BCHN
+#undef FN
+#undef NMCAT3
+#undef NMCAT3_

@@ -1,0 +1,71 @@
+/* Internal: per-ISA kernel table (one per instruction set, picked at run time). */
+#ifndef STEN_NM_ISA_H
+#define STEN_NM_ISA_H
+#include "nm_kernel.h"
+
+/* rows per block in the gather / sddmm kernels (their accumulators stay in L1) */
+#define NM_ROWS 32
+/* grouped kernel: rows per group (shared pattern) and batch rows per micro-panel */
+#define NM_MB 6
+
+/* Panels: a [B][C] operand is packed per batch chunk of `bch` rows as
+ * [nbc][Cpad][bch] (transposed, zero padded, 64-byte aligned). */
+typedef void (*nm_gather_fn)(const nm_mat *A, const float *xp, int64_t Cpad, int64_t nbc, int64_t B,
+                             float *Y, int64_t ldy, const float *bias, int64_t r0, int64_t r1,
+                             float *ytmp, int32_t *offs, int64_t kbg);
+typedef void (*nm_scatter_fn)(const nm_mat *A, const float *yp, int64_t nbc, int64_t B, float *X,
+                              int64_t ldx, const float *bias, int64_t ga, int64_t gb, float *acc,
+                              int32_t *offs, int64_t kbg);
+typedef void (*nm_sddmm_fn)(const nm_mat *A, const float *xp, int64_t Cpad, const float *yp,
+                            int64_t nbc, float *out, int64_t r0, int64_t r1, int32_t *offs,
+                            int64_t kbg);
+
+/* Decode the offsets of rows [r0, r1), groups [g0, g1) into
+ * out[(r - r0) * (g1 - g0) * n + j] = (column - g0 * m) * scale. */
+static inline void nm_decode(const nm_mat *A, int64_t r0, int64_t r1, int64_t g0, int64_t g1,
+                             int64_t scale, int32_t *out)
+{
+    const int n = A->n, m = A->m, bits = A->bits, per = A->per;
+    const uint32_t mask = (1u << bits) - 1u;
+    const int64_t e0 = g0 * n, ne = (g1 - g0) * n;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint32_t *wp = A->idx + r * A->iw + e0 / per;
+        uint32_t cur = *wp >> (bits * (int)(e0 % per));
+        int left = per - (int)(e0 % per);
+        int32_t *o = out + (r - r0) * ne;
+        int64_t base = 0;
+        for (int64_t e = 0; e < ne; base += m) {
+            for (int t = 0; t < n; t++, e++) {
+                if (left == 0) { cur = *++wp; left = per; }
+                o[e] = (int32_t)((base + (int64_t)(cur & mask)) * scale);
+                cur >>= bits; left--;
+            }
+        }
+    }
+}
+
+typedef void (*nm_cgather_fn)(const int64_t *rowptr, const int32_t *toff, const float *tv,
+                              int64_t c0, int64_t c1, const float *yp, int64_t R, int64_t nbc,
+                              int64_t B, float *X, int64_t ldx, const float *bias, float *ytmp,
+                              int64_t *cur, int64_t kbr);
+typedef void (*nm_ggather_fn)(const nm_grouped *W, const float *xp, int64_t Kpad, int64_t B,
+                              int64_t bb, float *Y, int64_t ldy, const float *bias, int64_t q0,
+                              int64_t q1, int32_t *offs);
+
+typedef struct {
+    const char *name;
+    int vw;                     /* floats per vector */
+    nm_gather_fn gather[4];     /* NV = 1, 2, 4, 8 vectors per batch chunk */
+    nm_scatter_fn scatter[4];
+    nm_sddmm_fn sddmm[4];
+    nm_cgather_fn cgather[4];   /* CSR gather (transposed products) */
+    nm_ggather_fn ggather;      /* grouped n:m, 6 x 16 register block */
+} nm_isa_table;
+
+extern const nm_isa_table nm_table_generic;
+#if defined(__GNUC__) && defined(__x86_64__)
+#define STEN_NM_X86 1
+extern const nm_isa_table nm_table_avx2;
+extern const nm_isa_table nm_table_avx512;
+#endif
+#endif

@@ -1,0 +1,71 @@
+/* sten_nm: n:m sparse x dense kernels in plain C (no torch headers).
+ *
+ * An n:m matrix A[R][C] keeps n of every m consecutive columns of each row.
+ * Storage (row-major, G = ceil(C/m) groups per row, padding is internal):
+ *   vals[R][G*n]   float32, kept values of each group in increasing column order
+ *   idx[R][iw]     uint32 words, offsets (0..m-1) within the group, `bits` bits
+ *                  each, `per` = floor(32/bits) offsets per word, low bits first;
+ *                  iw = ceil(G*n/per)
+ * Padded slots (columns >= C) hold value 0.
+ */
+#ifndef STEN_NM_KERNEL_H
+#define STEN_NM_KERNEL_H
+#include <stdint.h>
+
+typedef struct {
+    int64_t R, C;        /* logical shape */
+    int32_t n, m;        /* n kept of every m along C */
+    int32_t bits, per;   /* index packing */
+    int64_t G, iw;       /* groups per row, index words per row */
+    const float *vals;
+    const uint32_t *idx;
+} nm_mat;
+
+/* Grouped n:m: the rows of W[N][K] are put in groups of NM_GR = 16 (a permutation,
+ * chosen by the sparsifier) and all rows of a group share one n:m pattern.
+ *   vals[Q][G*n][16]  kept values: slot j of the 16 rows of group q (contiguous)
+ *   idx[Q][iw]        packed offsets of each group's pattern (as for nm_mat)
+ *   perm[Q*16]        the original row of each stored row, -1 for padding rows */
+#define NM_GR 16
+typedef struct {
+    int64_t N, K;        /* logical shape of W */
+    int32_t n, m, bits, per;
+    int64_t Q, iw;       /* row groups, index words per group */
+    const float *vals;
+    const uint32_t *idx;
+    const int32_t *perm;
+} nm_grouped;
+
+/* Y[b][perm-row] = sum_k W[row][k] X[b][k] (+ bias); X [B][K] (ldx), Y [B][N] (ldy). */
+int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
+                          float *Y, int64_t ldy, const float *bias, int nthreads);
+
+/* Y[b][r] = sum_c A[r][c] X[b][c] (+ bias[r]); X is [B][C] (row stride ldx), Y [B][R] (ldy). */
+int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx,
+                  float *Y, int64_t ldy, const float *bias, int nthreads);
+/* X[b][c] = sum_r A[r][c] Y[b][r] (+ bias[c]); Y is [B][R] (ldy), X [B][C] (ldx). */
+int nm_scatter_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy,
+                   float *X, int64_t ldx, const float *bias, int nthreads);
+/* Same result as nm_scatter_f32, through a transposed (CSR) copy of A built per call
+ * (2 x the stored bytes, transient); faster where stores are the bottleneck. */
+int nm_tgather_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy,
+                   float *X, int64_t ldx, const float *bias, int nthreads);
+/* out[r][j] = sum_b Y[b][r] X[b][c_j] at the stored positions; out is [R][G*n]. */
+int nm_sddmm_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy,
+                 const float *X, int64_t ldx, float *out, int nthreads);
+/* Keep the n largest magnitudes of every m (ties: lower column first); fills vals/idx. */
+int nm_compress_f32(int64_t R, int64_t C, int32_t n, int32_t m, const float *D, int64_t ldd,
+                    float *vals, uint32_t *idx, int nthreads);
+/* Same, but keep the positions where mask (uint8, [R][C]) is nonzero (at most n per group). */
+int nm_compress_mask_f32(int64_t R, int64_t C, int32_t n, int32_t m, const float *D, int64_t ldd,
+                         const uint8_t *mask, float *vals, uint32_t *idx, int nthreads);
+/* D[r][c] = A[r][c] (zeros elsewhere); D is [R][C] (ldd). */
+int nm_decompress_f32(const nm_mat *A, float *D, int64_t ldd, int nthreads);
+/* Name of the instruction set picked at run time: "avx512", "avx2" or "generic". */
+const char *nm_isa(void);
+/* Force an ISA ("avx512", "avx2", "generic"); returns 0 on success, -1 if unsupported. */
+int nm_set_isa(const char *name);
+
+int nm_index_bits(int32_t m);
+int nm_index_per_word(int32_t m);
+#endif

@@ -1,0 +1,228 @@
+"""ctypes bindings of the plain-C kernels in ``csrc/`` (built as ``sten_nm._nmkernel``).
+
+All functions take float32 CPU tensors whose last dimension is contiguous and
+return new tensors; argument checking happens in the callers.
+
+Example:
+    >>> from sten_nm import _kernel
+    >>> _kernel.isa() in ("avx512", "avx2", "generic")
+    True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Optional
+
+import torch
+
+_c_i64, _c_i32, _c_p = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+
+
+class NMMat(ctypes.Structure):
+    _fields_ = [
+        ("R", _c_i64), ("C", _c_i64), ("n", _c_i32), ("m", _c_i32),
+        ("bits", _c_i32), ("per", _c_i32), ("G", _c_i64), ("iw", _c_i64),
+        ("vals", _c_p), ("idx", _c_p),
+    ]
+
+
+class NMGrouped(ctypes.Structure):
+    _fields_ = [
+        ("N", _c_i64), ("K", _c_i64), ("n", _c_i32), ("m", _c_i32), ("bits", _c_i32), ("per", _c_i32),
+        ("Q", _c_i64), ("iw", _c_i64), ("vals", _c_p), ("idx", _c_p), ("perm", _c_p),
+    ]
+
+
+GROUP_ROWS = 16  # NM_GR in csrc/nm_kernel.h
+
+_lib: Optional[ctypes.CDLL] = None
+_error: Optional[str] = None
+
+
+def _load() -> ctypes.CDLL:
+    global _lib, _error
+    if _lib is not None:
+        return _lib
+    if _error is not None:
+        raise RuntimeError(_error)
+    try:
+        path = os.environ.get("STEN_NM_LIBRARY")  # e.g. the AddressSanitizer build (make asan)
+        if not path:
+            from . import _nmkernel  # the compiled extension (a normal CPython module)
+
+            path = _nmkernel.__file__
+        lib = ctypes.CDLL(path)
+    except Exception as exc:  # pragma: no cover - only without a build
+        _error = f"sten_nm C extension not available: {exc}"
+        raise RuntimeError(_error) from exc
+    P = ctypes.POINTER(NMMat)
+    lib.nm_gather_f32.argtypes = [P, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
+    lib.nm_scatter_f32.argtypes = [P, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
+    lib.nm_tgather_f32.argtypes = [P, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
+    lib.nm_sddmm_f32.argtypes = [P, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
+    lib.nm_compress_f32.argtypes = [_c_i64, _c_i64, _c_i32, _c_i32, _c_p, _c_i64, _c_p, _c_p, ctypes.c_int]
+    lib.nm_compress_mask_f32.argtypes = [_c_i64, _c_i64, _c_i32, _c_i32, _c_p, _c_i64, _c_p, _c_p, _c_p, ctypes.c_int]
+    lib.nm_decompress_f32.argtypes = [P, _c_p, _c_i64, ctypes.c_int]
+    lib.nm_grouped_gather_f32.argtypes = [ctypes.POINTER(NMGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
+    lib.nm_isa.restype = ctypes.c_char_p
+    lib.nm_set_isa.argtypes = [ctypes.c_char_p]
+    for name in ("nm_gather_f32", "nm_scatter_f32", "nm_tgather_f32", "nm_sddmm_f32", "nm_compress_f32",
+                 "nm_compress_mask_f32", "nm_decompress_f32", "nm_set_isa", "nm_grouped_gather_f32", "nm_index_bits",
+                 "nm_index_per_word"):
+        getattr(lib, name).restype = ctypes.c_int
+    _lib = lib
+    return lib
+
+
+def available() -> tuple[bool, Optional[str]]:
+    """(True, None) if the C library loads, else (False, reason)."""
+    try:
+        _load()
+        return True, None
+    except RuntimeError as exc:
+        return False, str(exc)
+
+
+def isa() -> str:
+    """Instruction set picked at run time: ``"avx512"``, ``"avx2"`` or ``"generic"``."""
+    return _load().nm_isa().decode()
+
+
+def set_isa(name: str) -> None:
+    """Force an instruction set (for tests and benchmarks)."""
+    if _load().nm_set_isa(name.encode()) != 0:
+        raise ValueError(f"isa {name!r} is not supported on this machine")
+
+
+def index_bits(m: int) -> int:
+    """Bits per stored offset for group size ``m``."""
+    return max(1, (m - 1).bit_length())
+
+
+def index_per_word(m: int) -> int:
+    """Offsets packed in one 32-bit word."""
+    return 32 // index_bits(m)
+
+
+def _threads(nthreads: Optional[int]) -> int:
+    return torch.get_num_threads() if nthreads is None else int(nthreads)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc == -2:
+        raise ValueError(f"{what}: the mask keeps more than n of some group of m")
+    if rc == -3:
+        raise MemoryError(f"{what}: out of memory")
+    if rc != 0:
+        raise RuntimeError(f"{what}: kernel rejected its arguments (code {rc})")
+
+
+def mat(values: torch.Tensor, indices: torch.Tensor, R: int, C: int, n: int, m: int) -> NMMat:
+    """The C descriptor of an n:m matrix (float32 contiguous values, int32 indices)."""
+    G = -(-C // m)
+    per = index_per_word(m)
+    desc = NMMat(R, C, n, m, index_bits(m), per, G, -(-G * n // per), values.data_ptr(), indices.data_ptr())
+    desc._keep = (values, indices)  # the descriptor keeps its buffers alive
+    return desc
+
+
+def _rowmajor(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype != torch.float32:
+        t = t.float()
+    if t.stride(-1) != 1 or (t.dim() == 2 and t.size(0) > 1 and t.stride(0) < t.size(1)):
+        t = t.contiguous()
+    return t
+
+
+def gather(A: NMMat, X: torch.Tensor, bias: Optional[torch.Tensor] = None, nthreads: Optional[int] = None) -> torch.Tensor:
+    """``Y[b, r] = sum_c A[r, c] X[b, c] (+ bias[r])`` for X ``[B, C]``."""
+    X = _rowmajor(X)
+    Y = torch.empty((X.shape[0], A.R), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = _load().nm_gather_f32(ctypes.byref(A), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(),
+                               Y.stride(0), b.data_ptr() if b is not None else None, _threads(nthreads))
+    _check(rc, "nm_gather")
+    return Y
+
+
+def scatter(A: NMMat, Y: torch.Tensor, bias: Optional[torch.Tensor] = None, nthreads: Optional[int] = None) -> torch.Tensor:
+    """``X[b, c] = sum_r A[r, c] Y[b, r] (+ bias[c])`` for Y ``[B, R]``."""
+    Y = _rowmajor(Y)
+    X = torch.empty((Y.shape[0], A.C), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = _load().nm_scatter_f32(ctypes.byref(A), Y.shape[0], Y.data_ptr(), Y.stride(0), X.data_ptr(),
+                                X.stride(0), b.data_ptr() if b is not None else None, _threads(nthreads))
+    _check(rc, "nm_scatter")
+    return X
+
+
+def tgather(A: NMMat, Y: torch.Tensor, bias: Optional[torch.Tensor] = None, nthreads: Optional[int] = None) -> torch.Tensor:
+    """Same as :func:`scatter` (``X = Y A``) through a transposed copy of A (register accumulation)."""
+    Y = _rowmajor(Y)
+    X = torch.empty((Y.shape[0], A.C), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = _load().nm_tgather_f32(ctypes.byref(A), Y.shape[0], Y.data_ptr(), Y.stride(0), X.data_ptr(),
+                                X.stride(0), b.data_ptr() if b is not None else None, _threads(nthreads))
+    _check(rc, "nm_tgather")
+    return X
+
+
+def sddmm(A: NMMat, Y: torch.Tensor, X: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
+    """``out[r, j] = sum_b Y[b, r] X[b, c_j]`` at A's stored positions, ``[R, G*n]``."""
+    Y, X = _rowmajor(Y), _rowmajor(X)
+    out = torch.empty((A.R, A.G * A.n), dtype=torch.float32)
+    rc = _load().nm_sddmm_f32(ctypes.byref(A), Y.shape[0], Y.data_ptr(), Y.stride(0), X.data_ptr(),
+                              X.stride(0), out.data_ptr(), _threads(nthreads))
+    _check(rc, "nm_sddmm")
+    return out
+
+
+def compress(D: torch.Tensor, n: int, m: int, mask: Optional[torch.Tensor] = None,
+             nthreads: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values ``[R, G*n]`` and packed indices ``[R, iw]`` (int32) of dense ``D [R, C]``."""
+    D = _rowmajor(D)
+    R, C = D.shape
+    G = -(-C // m)
+    per = index_per_word(m)
+    vals = torch.empty((R, G * n), dtype=torch.float32)
+    idx = torch.empty((R, -(-G * n // per)), dtype=torch.int32)
+    lib = _load()
+    if mask is None:
+        rc = lib.nm_compress_f32(R, C, n, m, D.data_ptr(), D.stride(0), vals.data_ptr(), idx.data_ptr(), _threads(nthreads))
+    else:
+        mk = mask.to(torch.uint8).contiguous()
+        rc = lib.nm_compress_mask_f32(R, C, n, m, D.data_ptr(), D.stride(0), mk.data_ptr(), vals.data_ptr(),
+                                      idx.data_ptr(), _threads(nthreads))
+    _check(rc, "nm_compress")
+    return vals, idx
+
+
+def decompress(A: NMMat, nthreads: Optional[int] = None) -> torch.Tensor:
+    """Dense ``[R, C]`` float32 tensor of A."""
+    D = torch.empty((A.R, A.C), dtype=torch.float32)
+    _check(_load().nm_decompress_f32(ctypes.byref(A), D.data_ptr(), D.stride(0) if A.C else 1, _threads(nthreads)), "nm_decompress")
+    return D
+
+
+def grouped(vals: torch.Tensor, indices: torch.Tensor, perm: torch.Tensor, N: int, K: int, n: int, m: int) -> NMGrouped:
+    """C descriptor of a grouped n:m matrix (see ``GroupedNMTensor``)."""
+    G = -(-K // m)
+    per = index_per_word(m)
+    desc = NMGrouped(N, K, n, m, index_bits(m), per, -(-N // GROUP_ROWS), -(-G * n // per),
+                     vals.data_ptr(), indices.data_ptr(), perm.data_ptr())
+    desc._keep = (vals, indices, perm)
+    return desc
+
+
+def grouped_gather(W: NMGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                   nthreads: Optional[int] = None) -> torch.Tensor:
+    """``Y = X W^T (+ bias)`` for a grouped n:m ``W`` ``[N, K]``, X ``[B, K]``."""
+    X = _rowmajor(X)
+    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = _load().nm_grouped_gather_f32(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(),
+                                       Y.stride(0), b.data_ptr() if b is not None else None, _threads(nthreads))
+    _check(rc, "nm_grouped_gather")
+    return Y

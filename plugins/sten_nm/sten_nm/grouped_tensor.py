@@ -1,0 +1,196 @@
+"""``GroupedNMTensor``: grouped n:m sparsity (the STen paper's CPU format).
+
+Output rows (``F.linear`` weight ``[out, in]``) are put in groups of 16 that
+share one n:m pattern along the input dimension; a greedy assignment groups rows
+whose magnitude patterns agree. It keeps a little less weight magnitude than
+exact n:m (see ``kept_magnitude_ratio``) but its kernel is a dense-GEMM-like
+6 x 16 register block, so it runs much closer to ``m/n`` times faster than dense.
+
+Memory: ``vals [Q, G*n, 16]`` (the kernel's order), ``indices [Q, iw]`` (one
+pattern per group: 1/16 of exact n:m's), ``perm [Q*16]`` int32 (the original
+row of each stored row, -1 for padding) - O(rows).
+
+Example:
+    >>> import torch
+    >>> from sten_nm import GroupedNMTensor
+    >>> t = GroupedNMTensor.from_dense(torch.randn(32, 64), n=1, m=4)
+    >>> bool(((t.to_dense() != 0).reshape(32, 16, 4).sum(-1) <= 1).all())
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from . import _kernel
+from ._checks import check_float_tensor, check_nm
+from .nm_tensor import NMTensor
+
+try:
+    from sten_core.layouts import Layout as _Base
+except Exception:  # pragma: no cover
+    _Base = object  # type: ignore[misc,assignment]
+
+GR = _kernel.GROUP_ROWS
+
+
+def greedy_row_groups(w: torch.Tensor, n: int, m: int, group_rows: int = GR) -> torch.Tensor:
+    """Order rows so that consecutive groups of ``group_rows`` have similar n:m masks.
+
+    Greedy: take the unassigned row with the largest magnitude as a seed, and put
+    with it the unassigned rows whose exact n:m keep-masks (weighted by
+    magnitude) overlap it most. Returns the row order (a permutation).
+    """
+    R = w.shape[0]
+    if R <= group_rows:
+        return torch.arange(R)
+    a = w.detach().float().abs()
+    mask = NMTensor.from_dense(a, n, m).to_dense() != 0
+    feat = (a * mask)
+    feat = feat / feat.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    sim = feat @ feat.t()
+    free = torch.ones(R, dtype=torch.bool)
+    order = []
+    norms = a.sum(1)
+    while free.any():
+        idx = torch.nonzero(free).flatten()
+        seed = idx[torch.argmax(norms[idx])]
+        cand = sim[seed, idx]
+        take = idx[torch.topk(cand, min(group_rows, idx.numel())).indices]
+        order.append(take)
+        free[take] = False
+    return torch.cat(order)
+
+
+class GroupedNMTensor(_Base):
+    """Grouped n:m weight ``[out, in]``: rows in groups of 16 sharing one pattern.
+
+    Build one with :meth:`from_dense`. ``to_nm()`` gives the same values as an
+    exact :class:`NMTensor` (the backward uses it).
+    """
+
+    def __init__(self, vals: torch.Tensor, indices: torch.Tensor, perm: torch.Tensor, shape: Any, n: int, m: int):
+        self.n, self.m = check_nm(n, m)
+        self._shape = torch.Size(shape)
+        N, K = self._shape
+        G = -(-K // m)
+        Q = -(-N // GR)
+        per = _kernel.index_per_word(m)
+        if tuple(vals.shape) != (Q, G * n, GR):
+            raise ValueError(f"vals must have shape {(Q, G * n, GR)}, got {tuple(vals.shape)}")
+        if indices.dtype != torch.int32 or tuple(indices.shape) != (Q, -(-G * n // per)):
+            raise ValueError("indices have the wrong dtype or shape")
+        if perm.dtype != torch.int32 or tuple(perm.shape) != (Q * GR,):
+            raise ValueError("perm must be int32 of shape (Q*16,)")
+        self._vals, self.indices, self.perm = vals.contiguous(), indices.contiguous(), perm.contiguous()
+
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor, n: int = 2, m: int = 4, group: bool = True) -> "GroupedNMTensor":
+        """Grouped n:m of a 2-D weight: greedy row groups (``group=False``: consecutive
+        rows), then per group the ``n`` columns of each ``m`` with the largest summed
+        magnitude.
+        """
+        check_float_tensor(tensor, "tensor", ndim=2)
+        n, m = check_nm(n, m)
+        w = tensor.detach()
+        N, K = w.shape
+        Q = -(-N // GR)
+        order = greedy_row_groups(w, n, m) if group else torch.arange(N)
+        perm = torch.full((Q * GR,), -1, dtype=torch.int32)
+        perm[:N] = order.to(torch.int32)
+        wf = w.float()
+        rows = torch.zeros((Q * GR, K), dtype=torch.float32)
+        rows[:N] = wf[order]
+        score = rows.abs().reshape(Q, GR, K).sum(1)  # [Q, K]
+        _, idx = _kernel.compress(score, n, m)
+        cols = NMTensor._cols(idx, K, n, m, Q)  # [Q, G*n]
+        full = torch.nn.functional.pad(rows.to(w.dtype) if w.dtype != torch.float32 else rows, (0, int(cols.max()) + 1 - K if cols.numel() else 0))
+        gathered = torch.gather(full.reshape(Q, GR, -1), 2, cols[:, None, :].expand(Q, GR, cols.shape[1]))
+        vals = gathered.transpose(1, 2).contiguous()  # [Q, G*n, GR]
+        return cls(vals, idx, perm, tensor.shape, n, m)
+
+    # -- metadata ----------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._vals.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._vals.device
+
+    @property
+    def nnz(self) -> int:
+        N, K = self._shape
+        return N * ((K // self.m) * self.n + min(self.n, K % self.m))
+
+    @property
+    def nbytes(self) -> int:
+        return self._vals.numel() * self._vals.element_size() + self.indices.numel() * 4 + self.perm.numel() * 4
+
+    def desc(self) -> "_kernel.NMGrouped":
+        v = self._vals if self._vals.dtype == torch.float32 else self._vals.float()
+        N, K = self._shape
+        return _kernel.grouped(v, self.indices, self.perm, N, K, self.n, self.m)
+
+    # -- conversions -----------------------------------------------------------
+    def _row_values(self) -> torch.Tensor:
+        """``[N, G*n]`` values in the original row order."""
+        N = self._shape[0]
+        flat = self._vals.transpose(1, 2).reshape(-1, self._vals.shape[1])  # [Q*GR, G*n]
+        out = flat.new_zeros((N, flat.shape[1]))
+        keep = self.perm >= 0
+        out[self.perm[keep].long()] = flat[keep]
+        return out
+
+    def to_nm(self) -> NMTensor:
+        """The same tensor as an exact :class:`NMTensor` (rows share their group's indices)."""
+        N, K = self._shape
+        Q = self._vals.shape[0]
+        idx_rows = self.indices.repeat_interleave(GR, dim=0)  # [Q*GR, iw]
+        keep = self.perm >= 0
+        idx = torch.empty((N, self.indices.shape[1]), dtype=torch.int32)
+        idx[self.perm[keep].long()] = idx_rows[keep]
+        return NMTensor(self._row_values(), idx, self._shape, self.n, self.m, dim=1)
+
+    def to_dense(self) -> torch.Tensor:
+        return self.to_nm().to_dense()
+
+    def mask(self) -> torch.Tensor:
+        return self.to_nm().mask()
+
+    def kept_magnitude_ratio(self, dense: torch.Tensor) -> float:
+        """Kept |w| of this pattern divided by the kept |w| of exact n:m on ``dense``."""
+        exact = NMTensor.from_dense(dense, self.n, self.m).to_dense().abs().sum()
+        return float(self.to_dense().abs().sum() / exact) if float(exact) else 1.0
+
+    # -- stored-values protocol --------------------------------------------------
+    def values(self) -> torch.Tensor:
+        return self._vals
+
+    def with_values(self, values: torch.Tensor) -> "GroupedNMTensor":
+        return GroupedNMTensor(values.reshape(self._vals.shape), self.indices, self.perm, self._shape, self.n, self.m)
+
+    def from_row_values(self, row_values: torch.Tensor) -> torch.Tensor:
+        """``[N, G*n]`` row-ordered values (e.g. a gradient) in this layout's order."""
+        Q, gn, _ = self._vals.shape
+        flat = row_values.new_zeros((Q * GR, gn))
+        keep = self.perm >= 0
+        flat[keep] = row_values[self.perm[keep].long()]
+        return flat.reshape(Q, GR, gn).transpose(1, 2).contiguous()
+
+    def gather(self, dense: torch.Tensor) -> torch.Tensor:
+        return self.from_row_values(self.to_nm().gather(dense))
+
+    def same_pattern(self, other: Any) -> bool:
+        return (isinstance(other, GroupedNMTensor) and other._shape == self._shape
+                and (other.n, other.m) == (self.n, self.m)
+                and torch.equal(other.indices, self.indices) and torch.equal(other.perm, self.perm))
+
+    def __repr__(self) -> str:
+        return f"GroupedNMTensor(shape={tuple(self._shape)}, n={self.n}, m={self.m}, dtype={self.dtype}, nnz={self.nnz})"

@@ -1,0 +1,217 @@
+"""``NMTensor``: exact n:m sparsity for 2-D weights (every m consecutive elements
+along one dimension keep n).
+
+Memory format (the C kernel reads it directly). The matrix ``A`` is the weight
+itself when the groups run along dim 1 (the default: the input / contraction
+dimension of an ``F.linear`` weight ``[out, in]``), or its transpose when they run
+along dim 0. With ``A`` of shape ``[R, C]`` and ``G = ceil(C / m)`` groups per row:
+
+* ``values``  ``[R, G*n]`` (the weight's dtype): the kept values of each group in
+  increasing column order; slots past column ``C`` (internal padding) hold 0;
+* ``indices`` ``[R, ceil(G*n / per)]`` int32 words: each kept value's offset in
+  its group, ``bits = ceil(log2 m)`` bits each, ``per = 32 // bits`` per word.
+
+Bytes: ``n/m * dense * (1 + bits/(8*itemsize) * 32/(per*bits))`` plus O(rows)
+of padding: 1.03x (m=2), 1.06x (m=4), 1.125x (m=8,10,16) of ``n/m`` dense fp32.
+
+Example:
+    >>> import torch
+    >>> from sten_nm import NMTensor
+    >>> w = torch.tensor([[1., -4., 2., 3.]])
+    >>> t = NMTensor.from_dense(w, n=2, m=4)
+    >>> t.to_dense().tolist()
+    [[0.0, -4.0, 0.0, 3.0]]
+    >>> t.nnz
+    2
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from . import _kernel
+from ._checks import check_dim, check_float_tensor, check_nm
+
+try:  # the core's base class; the layout also works without it
+    from sten_core.layouts import Layout as _Base
+except Exception:  # pragma: no cover
+    _Base = object  # type: ignore[misc,assignment]
+
+
+class NMTensor(_Base):
+    """n:m sparse 2-D tensor (values plus packed in-group offsets).
+
+    Args:
+        values: ``[R, G*n]`` kept values (see the module docstring).
+        indices: ``[R, iw]`` int32 packed offsets.
+        shape: logical ``(rows, cols)`` of the tensor.
+        n, m: keep ``n`` of every ``m``.
+        dim: the dimension the groups run along (1: columns, the default).
+
+    Build one with :meth:`from_dense` (magnitude: the n largest of each group).
+    """
+
+    def __init__(self, values: torch.Tensor, indices: torch.Tensor, shape: Any, n: int, m: int, dim: int = 1):
+        self.n, self.m = check_nm(n, m)
+        self.dim = check_dim(dim)
+        self._shape = torch.Size(shape)
+        if len(self._shape) != 2:
+            raise ValueError(f"shape must be 2-D, got {tuple(self._shape)}")
+        R, C = self._rc()
+        G = -(-C // m)
+        per = _kernel.index_per_word(m)
+        if tuple(values.shape) != (R, G * n):
+            raise ValueError(f"values must have shape {(R, G * n)}, got {tuple(values.shape)}")
+        if indices.dtype != torch.int32 or tuple(indices.shape) != (R, -(-G * n // per)):
+            raise ValueError(f"indices must be int32 of shape {(R, -(-G * n // per))}, got {indices.dtype} {tuple(indices.shape)}")
+        self._values = values.contiguous()
+        self.indices = indices.contiguous()
+
+    # -- construction ----------------------------------------------------------
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor, n: int = 2, m: int = 4, dim: int = 1,
+                   mask: Optional[torch.Tensor] = None) -> "NMTensor":
+        """Keep the ``n`` largest magnitudes of every ``m`` along ``dim``.
+
+        ``mask`` (bool, the tensor's shape, at most ``n`` per group) picks the
+        kept positions instead. Ties keep the lower index; NaN counts as largest.
+
+        >>> NMTensor.from_dense(torch.ones(2, 8), n=1, m=4).nnz
+        4
+        """
+        check_float_tensor(tensor, "tensor", ndim=2)
+        n, m = check_nm(n, m)
+        dim = check_dim(dim)
+        a = tensor.detach()
+        if dim == 0:
+            a = a.t()
+            mask = mask.t() if mask is not None else None
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.shape != tensor.shape:
+                raise ValueError(f"mask must be a tensor of shape {tuple(tensor.shape)}")
+            mask = mask != 0
+        vals, idx = _kernel.compress(a.float(), n, m, mask=mask)
+        if tensor.dtype != torch.float32:
+            # keep the original dtype's values exactly (fp64 would lose bits through fp32)
+            cols = cls._cols(idx, a.shape[1], n, m, a.shape[0])
+            vals = cls._gather_cols(a.contiguous(), cols)
+            if mask is not None:  # fill slots (not in the mask) hold 0
+                vals = vals * cls._gather_cols(mask.to(a.dtype).contiguous(), cols)
+        return cls(vals, idx, tensor.shape, n, m, dim)
+
+    # -- metadata ----------------------------------------------------------------
+    def _rc(self) -> tuple[int, int]:
+        r, c = self._shape
+        return (r, c) if self.dim == 1 else (c, r)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._values.device
+
+    @property
+    def nnz(self) -> int:
+        """Stored positions inside the logical shape (zeros kept by the pattern count)."""
+        R, C = self._rc()
+        return R * ((C // self.m) * self.n + min(self.n, C % self.m))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored values plus indices."""
+        return self._values.numel() * self._values.element_size() + self.indices.numel() * 4
+
+    def mat(self) -> "_kernel.NMMat":
+        """C descriptor of the fp32 stored matrix (``values`` must be float32)."""
+        R, C = self._rc()
+        return _kernel.mat(self._values, self.indices, R, C, self.n, self.m)
+
+    def fp32(self) -> "NMTensor":
+        """This tensor with float32 values (itself when it already is)."""
+        if self._values.dtype == torch.float32:
+            return self
+        return NMTensor(self._values.float(), self.indices, self._shape, self.n, self.m, self.dim)
+
+    # -- dense conversion --------------------------------------------------------
+    @staticmethod
+    def _cols(indices: torch.Tensor, C: int, n: int, m: int, R: int) -> torch.Tensor:
+        G = -(-C // m)
+        bits, per = _kernel.index_bits(m), _kernel.index_per_word(m)
+        e = torch.arange(G * n)
+        words = indices.to(torch.int64) & 0xFFFFFFFF
+        offs = (words[:, e // per] >> (bits * (e % per))) & ((1 << bits) - 1)
+        return (e // n) * m + offs if R else torch.zeros((0, G * n), dtype=torch.int64)
+
+    def columns(self) -> torch.Tensor:
+        """Column of ``A`` of every stored slot, ``[R, G*n]`` int64 (may be >= C in padding)."""
+        R, C = self._rc()
+        return self._cols(self.indices, C, self.n, self.m, R)
+
+    @staticmethod
+    def _gather_cols(a: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        C = a.shape[1]
+        pad = int(cols.max()) + 1 - C if cols.numel() else 0
+        if pad > 0:
+            a = torch.nn.functional.pad(a, (0, pad))
+        return torch.gather(a, 1, cols) if cols.numel() else a.new_zeros(cols.shape)
+
+    def to_dense(self) -> torch.Tensor:
+        """The dense tensor (zeros at the dropped positions)."""
+        R, C = self._rc()
+        if self._values.dtype == torch.float32:
+            a = _kernel.decompress(self.mat())
+        else:
+            G = -(-C // self.m)
+            a = self._values.new_zeros((R, G * self.m))
+            if R and G:
+                a.scatter_(1, self.columns(), self._values)
+            a = a[:, :C]
+        return (a.t() if self.dim == 0 else a).contiguous()
+
+    def mask(self) -> torch.Tensor:
+        """Boolean mask of the stored positions (logical shape)."""
+        R, C = self._rc()
+        G = -(-C // self.m)
+        a = torch.zeros((R, G * self.m), dtype=torch.bool)
+        if R and G:
+            a.scatter_(1, self.columns(), True)
+        a = a[:, :C]
+        return (a.t() if self.dim == 0 else a).contiguous()
+
+    # -- stored-values protocol --------------------------------------------------
+    def values(self) -> torch.Tensor:
+        """The stored values ``[R, G*n]`` (a view: in-place updates change the tensor)."""
+        return self._values
+
+    def with_values(self, values: torch.Tensor) -> "NMTensor":
+        """Same pattern, new values (shape ``[R, G*n]``)."""
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        return NMTensor(values.reshape(self._values.shape), self.indices, self._shape, self.n, self.m, self.dim)
+
+    def gather(self, dense: torch.Tensor) -> torch.Tensor:
+        """Values of ``dense`` (the logical shape) at the stored positions (0 in padding)."""
+        if not isinstance(dense, torch.Tensor) or dense.shape != self._shape:
+            raise ValueError(f"dense must be a tensor of shape {tuple(self._shape)}")
+        a = dense.t() if self.dim == 0 else dense
+        return self._gather_cols(a.contiguous(), self.columns())
+
+    def same_pattern(self, other: Any) -> bool:
+        return (
+            isinstance(other, NMTensor)
+            and other._shape == self._shape
+            and (other.n, other.m, other.dim) == (self.n, self.m, self.dim)
+            and (other.indices is self.indices or torch.equal(other.indices, self.indices))
+        )
+
+    def __repr__(self) -> str:
+        return (f"NMTensor(shape={tuple(self._shape)}, n={self.n}, m={self.m}, dim={self.dim}, "
+                f"dtype={self.dtype}, nnz={self.nnz})")

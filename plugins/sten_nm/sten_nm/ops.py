@@ -1,0 +1,279 @@
+"""Operators on ``NMTensor`` operands: ``F.linear``, ``torch.mm``, ``torch.matmul``
+(forward and backward) through the C kernels.
+
+Every product is ``y = x @ Weff^T`` with ``Weff`` ``[N, K]``: the ``F.linear``
+weight, or the transpose of the second ``mm`` / ``matmul`` operand. The stored
+matrix ``A`` is either ``Weff`` (groups along K: the *gather* kernel) or
+``Weff^T`` (groups along N: the *scatter* kernel); the input gradient uses the
+other kernel and the weight gradient the sampled product (*sddmm*), which
+computes only the kept positions.
+
+Example:
+    >>> import torch
+    >>> from sten_nm import NMTensor, ops
+    >>> w = NMTensor.from_dense(torch.ones(3, 8), n=1, m=4)
+    >>> ops.nm_linear(torch.ones(2, 8), w).tolist()
+    [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import _kernel
+from ._checks import FLOAT_DTYPES
+from .nm_tensor import NMTensor
+
+
+def _layout(w: Any, name: str) -> NMTensor:
+    layout = getattr(w, "wrapped_tensor", w)
+    if not isinstance(layout, NMTensor):
+        raise TypeError(f"{name} must be an NMTensor (or a wrapper of one), got {type(layout).__name__}")
+    return layout
+
+
+def _check_input(x: Any, name: str, k: int, what: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"{name} has shape {tuple(x.shape)} but {what} needs its last dimension to be {k}")
+    if x.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {x.device}")
+    return x
+
+
+def _out_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
+    dtype = None
+    for t in ts:
+        if t is not None:
+            dtype = t.dtype if dtype is None else torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+# -- the three products on 2-D operands (A is the stored matrix) -------------------
+def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: bool) -> torch.Tensor:
+    """``x2 @ Weff^T (+ bias)`` in float32."""
+    A = W.fp32()
+    mat = A.mat()
+    return _kernel.gather(mat, x2, bias) if a_is_w else _kernel.tgather(mat, x2, bias)
+
+
+def _gy_w(W: NMTensor, gy2: torch.Tensor, a_is_w: bool) -> torch.Tensor:
+    """``gy2 @ Weff`` in float32 (gradient wrt the input)."""
+    mat = W.fp32().mat()
+    return _kernel.tgather(mat, gy2) if a_is_w else _kernel.gather(mat, gy2)
+
+
+def _grad_values(W: NMTensor, x2: torch.Tensor, gy2: torch.Tensor, a_is_w: bool) -> torch.Tensor:
+    """Gradient of the stored values (``gy2^T x2`` at the kept positions only)."""
+    mat = W.fp32().mat()
+    return _kernel.sddmm(mat, gy2, x2) if a_is_w else _kernel.sddmm(mat, x2, gy2)
+
+
+def _apply(x: torch.Tensor, W: NMTensor, bias: Optional[torch.Tensor], a_is_w: bool, n_out: int) -> torch.Tensor:
+    dtype = _out_dtype(x, W._values, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if dtype == torch.float64:  # keep double precision: dense reference path
+        y2 = x2.double() @ (W.to_dense().double().t() if a_is_w == (W.dim == 1) else W.to_dense().double())
+        y2 = y2 if bias is None else y2 + bias.double()
+    else:
+        y2 = _x_at(W, x2, bias, a_is_w)
+    return y2.to(dtype).reshape(*x.shape[:-1], n_out)
+
+
+def nm_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for an n:m ``weight`` ``[out, in]``; x of any batch shape.
+
+    >>> w = NMTensor.from_dense(torch.eye(4), n=1, m=2)
+    >>> nm_linear(torch.arange(4.).reshape(1, 4), w).tolist()
+    [[0.0, 1.0, 2.0, 3.0]]
+    """
+    W = _layout(weight, "weight")
+    N, K = W.shape
+    _check_input(x, "input", K, f"F.linear with a weight of shape {(N, K)}")
+    if bias is not None:
+        _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}")
+        if bias.dim() != 1:
+            raise ValueError(f"bias must be 1-D of size {N}, got shape {tuple(bias.shape)}")
+    return _apply(x, W, bias, W.dim == 1, N)
+
+
+def nm_matmul(x: torch.Tensor, other: Any) -> torch.Tensor:
+    """``x @ other`` for an n:m ``other`` ``[K, N]``; x ``[..., K]``.
+
+    >>> s = NMTensor.from_dense(torch.eye(4), n=1, m=2, dim=0)
+    >>> nm_matmul(torch.ones(1, 4), s).tolist()
+    [[1.0, 1.0, 1.0, 1.0]]
+    """
+    S = _layout(other, "other")
+    K, N = S.shape
+    _check_input(x, "input", K, f"a product with an n:m operand of shape {(K, N)}")
+    return _apply(x, S, None, S.dim == 0, N)
+
+
+# -- STen implementations --------------------------------------------------------
+def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    x, w, bias = (list(inputs) + [None, None])[:3]
+    ctx.save_for_backward(x, w, bias)
+    return nm_linear(x, w, bias)
+
+
+def _mm_fwd(ctx: Any, inputs: list, output_sparsifiers: list, name: str) -> torch.Tensor:
+    x, s = inputs[0], inputs[1]
+    if name == "mm" and x.dim() != 2:
+        raise ValueError(f"torch.mm: input must be 2-D, got shape {tuple(x.shape)}")
+    ctx.save_for_backward(x, s, None)
+    return nm_matmul(x, s)
+
+
+def mm_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    return _mm_fwd(ctx, inputs, output_sparsifiers, "mm")
+
+
+def matmul_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    return _mm_fwd(ctx, inputs, output_sparsifiers, "matmul")
+
+
+def _needs(ctx: Any, i: int) -> bool:
+    needs = getattr(ctx, "needs_input_grad", ()) or ()
+    return bool(needs[i]) if i < len(needs) else True
+
+
+def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, saved: Optional[tuple] = None) -> tuple:
+    x, w, bias = saved if saved is not None else ctx.saved_tensors
+    W = _layout(w, "weight")
+    a_is_w = (W.dim == 1) if linear else (W.dim == 0)
+    gy = grad_outputs[0]
+    n_out = gy.shape[-1]
+    gy2 = gy.reshape(-1, n_out)
+    x2 = x.reshape(-1, x.shape[-1])
+    double = _out_dtype(x, W._values) == torch.float64
+    gx = gw = gb = None
+    if _needs(ctx, 0):
+        if double:
+            dense = W.to_dense().double()
+            g = gy2.double() @ (dense if linear else dense.t())
+        else:
+            g = _gy_w(W, gy2, a_is_w)
+        gx = g.to(x.dtype).reshape(x.shape)
+    if _needs(ctx, 1):
+        if sparse_grad:
+            if double:
+                full = gy2.double().t() @ x2.double() if linear else x2.double().t() @ gy2.double()
+                vals = W.gather(full)
+            else:
+                vals = _grad_values(W, x2, gy2, a_is_w)
+            from sten_core import SparseTensorWrapper
+
+            gw = SparseTensorWrapper(W.with_values(vals.to(W.dtype)))
+        else:
+            full = gy2.t() @ x2.to(gy2.dtype) if linear else x2.to(gy2.dtype).t() @ gy2
+            gw = full.to(W.dtype)
+    if linear and bias is not None and _needs(ctx, 2):
+        gb = gy2.sum(0).to(bias.dtype)
+    return (gx, gw, gb) if linear else (gx, gw)
+
+
+def linear_bwd_dense(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+    return _backward(ctx, grad_outputs, sparse_grad=False, linear=True)
+
+
+def linear_bwd_sparse(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+    return _backward(ctx, grad_outputs, sparse_grad=True, linear=True)
+
+
+def mm_bwd_dense(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+    return _backward(ctx, grad_outputs, sparse_grad=False, linear=False)
+
+
+def mm_bwd_sparse(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+    return _backward(ctx, grad_outputs, sparse_grad=True, linear=False)
+
+
+def register(registry: Any) -> None:
+    """Register the forward and backward implementations (called by the plugin)."""
+    from sten_core import KeepAll
+
+    T = torch.Tensor
+    dense_out = [(KeepAll, T)]
+    for op, fwd, bwd_d, bwd_s, patterns in (
+        (F.linear, linear_fwd, linear_bwd_dense, linear_bwd_sparse, ((T, NMTensor, T), (T, NMTensor))),
+        (torch.mm, mm_fwd, mm_bwd_dense, mm_bwd_sparse, ((T, NMTensor),)),
+        (torch.matmul, matmul_fwd, mm_bwd_dense, mm_bwd_sparse, ((T, NMTensor),)),
+    ):
+        for inp in patterns:
+            registry.register_fwd_op_impl(op, inp, dense_out, fwd)
+            for wfmt, impl in ((T, bwd_d), (NMTensor, bwd_s)):
+                grads = [(KeepAll, T), (KeepAll, wfmt)] + [(KeepAll, T)] * (len(inp) - 2)
+                registry.register_bwd_op_impl(op, (T,), tuple(grads), inp, impl)
+
+
+# -- grouped n:m (F.linear only) ---------------------------------------------------
+def grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a :class:`GroupedNMTensor` weight.
+
+    >>> from sten_nm import GroupedNMTensor
+    >>> w = GroupedNMTensor.from_dense(torch.eye(4), n=1, m=2)
+    >>> grouped_linear(torch.arange(4.).reshape(1, 4), w).tolist()
+    [[0.0, 1.0, 2.0, 3.0]]
+    """
+    from .grouped_tensor import GroupedNMTensor
+
+    W = getattr(weight, "wrapped_tensor", weight)
+    if not isinstance(W, GroupedNMTensor):
+        raise TypeError(f"weight must be a GroupedNMTensor, got {type(W).__name__}")
+    N, K = W.shape
+    _check_input(x, "input", K, f"F.linear with a weight of shape {(N, K)}")
+    if bias is not None:
+        _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}")
+    dtype = _out_dtype(x, W._vals, bias)
+    x2 = x.reshape(-1, K)
+    if dtype == torch.float64:
+        y2 = F.linear(x2.double(), W.to_dense().double(), None if bias is None else bias.double())
+    else:
+        y2 = _kernel.grouped_gather(W.desc(), x2, bias)
+    return y2.to(dtype).reshape(*x.shape[:-1], N)
+
+
+def grouped_linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    x, w, bias = (list(inputs) + [None, None])[:3]
+    ctx.save_for_backward(x, w, bias)
+    return grouped_linear(x, w, bias)
+
+
+def _grouped_backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
+    from sten_core import SparseTensorWrapper
+
+    x, w, bias = ctx.saved_tensors
+    G = w.wrapped_tensor
+    gx, gw, gb = _backward(ctx, grad_outputs, sparse_grad=sparse_grad, linear=True, saved=(x, G.to_nm(), bias))
+    if sparse_grad and gw is not None:
+        gw = SparseTensorWrapper(G.with_values(G.from_row_values(gw.wrapped_tensor.values())))
+    return gx, gw, gb
+
+
+def grouped_linear_bwd_dense(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+    return _grouped_backward(ctx, grad_outputs, sparse_grad=False)
+
+
+def grouped_linear_bwd_sparse(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+    return _grouped_backward(ctx, grad_outputs, sparse_grad=True)
+
+
+def register_grouped(registry: Any) -> None:
+    """Register ``F.linear`` with a :class:`GroupedNMTensor` weight (forward and backward)."""
+    from sten_core import KeepAll
+
+    from .grouped_tensor import GroupedNMTensor
+
+    T = torch.Tensor
+    for inp in ((T, GroupedNMTensor, T), (T, GroupedNMTensor)):
+        registry.register_fwd_op_impl(F.linear, inp, [(KeepAll, T)], grouped_linear_fwd)
+        for wfmt, impl in ((T, grouped_linear_bwd_dense), (GroupedNMTensor, grouped_linear_bwd_sparse)):
+            grads = [(KeepAll, T), (KeepAll, wfmt)] + [(KeepAll, T)] * (len(inp) - 2)
+            registry.register_bwd_op_impl(F.linear, (T,), tuple(grads), inp, impl)

@@ -1,0 +1,51 @@
+"""The ``nm`` STen plugin (entry point ``[project.entry-points.sten] nm = "sten_nm.plugin"``).
+
+Registers the ``NMTensor`` layout, its sparsifiers, conversions and the
+``F.linear`` / ``torch.mm`` / ``torch.matmul`` implementations.
+
+Example:
+    >>> from sten_nm import plugin
+    >>> plugin.sten_plugin_info()["name"]
+    'nm'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import sten_core
+
+from . import __version__, _kernel, ops
+from .grouped_tensor import GroupedNMTensor
+from .nm_tensor import NMTensor
+from .sparsifier import GroupedNMSparsifier, NMSparsifier, grouped_sparsify, nm_sparsify, per_block_sparsify
+
+
+def _conversions() -> list:
+    from sten_core import CooTensor, CscTensor, CsrTensor, DenseTensor
+
+    out = [(src, cls, (lambda c: (lambda t: c.from_dense(t.to_dense())))(cls))
+           for src in (NMTensor, GroupedNMTensor) for cls in (DenseTensor, CooTensor, CsrTensor, CscTensor)]
+    out.append((GroupedNMTensor, NMTensor, lambda t: t.to_nm()))  # lossless: same values
+    return out
+
+
+@sten_core.hookimpl
+def sten_register(registry: Any) -> None:
+    registry.register_layout(NMTensor)
+    registry.register_layout(GroupedNMTensor)
+    registry.register_sparsifier_implementation(GroupedNMSparsifier, torch.Tensor, GroupedNMTensor, grouped_sparsify)
+    for sp, impl in ((NMSparsifier, nm_sparsify), (sten_core.PerBlockFractionSparsifier, per_block_sparsify)):
+        registry.register_sparsifier_implementation(sp, torch.Tensor, NMTensor, impl)
+    for src, dst, fn in _conversions():
+        registry.register_conversion(src, dst, fn)
+    ops.register(registry)
+    ops.register_grouped(registry)
+
+
+@sten_core.hookimpl
+def sten_plugin_info() -> dict:
+    ok, reason = _kernel.available()
+    return {"name": "nm", "version": __version__, "available": ok, "reason": reason}
