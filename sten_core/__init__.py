@@ -45,6 +45,8 @@ from .dispatch import (
 )
 from . import plugins
 from .builder import SparsityBuilder
+from .schedule import GradualPruning, OneShot, PruneRegrow, SparsityScheduler
+from .scores import MovementSparsifier, ScoreSparsifier, TaylorSparsifier
 from .serialization import densify_state_dict, load_dense_state_dict
 
 
@@ -105,6 +107,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "GradualPruning", "MovementSparsifier", "OneShot", "PruneRegrow", "ScoreSparsifier",
+    "SparsityScheduler", "TaylorSparsifier",
     "BlockwiseFractionSparsifier", "CooTensor", "CscTensor", "CsrTensor", "DenseTensor",
     "DispatchError", "DispatchWarning", "KeepAll", "Layout", "OpKey", "OutputSpec",
     "PerBlockFractionSparsifier", "RandomFractionSparsifier", "SameFormatSparsifier",

@@ -419,7 +419,6 @@ class _Call:
         self.key, self.out_specs, self.grad_out_specs = key, out_specs, grad_out_specs
         self.plan = _plan_for(key)
         self.ctx: OpContext | None = None
-        self.n_outputs = 1
 
     # forward
     def forward(self, detach: bool = True) -> Any:
@@ -455,7 +454,6 @@ class _Call:
         if self.out_specs is None or _is_inplace(self.op, self.kwargs):
             return raw
         outs = raw if isinstance(raw, tuple) else (raw,)
-        self.n_outputs = len(outs)
         specs = self.out_specs + (DENSE,) * (len(outs) - len(self.out_specs))
         done = self.plan.fixes_inline
         result = tuple(apply_spec(v, s, inline_done=done) for v, s in zip(outs, specs))

@@ -300,6 +300,7 @@ class _Entry:
     score: torch.Tensor | None = None
     masked_dense: bool = False  # layout stores more than the mask: re-mask after each step
     history: list = field(default_factory=list)
+    targets: dict = field(default_factory=dict)  # sparsity -> kept count (target_nnz cache)
 
     @property
     def param(self) -> Any:
@@ -389,11 +390,18 @@ class SparsityScheduler:
         """How many positions of ``name`` the schedule keeps at ``step`` (default: now)."""
         entry = self._entry(name)
         step = self.step_count if step is None else step
-        selector = selector_at(entry.sparsifier, entry.schedule.sparsity(step))
+        sparsity = entry.schedule.sparsity(step)
+        cached = entry.targets.get(sparsity)
+        if cached is not None:
+            return cached
+        selector = selector_at(entry.sparsifier, sparsity)
         numel = entry.param.numel()
         if selector is None:
-            return numel
-        return int(selector.mask(torch.arange(numel, 0, -1, dtype=torch.float32).view(entry.param.shape)).sum())
+            count = numel
+        else:
+            count = int(selector.mask(torch.arange(numel, 0, -1, dtype=torch.float32).view(entry.param.shape)).sum())
+        entry.targets[sparsity] = count
+        return count
 
     def nnz(self, name: str) -> int:
         """How many positions of ``name`` are kept now."""

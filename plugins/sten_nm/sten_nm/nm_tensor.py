@@ -85,13 +85,13 @@ class NMTensor(_Base):
         n, m = check_nm(n, m)
         dim = check_dim(dim)
         a = tensor.detach()
-        if dim == 0:
-            a = a.t()
-            mask = mask.t() if mask is not None else None
         if mask is not None:
             if not isinstance(mask, torch.Tensor) or mask.shape != tensor.shape:
                 raise ValueError(f"mask must be a tensor of shape {tuple(tensor.shape)}")
             mask = mask != 0
+        if dim == 0:
+            a = a.t()
+            mask = mask.t() if mask is not None else None
         vals, idx = _kernel.compress(a.float(), n, m, mask=mask)
         if tensor.dtype != torch.float32:
             # keep the original dtype's values exactly (fp64 would lose bits through fp32)
