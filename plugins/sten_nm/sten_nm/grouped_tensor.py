@@ -20,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -151,7 +151,6 @@ class GroupedNMTensor(_Base):
     def to_nm(self) -> NMTensor:
         """The same tensor as an exact :class:`NMTensor` (rows share their group's indices)."""
         N, K = self._shape
-        Q = self._vals.shape[0]
         idx_rows = self.indices.repeat_interleave(GR, dim=0)  # [Q*GR, iw]
         keep = self.perm >= 0
         idx = torch.empty((N, self.indices.shape[1]), dtype=torch.int32)
