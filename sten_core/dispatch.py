@@ -34,7 +34,7 @@ from .registry import Entry, OpKey, registry, trim
 from .signatures import bind, op_name
 from .sparsifiers import KeepAll
 from .spec import DENSE, OutputSpec, coerce_specs
-from .tensor import SparseTensorWrapper, densify, densify_tree, write_back
+from .tensor import SparseParameterWrapper, SparseTensorWrapper, densify, densify_tree, write_back
 from .layouts import to_dense_tensor
 
 
@@ -92,6 +92,7 @@ observers: list[Callable[[dict], None]] = []
 
 def _clear_cache() -> None:
     _cache.clear()
+    _fast.clear()
     _path_cache.clear()
 
 
@@ -382,13 +383,12 @@ def _plan_for(key: OpKey) -> Plan:
 class OpContext:
     """The ``ctx`` that implementations receive (shared by forward and backward)."""
 
-    __slots__ = ("op", "inputs", "saved_tensors", "needs_input_grad", "call_args", "__dict__")
+    saved_tensors: tuple = ()
+    needs_input_grad: tuple = ()
 
     def __init__(self, op: Any, inputs: list, call_args: tuple = ((), {})):
         self.op = op
         self.inputs = inputs
-        self.saved_tensors: tuple = ()
-        self.needs_input_grad: tuple = ()
         self.call_args = call_args
 
     def save_for_backward(self, *tensors: Any) -> None:
@@ -563,7 +563,18 @@ class _DispatchFunction(torch.autograd.Function):
         return (None, None, *call.backward(grads, fctx.positions, needs))
 
 
-_WRAPPER_TYPES = {SparseTensorWrapper}
+_WRAPPER_TYPES = {SparseTensorWrapper, SparseParameterWrapper}
+# implicit positional calls already resolved to an implementation: (op, arg kinds) -> (plan, defaults, tensor positions)
+_fast: dict[tuple, tuple] = {}
+_NoTorchFunction = torch._C.DisableTorchFunctionSubclass
+
+
+def _remember_fast(key: tuple, plan: Plan, args: tuple, bound: list, positions: list[int]) -> None:
+    """Cache an implicit call's plan by argument types, when the types determine it."""
+    if all(type(a) in _WRAPPER_TYPES or type(a) in _DENSE_TYPES or not isinstance(a, torch.Tensor) for a in args) \
+            and all(p < len(args) for p in positions):
+        defaults = bound[len(args):] + [None] * max(0, plan.nargs - len(bound))
+        _fast[key] = (plan, defaults, positions)
 _DENSE_TYPES = {torch.Tensor, torch.nn.Parameter}
 _KEEP_ALL_LIST = [_KEEP_ALL]
 
@@ -597,22 +608,46 @@ def _scan(bound: list) -> tuple[tuple, list[int], bool]:
     return tuple(layouts), positions, needs_grad
 
 
+def _run_direct(plan: Plan, op: Any, args: tuple, kwargs: dict, bound: list) -> Any:
+    """Run a cached implementation on the call's own (untracked) inputs."""
+    nargs = plan.nargs
+    inputs = bound[:nargs] if len(bound) >= nargs else bound + [None] * (nargs - len(bound))
+    raw = plan.entry.fn(OpContext(op, inputs, (args, kwargs)), inputs, _KEEP_ALL_LIST)
+    return raw if type(raw) in _DENSE_TYPES else wrap(raw)
+
+
 def call_op(op: Any, args: tuple, kwargs: dict, out_specs: tuple | None = None,
             grad_out_specs: tuple | None = None) -> Any:
     """Dispatch one call of ``op`` (the entry point of wrappers and sparse ops)."""
     if not plugins._loaded:
         plugins.ensure_loaded()
+    fast_key = None
+    if out_specs is None and not kwargs and not observers:
+        # the hot path: an implicit positional call already resolved to an implementation
+        wrappers = _WRAPPER_TYPES
+        fast_key = (op, *[type(a.wrapped_tensor) if type(a) in wrappers else type(a) for a in args])
+        hit = _fast.get(fast_key)
+        if hit is not None:
+            plan, defaults, positions = hit
+            with _NoTorchFunction():
+                for i in positions:
+                    if args[i].requires_grad:
+                        break
+                else:
+                    positions = None
+            if positions is None:  # nothing to track: run the implementation on the inputs
+                inputs = [*args, *defaults][:plan.nargs]
+                raw = plan.entry.fn(OpContext(op, inputs, (args, kwargs)), inputs, _KEEP_ALL_LIST)
+                return raw if type(raw) in _DENSE_TYPES else wrap(raw)
     bound = bind(op, args, kwargs)
     inp, positions, needs_grad = _scan(bound)
     if out_specs is None:
         key = OpKey("fwd", op, inp, None)
         plan = _cache.get(key)
         if plan is not None and plan.direct and not needs_grad and not observers:
-            # the hot path: an implicit call with a cached implementation, no autograd
-            nargs = plan.nargs
-            inputs = bound[:nargs] if len(bound) >= nargs else bound + [None] * (nargs - len(bound))
-            raw = plan.entry.fn(OpContext(op, inputs, (args, kwargs)), inputs, _KEEP_ALL_LIST)
-            return raw if type(raw) in _DENSE_TYPES else wrap(raw)
+            if fast_key is not None:
+                _remember_fast(fast_key, plan, args, bound, positions)
+            return _run_direct(plan, op, args, kwargs, bound)
     else:
         key = OpKey("fwd", op, inp, tuple((type(s.inline_sparsifier), s.tmp_format) for s in out_specs))
     call = _Call(op, args, kwargs, bound, key, out_specs, grad_out_specs)

@@ -87,10 +87,10 @@ class SparseTensorWrapper(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is None:
-            return (_call_op or _dispatch())(func, args, kwargs)
+            return (_call_op or _dispatch())(func, args, kwargs or {})
+        kwargs = kwargs or {}
         if handler is _PASS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)

@@ -441,3 +441,27 @@ def test_sparsifier_fallback_warns_once(events):
     assert torch.equal(w1.to_dense(), x) and torch.equal(w2.to_dense(), x)
     text = dispatch_warnings(record)
     assert len(text) == 1 and "Unknown" in text[0] and "FakeLayout" in text[0]
+
+
+def test_fast_path_keys_on_layouts_and_grad():
+    """Repeated implicit calls reuse the plan by argument kinds, never across layouts,
+    and a wrapper that needs a gradient still records the autograd node."""
+    x = torch.randn(5, 4)
+    w = torch.randn(3, 4) * (torch.rand(3, 4) > 0.5)
+    for _ in range(2):  # the second round takes the cached path
+        for layout in (sten.CsrTensor, sten.CooTensor, sten.CscTensor):
+            ws = sten.SparseTensorWrapper(layout.from_dense(w))
+            torch.testing.assert_close(torch.nn.functional.linear(x, ws), x @ w.T, rtol=1e-5, atol=1e-6)
+    wp = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(w))
+    out = torch.nn.functional.linear(x, wp)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    torch.testing.assert_close(wp.grad, torch.ones(5, 3).T @ x, rtol=1e-5, atol=1e-5)
+    assert sten.dispatch._fast
+    sten.registry.register_conversion(sten.DenseTensor, sten.CsrTensor, lambda d: sten.CsrTensor.from_dense(d.data))
+    try:
+        assert not sten.dispatch._fast, "a registration clears the fast cache"
+    finally:
+        sten.registry.conversions.pop((sten.DenseTensor, sten.CsrTensor), None)
+        sten.registry._owners.pop(("conversions", (sten.DenseTensor, sten.CsrTensor)), None)
+        sten.dispatch._clear_cache()
