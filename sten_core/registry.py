@@ -238,8 +238,9 @@ class Registry:
         grad_out = tuple(_layout_entry(g, "grad_out") for g in (grad_out if isinstance(grad_out, (tuple, list)) else (grad_out,)))
         grads = normalize_out_pairs(grad_inp, "grad_inp")
         pattern = normalize_inp(inp, operator)
-        if len(grads) > max(len(pattern), len(signature_of(operator).names) if signature_of(operator) else len(grads)):
-            raise ValueError(f"grad_inp has {len(grads)} entries but inp has {len(pattern)}")
+        params = signature_of(operator)
+        if params is not None and len(grads) > max(len(pattern), len(params.names)):
+            raise ValueError(f"grad_inp has {len(grads)} entries but {op_name(operator)} takes {len(params.names)} arguments")
         key = OpKey("bwd", operator, pattern, grads, grad_out)
         self._put("impls", key, Entry(impl, _full_length(inp)))
         return impl

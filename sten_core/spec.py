@@ -44,15 +44,6 @@ class OutputSpec(NamedTuple):
                 raise TypeError(f"{name}: {label} must be a layout class, got {part!r}")
         return cls(inline, tmp, external, out)
 
-    @property
-    def is_dense_keep_all(self) -> bool:
-        return (
-            type(self.inline_sparsifier) is KeepAll
-            and type(self.external_sparsifier) is KeepAll
-            and self.tmp_format is torch.Tensor
-            and self.out_format is torch.Tensor
-        )
-
 
 DENSE = OutputSpec(KeepAll(), torch.Tensor, KeepAll(), torch.Tensor)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import sten_core as sten
+from fake_layouts import DenseCopyLayout
 from sten_core import dispatch
 
 T = torch.Tensor
@@ -18,22 +19,8 @@ OWNER = "test-dispatch"
 DENSE_SPEC = (sten.KeepAll(), T, sten.KeepAll(), T)
 
 
-class FakeLayout(sten.Layout):
+class FakeLayout(DenseCopyLayout):
     """A layout that stores a dense copy (enough to see what ran)."""
-
-    def __init__(self, data: torch.Tensor):
-        self.data = data
-
-    @classmethod
-    def from_dense(cls, tensor: torch.Tensor) -> "FakeLayout":
-        return cls(tensor.detach().clone())
-
-    def to_dense(self) -> torch.Tensor:
-        return self.data
-
-    shape = property(lambda self: self.data.shape)
-    dtype = property(lambda self: self.data.dtype)
-    device = property(lambda self: self.data.device)
 
 
 class OtherFake(FakeLayout):

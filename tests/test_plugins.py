@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import sten_core as sten
+from fake_layouts import DenseCopyLayout
 from sten_core.plugins import PluginLoadError, PluginLoadWarning
 
 T = torch.Tensor
@@ -24,20 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 
-class PluginLayout(sten.Layout):
-    def __init__(self, data: torch.Tensor):
-        self.data = data
-
-    @classmethod
-    def from_dense(cls, tensor: torch.Tensor) -> "PluginLayout":
-        return cls(tensor.detach().clone())
-
-    def to_dense(self) -> torch.Tensor:
-        return self.data
-
-    shape = property(lambda self: self.data.shape)
-    dtype = property(lambda self: self.data.dtype)
-    device = property(lambda self: self.data.device)
+class PluginLayout(DenseCopyLayout):
+    """The fake plugin's layout."""
 
 
 class HalfLayout(PluginLayout):
