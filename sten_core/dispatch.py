@@ -34,7 +34,8 @@ from .registry import Entry, OpKey, registry, trim
 from .signatures import bind, op_name
 from .sparsifiers import KeepAll
 from .spec import DENSE, OutputSpec, coerce_specs
-from .tensor import SparseParameterWrapper, SparseTensorWrapper, densify, densify_tree, write_back
+from .tensor import (DENSE_TYPES, PLAIN_TYPES, WRAPPER_TYPES, SparseTensorWrapper, densify,
+                     densify_tree, detached, write_back)
 from .layouts import to_dense_tensor
 
 
@@ -87,13 +88,17 @@ class Plan:
 _cache: dict[OpKey, Any] = {}  # operator keys → Plan; sparsifier keys → (kind, impl)
 _warned: set[OpKey] = set()
 _path_cache: dict[tuple[type, type], tuple | None] = {}
+_sparsifier_plans: dict[tuple, tuple] = {}  # (sparsifier class, layout, out format) → (kind, impl)
 observers: list[Callable[[dict], None]] = []
+_DENSE_TYPES, _WRAPPER_TYPES = DENSE_TYPES, WRAPPER_TYPES
+_NoTorchFunction = torch._C.DisableTorchFunctionSubclass
 
 
 def _clear_cache() -> None:
     _cache.clear()
     _fast.clear()
     _path_cache.clear()
+    _sparsifier_plans.clear()
 
 
 registry.on_change(_clear_cache)
@@ -101,6 +106,13 @@ registry.on_change(_clear_cache)
 
 def layout_of(value: Any) -> Any:
     """The layout class of a call argument: a layout class, ``torch.Tensor`` or ``None``."""
+    t = type(value)
+    if t in WRAPPER_TYPES:
+        return type(value.wrapped_tensor)
+    if t in DENSE_TYPES:
+        return torch.Tensor
+    if t in PLAIN_TYPES:
+        return None
     if isinstance(value, SparseTensorWrapper):
         return type(value.wrapped_tensor)
     if isinstance(value, torch.Tensor):
@@ -214,7 +226,7 @@ def _convert(value: Any, target: type) -> Any:
 
 def wrap(value: Any) -> Any:
     """Wrap a bare layout object; tensors, wrappers and ``None`` pass through."""
-    if value is None or isinstance(value, torch.Tensor) or isinstance(value, (int, float, bool)):
+    if type(value) in DENSE_TYPES or type(value) in WRAPPER_TYPES or value is None or isinstance(value, torch.Tensor) or isinstance(value, (int, float, bool)):
         return value
     if isinstance(value, (tuple, list)):
         return type(value)(wrap(v) for v in value)
@@ -280,15 +292,24 @@ def sparsify(sparsifier: Any, tensor: Any, out_format: type, grad_fmt: Any = Non
     if not isinstance(out_format, type):
         raise TypeError(f"out_format must be a layout class, got {out_format!r}")
     plugins.ensure_loaded()
-    key = OpKey("sparsifier", type(sparsifier), (layout_of(tensor),), out_format)
-    resolved = _cache.get(key)
+    return _sparsify(sparsifier, tensor, out_format, grad_fmt)
+
+
+def _sparsify(sparsifier: Any, tensor: torch.Tensor, out_format: type, grad_fmt: Any = None,
+              layout: Any = None) -> Any:
+    """``sparsify`` without argument checks (output specs were checked when made);
+    ``layout``: the tensor's, when the caller knows it."""
+    if layout is None:
+        layout = layout_of(tensor)
+    resolved = _sparsifier_plans.get((type(sparsifier), layout, out_format))
     if resolved is None:
-        resolved = _cache[key] = _resolve_sparsifier(key)
+        resolved = _sparsifier_plan(type(sparsifier), layout, out_format)
     kind, impl = resolved
     if observers:
         started = time.perf_counter()
         result = impl(sparsifier, tensor, grad_fmt)
-        _notify("sparsifier", key, kind, time.perf_counter() - started)
+        _notify("sparsifier", OpKey("sparsifier", type(sparsifier), (layout,), out_format), kind,
+                time.perf_counter() - started)
     else:
         result = impl(sparsifier, tensor, grad_fmt)
     if grad_fmt is not None and isinstance(result, SparseTensorWrapper):
@@ -296,16 +317,30 @@ def sparsify(sparsifier: Any, tensor: Any, out_format: type, grad_fmt: Any = Non
     return result
 
 
+def _sparsifier_plan(sp_cls: type, layout: Any, out_format: type) -> tuple[str, Callable]:
+    """Resolve (and cache, under its ``OpKey`` and a plain tuple) a sparsifier key."""
+    key = OpKey("sparsifier", sp_cls, (layout,), out_format)
+    resolved = _cache.get(key)
+    if resolved is None:
+        resolved = _cache[key] = _resolve_sparsifier(key)
+    _sparsifier_plans[(sp_cls, layout, out_format)] = resolved
+    return resolved
+
+
 def apply_spec(value: Any, spec: OutputSpec, inline_done: bool = False) -> Any:
     """Run an output through its spec: inline sparsifier to ``tmp_format``
     (unless already done), then the external one to ``out_format``."""
-    if value is None or not isinstance(value, torch.Tensor):
+    t = type(value)
+    if t not in DENSE_TYPES and t not in WRAPPER_TYPES and not isinstance(value, torch.Tensor):
         return value
+    layout = None
     if not inline_done:
-        value = sparsify(spec.inline_sparsifier, value, spec.tmp_format)
+        value = _sparsify(spec.inline_sparsifier, value, spec.tmp_format)
     elif layout_of(value) is not spec.tmp_format:
         value = convert(value, spec.tmp_format)
-    return sparsify(spec.external_sparsifier, value, spec.out_format)
+    else:
+        layout = spec.tmp_format
+    return _sparsify(spec.external_sparsifier, value, spec.out_format, None, layout)
 
 
 # -- forward resolution ---------------------------------------------------------
@@ -381,8 +416,12 @@ def _plan_for(key: OpKey) -> Plan:
 
 
 class OpContext:
-    """The ``ctx`` that implementations receive (shared by forward and backward)."""
+    """The ``ctx`` that implementations receive (shared by forward and backward):
+    ``op``, ``inputs`` (bound arguments), ``call_args`` (``(args, kwargs)``),
+    ``save_for_backward(*tensors)`` / ``saved_tensors`` and, in backward,
+    ``needs_input_grad``."""
 
+    __slots__ = ("op", "inputs", "call_args", "__dict__")  # __dict__: implementations may stash state
     saved_tensors: tuple = ()
     needs_input_grad: tuple = ()
 
@@ -395,29 +434,58 @@ class OpContext:
         self.saved_tensors = tensors
 
 
-def _detach(value: Any) -> Any:
-    """An input as implementations see it: no autograd history (call with torch
-    functions disabled, so reading ``requires_grad`` costs nothing)."""
-    if isinstance(value, torch.Tensor) and value.requires_grad:
-        if isinstance(value, SparseTensorWrapper):
-            return SparseTensorWrapper(value.wrapped_tensor, False, value.grad_fmt)
-        return value.detach()
-    return value
+class CallSpecs:
+    """The output specs of a call, with what dispatch derives from them once:
+    ``pairs`` (the key's ``(inline sparsifier class, tmp_format)`` per output)
+    and ``sparsifiers`` (the inline sparsifiers implementations receive)."""
+
+    __slots__ = ("out", "grad", "pairs", "sparsifiers")
+
+    def __init__(self, out: tuple, grad: tuple | None = None):
+        self.out, self.grad = out, grad
+        self.pairs = tuple((type(s.inline_sparsifier), s.tmp_format) for s in out)
+        self.sparsifiers = [s.inline_sparsifier for s in out]
 
 
-def _detach_all(values: list) -> list:
-    with torch._C.DisableTorchFunctionSubclass():
-        return [_detach(v) for v in values]
+_KEEP_ALL_LIST = [_KEEP_ALL]
+
+
+def _run_impl(plan: Plan, ctx: OpContext, specs: CallSpecs | None) -> Any:
+    """Call a plan's implementation on ``ctx.inputs`` (``plan.nargs`` of them);
+    bare layout objects in its output are wrapped."""
+    raw = plan.entry.fn(ctx, ctx.inputs, _KEEP_ALL_LIST if specs is None else specs.sparsifiers)
+    return raw if type(raw) in _DENSE_TYPES else wrap(raw)
+
+
+def _finish(raw: Any, specs: CallSpecs | None, inplace: bool, inline_done: bool) -> Any:
+    """Run the outputs through their specs (in-place calls return their target as is)."""
+    if specs is None or inplace:
+        return raw
+    out_specs = specs.out
+    if not isinstance(raw, tuple):
+        return apply_spec(raw, out_specs[0] if out_specs else DENSE, inline_done)
+    out_specs = out_specs + (DENSE,) * (len(raw) - len(out_specs))
+    return tuple(apply_spec(v, s, inline_done) for v, s in zip(raw, out_specs))
+
+
+def _detach_all(values: list, positions: Any) -> list:
+    """``values`` with the tensors at ``positions`` detached (see ``detached``)."""
+    values = list(values)
+    with _NoTorchFunction():
+        for i in positions:
+            values[i] = detached(values[i])
+    return values
 
 
 class _Call:
     """One operator call: its arguments, specs and plan, forward and backward."""
 
-    def __init__(self, op: Any, args: tuple, kwargs: dict, bound: list, key: OpKey,
-                 out_specs: tuple | None, grad_out_specs: tuple | None):
-        self.op, self.args, self.kwargs, self.bound = op, args, kwargs, bound
-        self.key, self.out_specs, self.grad_out_specs = key, out_specs, grad_out_specs
-        self.plan = _plan_for(key)
+    __slots__ = ("op", "args", "kwargs", "bound", "positions", "key", "plan", "specs", "ctx")
+
+    def __init__(self, op: Any, args: tuple, kwargs: dict, bound: list, positions: Any, key: OpKey,
+                 plan: Plan, specs: CallSpecs | None):
+        self.op, self.args, self.kwargs, self.bound, self.positions = op, args, kwargs, bound, positions
+        self.key, self.plan, self.specs = key, plan, specs
         self.ctx: OpContext | None = None
 
     # forward
@@ -425,14 +493,15 @@ class _Call:
         plan, op = self.plan, self.op
         started = time.perf_counter() if observers else 0.0
         if plan.kind in ("impl", "generic", "convert"):
-            inputs = _detach_all(self.bound) if detach else list(self.bound)
+            inputs = _detach_all(self.bound, self.positions) if detach else list(self.bound)
             if plan.kind == "convert":
                 inputs = [convert(v, c) if c is not None else v for v, c in zip(inputs, plan.conversions)] + inputs[len(plan.conversions):]
             nargs = plan.nargs
             inputs = inputs[:nargs] + [None] * (nargs - len(inputs))
             self.ctx = OpContext(op, inputs, (self.args, self.kwargs))
-            sparsifiers = [s.inline_sparsifier for s in self.out_specs] if self.out_specs else [_KEEP_ALL]
-            raw = wrap(plan.entry.fn(self.ctx, inputs, sparsifiers))
+            raw = _run_impl(plan, self.ctx, self.specs)
+            if detach:
+                raw = _own_outputs(raw, inputs)
         else:
             if plan.kind == "fallback":
                 _missing(plan.key)
@@ -442,7 +511,7 @@ class _Call:
                 raw = write_back(self.bound[0], args[0])
         if observers:
             _notify("op", self.key, plan.kind, time.perf_counter() - started)
-        return self._finish(raw)
+        return _finish(raw, self.specs, self.specs is not None and _is_inplace(op, self.kwargs), plan.fixes_inline)
 
     def _dense_args(self, detach: bool) -> tuple[tuple, dict]:
         args, kwargs = densify_tree((self.args, self.kwargs))
@@ -450,18 +519,9 @@ class _Call:
             args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         return args, kwargs
 
-    def _finish(self, raw: Any) -> Any:
-        if self.out_specs is None or _is_inplace(self.op, self.kwargs):
-            return raw
-        outs = raw if isinstance(raw, tuple) else (raw,)
-        specs = self.out_specs + (DENSE,) * (len(outs) - len(self.out_specs))
-        done = self.plan.fixes_inline
-        result = tuple(apply_spec(v, s, inline_done=done) for v, s in zip(outs, specs))
-        return result if isinstance(raw, tuple) else result[0]
-
     # backward
     def backward(self, grads: tuple, positions: list[int], needs: tuple) -> tuple:
-        specs = self.grad_out_specs or ()
+        specs = (self.specs.grad if self.specs is not None else None) or ()
         specs = specs + (DENSE,) * (len(grads) - len(specs))
         grad_outputs = [apply_spec(g, s) for g, s in zip(grads, specs)]
         grad_specs = [_grad_spec(v) if isinstance(v, torch.Tensor) else None for v in self.bound]
@@ -480,7 +540,7 @@ class _Call:
             raw = self._dense_backward(grad_outputs, positions, needs)
             done = False
         else:
-            ctx = self.ctx or OpContext(self.op, _detach_all(self.bound))
+            ctx = self.ctx or OpContext(self.op, _detach_all(self.bound, self.positions))
             ctx.needs_input_grad = tuple(
                 any(p == i and n for p, n in zip(positions, needs)) for i in range(len(self.bound))
             )
@@ -549,8 +609,8 @@ def _notify(kind: str, key: OpKey, plan: str, seconds: float) -> None:
 
 class _DispatchFunction(torch.autograd.Function):
     @staticmethod
-    def forward(fctx: Any, call: _Call, positions: list, *tensors: torch.Tensor) -> Any:
-        fctx.call, fctx.positions = call, positions
+    def forward(fctx: Any, call: _Call, *tensors: torch.Tensor) -> Any:
+        fctx.call = call
         out = call.forward()
         if isinstance(out, tuple):
             fctx.mark_non_differentiable(*[o for o in out if isinstance(o, torch.Tensor) and not o.is_floating_point()])
@@ -559,24 +619,50 @@ class _DispatchFunction(torch.autograd.Function):
     @staticmethod
     def backward(fctx: Any, *grads: Any) -> Any:
         call = fctx.call
-        needs = fctx.needs_input_grad[2:]
-        return (None, None, *call.backward(grads, fctx.positions, needs))
+        needs = fctx.needs_input_grad[1:]
+        return (None, *call.backward(grads, call.positions, needs))
 
 
-_WRAPPER_TYPES = {SparseTensorWrapper, SparseParameterWrapper}
-# implicit positional calls already resolved to an implementation: (op, arg kinds) -> (plan, defaults, tensor positions)
-_fast: dict[tuple, tuple] = {}
-_NoTorchFunction = torch._C.DisableTorchFunctionSubclass
+def _own_outputs(out: Any, inputs: list) -> Any:
+    """Outputs that are an input as the implementation saw it (a wrapper's cached
+    detached twin) become a new alias: autograd gives outputs a history, and
+    the twin must stay private and without one."""
+    if type(out) in _DENSE_TYPES:
+        return out
+
+    def own(o: Any) -> Any:
+        if isinstance(o, SparseTensorWrapper) and any(o is i for i in inputs):
+            return SparseTensorWrapper(o.wrapped_tensor, False, o.grad_fmt)
+        return o
+
+    return tuple(own(o) for o in out) if isinstance(out, tuple) else own(out)
 
 
-def _remember_fast(key: tuple, plan: Plan, args: tuple, bound: list, positions: list[int]) -> None:
-    """Cache an implicit call's plan by argument types, when the types determine it."""
-    if all(type(a) in _WRAPPER_TYPES or type(a) in _DENSE_TYPES or not isinstance(a, torch.Tensor) for a in args) \
-            and all(p < len(args) for p in positions):
-        defaults = bound[len(args):] + [None] * max(0, plan.nargs - len(bound))
-        _fast[key] = (plan, defaults, positions)
-_DENSE_TYPES = {torch.Tensor, torch.nn.Parameter}
-_KEEP_ALL_LIST = [_KEEP_ALL]
+# ``Function.apply`` without its Python wrapper (default-argument binding and a
+# functorch check, about half the cost of recording a node); used while no
+# functorch transform is active, as ``Function.apply`` itself does.
+_apply_function = super(torch.autograd.Function, _DispatchFunction).apply
+_unwrap_if_dead = getattr(torch._C._functorch, "unwrap_if_dead", lambda tensor: tensor)
+
+
+def _record(call: _Call) -> Any:
+    """Run ``call`` as one autograd node whose inputs are its tensor arguments."""
+    bound = call.bound
+    if torch._C._are_functorch_transforms_active():
+        with _NoTorchFunction():
+            return _DispatchFunction.apply(call, *[bound[i] for i in call.positions])
+    return _apply_function(call, *[bound[i] if type(bound[i]) in _WRAPPER_TYPES else _unwrap_if_dead(bound[i])
+                                   for i in call.positions])
+
+
+def _any_requires_grad_py(*args: Any) -> bool:
+    with _NoTorchFunction():
+        return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+# whether any argument is a tensor that requires grad, read without entering
+# __torch_function__ (torch's own C helper where it exists)
+_any_requires_grad = getattr(torch._C, "_any_requires_grad", _any_requires_grad_py)
 
 
 def _scan(bound: list) -> tuple[tuple, list[int], bool]:
@@ -587,7 +673,9 @@ def _scan(bound: list) -> tuple[tuple, list[int], bool]:
     needs_grad = False
     for i, v in enumerate(bound):
         t = type(v)
-        if t in _WRAPPER_TYPES or (t not in _DENSE_TYPES and isinstance(v, SparseTensorWrapper)):
+        if t in PLAIN_TYPES:
+            layouts.append(None)
+        elif t in _WRAPPER_TYPES or (t not in _DENSE_TYPES and isinstance(v, SparseTensorWrapper)):
             positions.append(i)
             layouts.append(type(v.wrapped_tensor))
             wrappers = True
@@ -598,63 +686,110 @@ def _scan(bound: list) -> tuple[tuple, list[int], bool]:
         else:
             layouts.append(None)
     if wrappers and not needs_grad:
-        with torch._C.DisableTorchFunctionSubclass():  # plain attribute reads on wrappers
-            for i in positions:
-                if bound[i].requires_grad:
-                    needs_grad = True
-                    break
+        needs_grad = _any_requires_grad(*[bound[i] for i in positions])
     while layouts and layouts[-1] is None:
         layouts.pop()
     return tuple(layouts), positions, needs_grad
 
 
-def _run_direct(plan: Plan, op: Any, args: tuple, kwargs: dict, bound: list) -> Any:
-    """Run a cached implementation on the call's own (untracked) inputs."""
-    nargs = plan.nargs
-    inputs = bound[:nargs] if len(bound) >= nargs else bound + [None] * (nargs - len(bound))
-    raw = plan.entry.fn(OpContext(op, inputs, (args, kwargs)), inputs, _KEEP_ALL_LIST)
-    return raw if type(raw) in _DENSE_TYPES else wrap(raw)
+# -- the fast path ------------------------------------------------------------------
+
+class _Fast:
+    """A positional call shape already resolved to a plan that runs its
+    implementation on the inputs as they are (``impl`` or ``generic``), with
+    the general path's per-call work (binding, scanning, key, plan look-up)
+    done once. Keyed in ``_fast`` by ``(op, output pairs or None, argument
+    kinds)``, where a wrapper's kind is its layout class; cleared with the
+    plan cache on every registration."""
+
+    __slots__ = ("plan", "fn", "key", "nargs", "pad", "fill", "positions", "inplace")
+
+    def __init__(self, plan: Plan, key: OpKey, op: Any, args: tuple, bound: list, positions: list[int]):
+        n, nargs = len(args), plan.nargs
+        padded = list(bound) + [None] * max(0, nargs - len(bound))
+        self.plan, self.fn, self.key, self.nargs = plan, plan.entry.fn, key, nargs
+        self.pad = tuple(padded[n:nargs])  # defaults completing the implementation's inputs
+        self.fill = tuple(bound[n:])  # defaults completing the bound arguments
+        self.positions = tuple(positions)
+        self.inplace = _is_inplace(op, {})
+
+    def record(self, op: Any, args: tuple, kwargs: dict, specs: CallSpecs | None) -> Any:
+        """The call as an autograd node."""
+        call = _Call(op, args, kwargs, [*args, *self.fill], self.positions, self.key, self.plan, specs)
+        return _record(call)
+
+
+_fast: dict[tuple, _Fast] = {}
+
+
+def _remember_fast(fast_key: tuple, plan: Plan, key: OpKey, op: Any, args: tuple, bound: list,
+                   positions: list[int]) -> None:
+    """Cache a positional call's plan by its argument kinds, when the kinds determine its key."""
+    n = len(args)
+    if all(p < n for p in positions) and all(
+            type(a) in _WRAPPER_TYPES or type(a) in _DENSE_TYPES or not isinstance(a, torch.Tensor) for a in args):
+        _fast[fast_key] = _Fast(plan, key, op, args, bound, positions)
+
+
+def _fast_key(op: Any, pairs: tuple | None, args: tuple) -> tuple:
+    """``(op, pairs, kind per argument)``; a wrapper's kind is its layout class."""
+    key = [op, pairs]
+    for a in args:
+        t = type(a)
+        key.append(type(a.wrapped_tensor) if t in _WRAPPER_TYPES else t)
+    return tuple(key)
+
+
+def dispatch_call(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | None = None) -> Any:
+    """Dispatch one call of ``op`` with output specs ``specs`` (``None``: the
+    implementation chooses). Positional calls whose argument kinds were
+    resolved before to a direct plan skip the general path, unless observers
+    are registered."""
+    if not plugins._loaded:
+        plugins.ensure_loaded()
+    if kwargs or observers:
+        return _dispatch_general(op, args, kwargs, specs, None)
+    pairs = None if specs is None else specs.pairs
+    if len(args) == 2:  # the common binary call, unrolled (this is the hot path)
+        a, b = args
+        ta, tb = type(a), type(b)
+        fast_key = (op, pairs, type(a.wrapped_tensor) if ta in _WRAPPER_TYPES else ta,
+                    type(b.wrapped_tensor) if tb in _WRAPPER_TYPES else tb)
+    else:
+        fast_key = _fast_key(op, pairs, args)
+    hit = _fast.get(fast_key)
+    if hit is not None:
+        if not _any_requires_grad(*args):  # nothing to track: _Call.forward less the scan and checks
+            inputs = [*args[:hit.nargs], *hit.pad]
+            out = hit.fn(OpContext(op, inputs, (args, kwargs)), inputs,
+                         _KEEP_ALL_LIST if specs is None else specs.sparsifiers)
+            if type(out) not in _DENSE_TYPES:
+                out = wrap(out)
+            return out if specs is None else _finish(out, specs, hit.inplace, True)
+        if not hit.inplace and torch.is_grad_enabled():
+            return hit.record(op, args, kwargs, specs)
+    return _dispatch_general(op, args, kwargs, specs, fast_key)
+
+
+def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | None, fast_key: tuple | None) -> Any:
+    """Bind, scan, key, plan; remember the plan under ``fast_key`` when it is direct."""
+    bound = bind(op, args, kwargs)
+    inp, positions, needs_grad = _scan(bound)
+    key = OpKey("fwd", op, inp, None if specs is None else specs.pairs)
+    plan = _plan_for(key)
+    if fast_key is not None and plan.direct:
+        _remember_fast(fast_key, plan, key, op, args, bound, positions)
+    call = _Call(op, args, kwargs, bound, positions, key, plan, specs)
+    if needs_grad and torch.is_grad_enabled() and not _is_inplace(op, kwargs):
+        return _record(call)
+    return call.forward(detach=needs_grad)
 
 
 def call_op(op: Any, args: tuple, kwargs: dict, out_specs: tuple | None = None,
             grad_out_specs: tuple | None = None) -> Any:
-    """Dispatch one call of ``op`` (the entry point of wrappers and sparse ops)."""
-    if not plugins._loaded:
-        plugins.ensure_loaded()
-    fast_key = None
-    if out_specs is None and not kwargs and not observers:
-        # the hot path: an implicit positional call already resolved to an implementation
-        wrappers = _WRAPPER_TYPES
-        fast_key = (op, *[type(a.wrapped_tensor) if type(a) in wrappers else type(a) for a in args])
-        hit = _fast.get(fast_key)
-        if hit is not None:
-            plan, defaults, positions = hit
-            with _NoTorchFunction():
-                for i in positions:
-                    if args[i].requires_grad:
-                        break
-                else:
-                    positions = None
-            if positions is None:  # nothing to track: run the implementation on the inputs
-                inputs = [*args, *defaults][:plan.nargs]
-                raw = plan.entry.fn(OpContext(op, inputs, (args, kwargs)), inputs, _KEEP_ALL_LIST)
-                return raw if type(raw) in _DENSE_TYPES else wrap(raw)
-    bound = bind(op, args, kwargs)
-    inp, positions, needs_grad = _scan(bound)
-    if out_specs is None:
-        key = OpKey("fwd", op, inp, None)
-        plan = _cache.get(key)
-        if plan is not None and plan.direct and not needs_grad and not observers:
-            if fast_key is not None:
-                _remember_fast(fast_key, plan, args, bound, positions)
-            return _run_direct(plan, op, args, kwargs, bound)
-    else:
-        key = OpKey("fwd", op, inp, tuple((type(s.inline_sparsifier), s.tmp_format) for s in out_specs))
-    call = _Call(op, args, kwargs, bound, key, out_specs, grad_out_specs)
-    if needs_grad and torch.is_grad_enabled() and not _is_inplace(op, kwargs):
-        with torch._C.DisableTorchFunctionSubclass():
-            return _DispatchFunction.apply(call, positions, *[bound[i] for i in positions])
-    return call.forward(detach=needs_grad)
+    """Dispatch one call of ``op`` (the entry point of wrappers and sparse ops);
+    ``out_specs`` / ``grad_out_specs`` are tuples of ``OutputSpec``."""
+    return dispatch_call(op, args, kwargs, None if out_specs is None else CallSpecs(out_specs, grad_out_specs))
 
 
 def sparsified_op(orig_op: Callable, out_fmt: Any, grad_out_fmt: Any = None) -> Callable:
@@ -674,8 +809,10 @@ def sparsified_op(orig_op: Callable, out_fmt: Any, grad_out_fmt: Any = None) -> 
         raise ValueError("out_fmt is required: one 4-tuple per output")
     grad_specs = coerce_specs(grad_out_fmt, "grad_out_fmt")
 
+    specs = CallSpecs(out_specs, grad_specs)
+
     def sparse_op(*args: Any, **kwargs: Any) -> Any:
-        return call_op(orig_op, args, kwargs, out_specs, grad_specs)
+        return dispatch_call(orig_op, args, kwargs, specs)
 
     sparse_op.__name__ = f"sparse_{getattr(orig_op, '__name__', 'op')}"
     sparse_op.__wrapped__ = orig_op  # type: ignore[attr-defined]

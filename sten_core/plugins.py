@@ -87,6 +87,7 @@ def _register_into(pm: pluggy.PluginManager, plugin: Any, name: str) -> bool:
         pm.unregister(plugin)
         _report(name, error)
         return False
+    registry._changed()  # its hooks (sten_resolve_op, conversions) may change cached plans
     failed.pop(name, None)
     return True
 

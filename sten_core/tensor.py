@@ -156,12 +156,12 @@ _call_op = None
 
 
 def _dispatch() -> Any:
-    """``dispatch.call_op`` (imported on first use: dispatch imports this module)."""
+    """``dispatch.dispatch_call`` (imported on first use: dispatch imports this module)."""
     global _call_op
     if _call_op is None:
-        from .dispatch import call_op
+        from .dispatch import dispatch_call
 
-        _call_op = call_op
+        _call_op = dispatch_call
     return _call_op
 
 
@@ -189,9 +189,51 @@ def _add_same_pattern(a: Any, b: Any, inplace: bool) -> Any:
     return SparseTensorWrapper(la.with_values(la.values() + lb.values()), False, a.grad_fmt)
 
 
+WRAPPER_TYPES = frozenset({SparseTensorWrapper, SparseParameterWrapper})
+"""The wrapper classes themselves: ``type(x) in WRAPPER_TYPES`` is much cheaper than
+``isinstance(x, torch.Tensor)`` (torch's metaclass check), so hot paths test it first."""
+DENSE_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+PLAIN_TYPES = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.Size})
+"""Argument types that are never tensors."""
+
+
+def detached(value: Any) -> Any:
+    """``value`` as implementations see it: without autograd history.
+
+    A wrapper's detached twin (same layout object and ``grad_fmt``) is made
+    once and kept on the wrapper while both stay the same, so recording an
+    autograd node does not build a new wrapper per input per call (callers
+    must not hand the twin out: see ``dispatch._own_outputs``). Plain tensors
+    are ``detach()``-ed; anything else is returned as is. Call it with
+    subclass torch functions disabled (``requires_grad`` is read).
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> w = sten.SparseTensorWrapper(sten.DenseTensor.from_dense(torch.ones(2)), requires_grad=True)
+        >>> with torch._C.DisableTorchFunctionSubclass():
+        ...     d = detached(w)
+        ...     (d.requires_grad, d.wrapped_tensor is w.wrapped_tensor, detached(w) is d)
+        (False, True, True)
+    """
+    t = type(value)
+    if t in PLAIN_TYPES:
+        return value
+    if t in WRAPPER_TYPES or (t not in DENSE_TYPES and isinstance(value, SparseTensorWrapper)):
+        if not value.requires_grad:
+            return value
+        layout, grad_fmt = value.wrapped_tensor, value.grad_fmt
+        cached = value.__dict__.get("_sten_detached")  # (layout, grad_fmt, twin)
+        if cached is None or cached[0] is not layout or cached[1] is not grad_fmt:
+            cached = value.__dict__["_sten_detached"] = (layout, grad_fmt, SparseTensorWrapper(layout, False, grad_fmt))
+        return cached[2]
+    if (t in DENSE_TYPES or isinstance(value, torch.Tensor)) and value.requires_grad:
+        return value.detach()
+    return value
+
+
 def densify(value: Any) -> Any:
     """A wrapper's dense tensor (keeping nothing of autograd); others unchanged."""
-    if isinstance(value, SparseTensorWrapper):
+    if type(value) in WRAPPER_TYPES or isinstance(value, SparseTensorWrapper):
         return to_dense_tensor(value.wrapped_tensor)
     return value
 

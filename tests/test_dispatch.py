@@ -452,3 +452,177 @@ def test_fast_path_keys_on_layouts_and_grad():
         sten.registry.conversions.pop((sten.DenseTensor, sten.CsrTensor), None)
         sten.registry._owners.pop(("conversions", (sten.DenseTensor, sten.CsrTensor)), None)
         sten.dispatch._clear_cache()
+
+
+# -- fast paths (no observers: the general path would run otherwise) -----------------
+
+@pytest.fixture
+def quiet():
+    """Registrations tagged with OWNER and no observer, so cached calls take the fast paths."""
+    sten.plugins.ensure_loaded()
+    saved = list(dispatch.observers)
+    dispatch.observers.clear()
+    try:
+        with sten.registry.owner(OWNER):
+            yield
+    finally:
+        dispatch.observers[:] = saved
+        sten.registry.remove_owner(OWNER)
+        sten.plugins.unregister_plugin("test-dispatch-hook")
+        dispatch._warned.clear()
+
+
+def register_add_bwd(calls=None):
+    @sten.register_bwd_op_impl(operator=torch.add, grad_out=(T,), grad_inp=((sten.KeepAll, T), (sten.KeepAll, T)),
+                               inp=(FakeLayout, FakeLayout))
+    def add_bwd(ctx, grad_outputs, input_sparsifiers):
+        if calls is not None:
+            calls.append([getattr(i, "requires_grad", None) for i in ctx.inputs[:2]])
+        g = grad_outputs[0]
+        return g, g * ctx.inputs[2]
+
+
+def fast_keys(op=torch.add) -> list[tuple]:
+    return [k for k in dispatch._fast if k[0] is op]
+
+
+def test_fast_implicit_call_matches_dense_and_is_cached(quiet):
+    calls = []
+    register_add((FakeLayout, FakeLayout, None), calls=calls)  # the implementation receives alpha
+    a, b = xy()
+    wa, wb = wrap(FakeLayout, a), wrap(FakeLayout, b)
+    outs = [torch.add(wa, wb) for _ in range(3)]
+    assert fast_keys() == [(torch.add, None, FakeLayout, FakeLayout)]
+    assert len(calls) == 3
+    for out in outs:
+        assert type(out) is torch.Tensor
+        torch.testing.assert_close(out, a + b)
+    # arguments the kinds do not cover take the general path, with the same result
+    torch.testing.assert_close(torch.add(wa, wb, alpha=2), a + 2 * b)
+    assert len(fast_keys()) == 1
+
+
+def test_fast_explicit_spec_matches_dense(quiet):
+    register_add()
+    a, b = xy()
+    wa, wb = wrap(FakeLayout, a), wrap(FakeLayout, b)
+    dense_add = sten.sparsified_op(torch.add, out_fmt=DENSE_SPEC)
+    half = sten.ScalarFractionSparsifier(0.5)
+    csr_add = sten.sparsified_op(torch.add, out_fmt=(sten.KeepAll(), T, half, sten.CsrTensor))
+    expected_csr = sten.sparsify(half, a + b, sten.CsrTensor).to_dense()
+    for _ in range(3):
+        out = dense_add(wa, wb)
+        assert type(out) is torch.Tensor
+        torch.testing.assert_close(out, a + b)
+        sparse = csr_add(wa, wb)
+        assert type(sparse.wrapped_tensor) is sten.CsrTensor
+        torch.testing.assert_close(sparse.to_dense(), expected_csr)
+    pairs = {k[1] for k in fast_keys()}
+    assert pairs == {((sten.KeepAll, T),)}, "both specs share one key shape: (KeepAll, Tensor) inline"
+
+
+def test_fast_autograd_values_and_gradients(quiet):
+    calls = []
+    register_add((FakeLayout, FakeLayout, None))
+    register_add_bwd(calls)
+    a, b = xy()
+    for round_ in range(3):  # the first call resolves; the next ones take the fast record path
+        wa, wb = wrap(FakeLayout, a, requires_grad=True), wrap(FakeLayout, b, requires_grad=True)
+        out = torch.add(wa, wb)
+        assert out.grad_fn is not None
+        torch.testing.assert_close(out, a + b)
+        (out * out).sum().backward()
+        torch.testing.assert_close(wa.grad, 2 * (a + b))
+        torch.testing.assert_close(wb.grad, 2 * (a + b))
+    assert fast_keys() == [(torch.add, None, FakeLayout, FakeLayout)]
+    assert calls == [[False, False]] * 3, "backward implementations see detached inputs"
+
+
+def test_fast_autograd_reuses_inputs_and_mixes_dense(quiet):
+    """A wrapper used in many recorded calls, with a dense tensor that needs grad."""
+    @sten.register_fwd_op_impl(operator=torch.add, inp=(FakeLayout, T), out=[(sten.KeepAll, T)])
+    def add_impl(ctx, inputs, output_sparsifiers):
+        assert not inputs[0].requires_grad and not inputs[1].requires_grad
+        return torch.add(inputs[0].to_dense(), inputs[1])
+
+    a, b = xy()
+    wa = wrap(FakeLayout, a, requires_grad=True)
+    bg = b.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)  # dense backward fallback
+        loss = sum((torch.add(wa, bg) * k).sum() for k in (1.0, 2.0, 3.0))
+        loss.backward()
+    torch.testing.assert_close(wa.grad, torch.full_like(a, 6.0))
+    torch.testing.assert_close(bg.grad, torch.full_like(b, 6.0))
+    with torch.no_grad():  # nothing is recorded: the general path detaches
+        out = torch.add(wa, bg)
+    assert out.grad_fn is None
+    torch.testing.assert_close(out, a + b)
+
+
+def test_fast_autograd_output_that_is_an_input(quiet):
+    """An implementation returning its (detached) input: the output gets its own
+    history, and the next call still sees an input without one."""
+    seen = []
+
+    @sten.register_fwd_op_impl(operator=torch.clone, inp=(FakeLayout,), out=[(sten.KeepAll, FakeLayout)])
+    def clone_impl(ctx, inputs, output_sparsifiers):
+        seen.append(inputs[0].requires_grad)
+        return inputs[0]
+
+    @sten.register_bwd_op_impl(operator=torch.clone, grad_out=(T,), grad_inp=((sten.KeepAll, T),), inp=(FakeLayout,))
+    def clone_bwd(ctx, grad_outputs, input_sparsifiers):
+        return (grad_outputs[0],)
+
+    clone = sten.sparsified_op(torch.clone, out_fmt=(sten.KeepAll(), FakeLayout, sten.KeepAll(), FakeLayout))
+    a, _ = xy()
+    wa = wrap(FakeLayout, a, requires_grad=True)
+    outs = [clone(wa) for _ in range(3)]
+    assert seen == [False, False, False]
+    assert len({id(o) for o in outs}) == 3 and all(o is not wa for o in outs)
+    for out in outs:
+        assert out.grad_fn is not None and type(out.wrapped_tensor) is FakeLayout
+    sum(o.to_dense().sum() * 0 for o in outs)  # outputs are usable
+    torch.autograd.backward([outs[0]], [torch.ones_like(a)])
+    torch.testing.assert_close(wa.grad, torch.ones_like(a))
+
+
+def test_fast_cache_cleared_by_new_registration(quiet):
+    """A registration made after a call was cached takes effect on the next call."""
+    calls = []
+    a, b = xy()
+    wa, wb = wrap(FakeLayout, a), wrap(FakeLayout, b)
+    with pytest.warns(sten.DispatchWarning):
+        torch.add(wa, wb)  # no implementation yet: dense fallback, cached
+    assert sten.plugins.register_plugin(hook_plugin(calls), name="test-dispatch-hook")
+    torch.add(wa, wb)  # a plugin with only a resolve hook still clears the caches
+    assert [c[0] for c in calls] == ["hook"]
+    calls.clear()
+    wa, wb = wrap(FakeLayout, a), wrap(FakeLayout, b)
+    torch.add(wa, wb)
+    torch.add(wa, wb)
+    assert [c[0] for c in calls] == ["hook", "hook"] and fast_keys()
+    register_add(calls=calls)  # an exact implementation comes before the hook
+    assert not dispatch._fast, "a registration clears the fast cache"
+    torch.testing.assert_close(torch.add(wa, wb), a + b)
+    torch.testing.assert_close(torch.add(wa, wb), a + b)
+    assert [c[0] for c in calls] == ["hook", "hook", "impl", "impl"]
+
+
+def test_fast_cache_never_crosses_layouts_and_observers_still_see_calls(quiet):
+    calls = []
+    register_add(calls=calls)
+    register_add((OtherFake, OtherFake), calls=calls, tag="other")
+    a, b = xy()
+    for _ in range(2):
+        torch.add(wrap(FakeLayout, a), wrap(FakeLayout, b))
+        torch.add(wrap(OtherFake, a), wrap(OtherFake, b))
+    assert [c[0] for c in calls] == ["impl", "other"] * 2
+    seen: list[dict] = []
+    dispatch.observers.append(seen.append)
+    try:
+        for _ in range(2):
+            torch.add(wrap(FakeLayout, a), wrap(FakeLayout, b))
+    finally:
+        dispatch.observers.remove(seen.append)
+    assert [e["plan"] for e in seen if e["kind"] == "op"] == ["impl", "impl"]
