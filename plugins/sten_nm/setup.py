@@ -17,7 +17,7 @@ setup(
                 "csrc/nm_avx2.c",
                 "csrc/nm_avx512.c",
             ],
-            depends=["csrc/nm_kernel.h", "csrc/nm_isa.h", "csrc/nm_impl.h", "csrc/nm_body.h"],
+            depends=["csrc/nm_kernel.h", "csrc/nm_isa.h", "csrc/nm_impl.h", "csrc/nm_body.h", "csrc/nm_grouped.h"],
             extra_compile_args=args,
             extra_link_args=[] if sys.platform == "win32" else ["-pthread"],
         )

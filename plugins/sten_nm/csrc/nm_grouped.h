@@ -2,62 +2,78 @@
  *
  * Groups of NM_GR = 16 output rows share one n:m pattern per group of m columns,
  * so the kernel is a dense-GEMM-like 6 x 16 register block: per kept column,
- * 16 / VW weight vectors and 6 broadcasts of x feed 6 * 16 / VW FMAs. */
+ * 16 / VW weight vectors and 6 broadcasts of x feed 6 * 16 / VW FMAs.
+ * Results go to T (the rows of a batch block, columns in the grouped order) with
+ * whole-vector stores; the driver puts them back in the original row order. */
 #define NMG_CAT_(a, b) a##_##b
 #define NMG_CAT(a, b) NMG_CAT_(a, b)
 #define NVR (NM_GR / VW)
 
-static void NMG_CAT(ggather, SUF)(const nm_grouped *W, const float *xp, int64_t Kpad, int64_t B,
-                                  int64_t bb, float *Y, int64_t ldy, const float *bias,
-                                  int64_t q0, int64_t q1, int32_t *offs)
+/* Kept slots [e0, e1) of row groups [q0, q1) times np packed micro-panels of x
+ * (panel p at xp + p * pstride, [column - cbase][NM_MB]); offs[q * gn + e] is the
+ * slot's column times NM_MB. T rows: p * NM_MB + i, columns q * 16 + lane, row
+ * stride ldt. first: start from zero, else add to T. */
+static void NMG_CAT(ggather, SUF)(const nm_grouped *W, const int32_t *offs, const float *xp,
+                                  int64_t pstride, int64_t cbase, int64_t np, int64_t e0,
+                                  int64_t e1, int64_t q0, int64_t q1, float *T, int64_t ldt,
+                                  int first)
 {
-    const int n = W->n, m = W->m, bits = W->bits, per = W->per;
-    const uint32_t mask = (1u << bits) - 1u;
-    const int64_t G = (W->K + m - 1) / m, gn = G * n;
-    const int64_t npan = (B + NM_MB - 1) / NM_MB;
-    const int64_t ppb = bb / NM_MB;   /* micro-panels per batch block */
-    for (int64_t p0 = 0; p0 < npan; p0 += ppb) {
-        const int64_t p1 = p0 + ppb < npan ? p0 + ppb : npan;
-        for (int64_t q = q0; q < q1; q++) {
-            /* decode this row group's kept columns (as offsets into a micro-panel) */
-            const uint32_t *wp = W->idx + q * W->iw;
-            uint32_t cur = wp[0];
-            int left = per;
-            for (int64_t e = 0, base = 0; e < gn; base += m)
-                for (int t = 0; t < n; t++, e++) {
-                    if (left == 0) { cur = *++wp; left = per; }
-                    offs[e] = (int32_t)((base + (int64_t)(cur & mask)) * NM_MB);
-                    cur >>= bits; left--;
-                }
-            const float *wv = W->vals + q * gn * NM_GR;
-            const int32_t *rows = W->perm + q * NM_GR;
-            for (int64_t p = p0; p < p1; p++) {
-                const float *xk = xp + p * Kpad * NM_MB;
-                vf acc[NM_MB][NVR];
-                for (int i = 0; i < NM_MB; i++)
-                    for (int u = 0; u < NVR; u++) acc[i][u] = (vf){0};
-                for (int64_t e = 0; e < gn; e++) {
-                    vf w[NVR];
-                    for (int u = 0; u < NVR; u++) w[u] = *(const vf *)(wv + e * NM_GR + u * VW);
-                    const float *xe = xk + offs[e];
+    const int64_t gn = (W->K + W->m - 1) / W->m * W->n, cb = cbase * NM_MB;
+    for (int64_t q = q0; q < q1; q++) {
+        const float *wv = W->vals + (q * gn + e0) * NM_GR;
+        const int32_t *oq = offs + q * gn + e0;
+        const int64_t ne = e1 - e0;
+        for (int64_t p = 0; p < np; p++) {
+            const float *xk = xp + p * pstride;
+            float *t = T + p * NM_MB * ldt + q * NM_GR;
+            vf acc[NM_MB][NVR];
+            for (int i = 0; i < NM_MB; i++)
+                for (int u = 0; u < NVR; u++)
+                    acc[i][u] = first ? (vf){0} : *(const vf *)(t + i * ldt + u * VW);
+            for (int64_t e = 0; e < ne; e++) {
+                vf w[NVR];
+                for (int u = 0; u < NVR; u++) w[u] = *(const vf *)(wv + e * NM_GR + u * VW);
+                const float *xe = xk + (oq[e] - cb);
 #pragma GCC unroll 6
-                    for (int i = 0; i < NM_MB; i++) {
-                        const float s = xe[i];
+                for (int i = 0; i < NM_MB; i++) {
+                    const float s = xe[i];
 #pragma GCC unroll 4
-                        for (int u = 0; u < NVR; u++) acc[i][u] += s * w[u];
-                    }
-                }
-                const int64_t bmax = B - p * NM_MB < NM_MB ? B - p * NM_MB : NM_MB;
-                for (int i = 0; i < bmax; i++) {
-                    float *yrow = Y + (p * NM_MB + i) * ldy;
-                    for (int u = 0; u < NVR; u++)
-                        for (int l = 0; l < VW; l++) {
-                            const int32_t r = rows[u * VW + l];
-                            if (r >= 0) yrow[r] = acc[i][u][l] + (bias ? bias[r] : 0.0f);
-                        }
+                    for (int u = 0; u < NVR; u++) acc[i][u] += s * w[u];
                 }
             }
+            for (int i = 0; i < NM_MB; i++)
+                for (int u = 0; u < NVR; u++) *(vf *)(t + i * ldt + u * VW) = acc[i][u];
         }
+    }
+}
+
+/* Gradient of the stored values, one row group and one chunk of its slots:
+ * out[e][j] (+)= sum_b gq[b][j] * xt[cols[e]][b] for e < ne, b < kb, j < 16, where
+ * gq is the group's rows of dY ([b][16], grouped order) and xt the packed x chunk,
+ * transposed ([column][kb]). 6 slots x 16 rows per register block. */
+static void NMG_CAT(gsddmm, SUF)(const float *gq, const float *xt, const int32_t *cols,
+                                 int64_t ne, int64_t kb, float *out, int first)
+{
+    for (int64_t e0 = 0; e0 < ne; e0 += NM_MB) {
+        const int ns = ne - e0 < NM_MB ? (int)(ne - e0) : NM_MB;
+        const float *xs[NM_MB];
+        for (int s = 0; s < NM_MB; s++) xs[s] = xt + (int64_t)cols[e0 + (s < ns ? s : 0)] * kb;
+        vf acc[NM_MB][NVR];
+        for (int s = 0; s < NM_MB; s++)
+            for (int u = 0; u < NVR; u++)
+                acc[s][u] = (first || s >= ns) ? (vf){0} : *(const vf *)(out + (e0 + s) * NM_GR + u * VW);
+        for (int64_t b = 0; b < kb; b++) {
+            vf g[NVR];
+            for (int u = 0; u < NVR; u++) g[u] = *(const vf *)(gq + b * NM_GR + u * VW);
+#pragma GCC unroll 6
+            for (int s = 0; s < NM_MB; s++) {
+                const float v = xs[s][b];
+#pragma GCC unroll 4
+                for (int u = 0; u < NVR; u++) acc[s][u] += v * g[u];
+            }
+        }
+        for (int s = 0; s < ns; s++)
+            for (int u = 0; u < NVR; u++) *(vf *)(out + (e0 + s) * NM_GR + u * VW) = acc[s][u];
     }
 }
 

@@ -48,9 +48,12 @@ typedef void (*nm_cgather_fn)(const int64_t *rowptr, const int32_t *toff, const 
                               int64_t c0, int64_t c1, const float *yp, int64_t R, int64_t nbc,
                               int64_t B, float *X, int64_t ldx, const float *bias, float *ytmp,
                               int64_t *cur, int64_t kbr);
-typedef void (*nm_ggather_fn)(const nm_grouped *W, const float *xp, int64_t Kpad, int64_t B,
-                              int64_t bb, float *Y, int64_t ldy, const float *bias, int64_t q0,
-                              int64_t q1, int32_t *offs);
+typedef void (*nm_ggather_fn)(const nm_grouped *W, const int32_t *offs, const float *xp,
+                              int64_t pstride, int64_t cbase, int64_t np, int64_t e0, int64_t e1,
+                              int64_t q0, int64_t q1, float *T, int64_t ldt, int first);
+
+typedef void (*nm_gsddmm_fn)(const float *gq, const float *xt, const int32_t *cols, int64_t ne,
+                             int64_t kb, float *out, int first);
 
 typedef struct {
     const char *name;
@@ -60,6 +63,7 @@ typedef struct {
     nm_sddmm_fn sddmm[4];
     nm_cgather_fn cgather[4];   /* CSR gather (transposed products) */
     nm_ggather_fn ggather;      /* grouped n:m, 6 x 16 register block */
+    nm_gsddmm_fn gsddmm;        /* grouped n:m weight gradient, 6 slots x 16 rows */
 } nm_isa_table;
 
 extern const nm_isa_table nm_table_generic;

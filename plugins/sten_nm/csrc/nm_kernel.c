@@ -111,6 +111,27 @@ typedef struct {
     const float *X; int64_t ldx, B, C, Cpad, nbc, bch; float *xp;
 } pack_args;
 
+/* dst[c - c0][bi] = X[b0 + bi][c] for bi < bch, c in [c0, c1) (0 past B or C). */
+static void pack_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int64_t b0, int64_t bch,
+                       int64_t c0, int64_t c1, float *dst)
+{
+    const int64_t cend = c1 < C ? c1 : C;
+    if (b0 + bch <= B && bch == NM_MB) {          /* full 6-row panel (grouped kernel) */
+        const float *x = X + b0 * ldx;
+        for (int64_t c = c0; c < cend; c++) {
+            float *o = dst + (c - c0) * NM_MB;
+            o[0] = x[c]; o[1] = x[ldx + c]; o[2] = x[2 * ldx + c];
+            o[3] = x[3 * ldx + c]; o[4] = x[4 * ldx + c]; o[5] = x[5 * ldx + c];
+        }
+    } else {
+        for (int64_t c = c0; c < cend; c++)
+            for (int64_t bi = 0; bi < bch; bi++)
+                dst[(c - c0) * bch + bi] = b0 + bi < B ? X[(b0 + bi) * ldx + c] : 0.0f;
+    }
+    for (int64_t c = cend > c0 ? cend : c0; c < c1; c++)
+        for (int64_t bi = 0; bi < bch; bi++) dst[(c - c0) * bch + bi] = 0.0f;
+}
+
 static void pack_task(void *p, int tid, int nth)
 {
     pack_args *a = (pack_args *)p;
@@ -118,22 +139,12 @@ static void pack_task(void *p, int tid, int nth)
     split((a->Cpad + 15) / 16, tid, nth, &c_a, &c_b);
     c_a *= 16; c_b *= 16;
     if (c_b > a->Cpad) c_b = a->Cpad;
-    const int64_t bch = a->bch;
-    for (int64_t bc = 0; bc < a->nbc; bc++) {
-        float *panel = a->xp + bc * a->Cpad * bch;
-        for (int64_t c0 = c_a; c0 < c_b; c0 += 16) {
-            const int64_t c1 = c0 + 16 < c_b ? c0 + 16 : c_b;
-            for (int64_t bi = 0; bi < bch; bi++) {
-                const int64_t b = bc * bch + bi;
-                if (b < a->B) {
-                    const float *row = a->X + b * a->ldx;
-                    for (int64_t c = c0; c < c1; c++)
-                        panel[c * bch + bi] = c < a->C ? row[c] : 0.0f;
-                } else {
-                    for (int64_t c = c0; c < c1; c++) panel[c * bch + bi] = 0.0f;
-                }
-            }
-        }
+    /* blocks of 256 columns: the rows' segments stay in L1 while a panel is written */
+    for (int64_t c0 = c_a; c0 < c_b; c0 += 256) {
+        const int64_t c1 = c0 + 256 < c_b ? c0 + 256 : c_b;
+        for (int64_t bc = 0; bc < a->nbc; bc++)
+            pack_panel(a->X, a->ldx, a->B, a->C, bc * a->bch, a->bch, c0, c1,
+                       a->xp + (bc * a->Cpad + c0) * a->bch);
     }
 }
 
@@ -378,51 +389,231 @@ int nm_sddmm_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, const 
 }
 
 /* --------------------------------------------------------------- grouped -- */
+/* The kernel writes 6 x 16 tiles into T (a batch block's rows, columns in the grouped
+ * order) with whole-vector stores; unpermute() then writes Y's rows in order. Writing
+ * the permuted columns of Y straight from the registers costs one scattered store per
+ * output (and cache-line ping-pong between threads); this way Y is written
+ * sequentially. */
 typedef struct {
-    const nm_grouped *W; const float *xp; int64_t Kpad, B, bb; float *Y; int64_t ldy;
-    const float *bias; nm_ggather_fn fn; int err;
+    const nm_grouped *W; const int32_t *offs; const int32_t *inv;
+    const float *X; int64_t ldx; const float *xp;
+    int64_t Kpad, B, npan, kc, mcp; float *Y; int64_t ldy; const float *bias;
+    float *T; int64_t ldt; nm_ggather_fn fn; int err;
 } ggather_args;
 
-static void ggather_task(void *p, int tid, int nth)
+/* Y[b][r] = T[b - b0][inv[r]] (+ bias[r]) for rows b in [b0, b1). */
+static void unpermute(const ggather_args *a, const float *T, int64_t b0, int64_t b1)
+{
+    const int64_t N = a->W->N;
+    const int32_t *inv = a->inv;
+    for (int64_t b = b0; b < b1; b++) {
+        const float *t = T + (b - b0) * a->ldt;
+        float *y = a->Y + b * a->ldy;
+        if (a->bias) {
+            for (int64_t r = 0; r < N; r++) y[r] = t[inv[r]] + a->bias[r];
+        } else {
+            for (int64_t r = 0; r < N; r++) y[r] = t[inv[r]];
+        }
+    }
+}
+
+/* Many batch rows: each thread takes a range of micro-panels, block by block (mcp
+ * panels), and chunk by chunk of kept slots (kc, whole groups of m columns): it packs
+ * the block's x columns of the chunk (they stay in L2; the chunk's weights of one row
+ * group stay in L1), runs all row groups into its own T, then writes the block's rows. */
+static void ggather_rows_task(void *p, int tid, int nth)
 {
     ggather_args *a = (ggather_args *)p;
+    const nm_grouped *W = a->W;
+    const int64_t gn = (W->K + W->m - 1) / W->m * W->n, ccols = a->kc / W->n * W->m;
+    int64_t pa, pb;
+    split(a->npan, tid, nth, &pa, &pb);
+    if (pb <= pa) return;
+    float *T = (float *)alloc64((size_t)(a->mcp * NM_MB * a->ldt) * sizeof(float));
+    float *xb = (float *)alloc64((size_t)(a->mcp * NM_MB * ccols) * sizeof(float));
+    if (!T || !xb) { free(T); free(xb); a->err = -3; return; }
+    for (int64_t p0 = pa; p0 < pb; p0 += a->mcp) {
+        const int64_t np = p0 + a->mcp < pb ? a->mcp : pb - p0;
+        for (int64_t e0 = 0; e0 < gn; e0 += a->kc) {
+            const int64_t e1 = e0 + a->kc < gn ? e0 + a->kc : gn;
+            const int64_t c0 = e0 / W->n * W->m, c1 = e1 / W->n * W->m;
+            for (int64_t i = 0; i < np; i++)
+                pack_panel(a->X, a->ldx, a->B, W->K, (p0 + i) * NM_MB, NM_MB, c0, c1,
+                           xb + i * NM_MB * (c1 - c0));
+            a->fn(W, a->offs, xb, NM_MB * (c1 - c0), c0, np, e0, e1, 0, W->Q, T, a->ldt, e0 == 0);
+        }
+        const int64_t b1 = (p0 + np) * NM_MB < a->B ? (p0 + np) * NM_MB : a->B;
+        unpermute(a, T, p0 * NM_MB, b1);
+    }
+    free(T); free(xb);
+}
+
+/* Few batch rows: threads split the row groups; x packed whole, one shared T. */
+static void ggather_groups_task(void *p, int tid, int nth)
+{
+    ggather_args *a = (ggather_args *)p;
+    const int64_t gn = (a->W->K + a->W->m - 1) / a->W->m * a->W->n;
     int64_t q0, q1;
     split(a->W->Q, tid, nth, &q0, &q1);
-    if (q1 <= q0) return;
-    const int64_t gn = (a->W->K + a->W->m - 1) / a->W->m * a->W->n;
-    int32_t *offs = (int32_t *)alloc64((size_t)(gn > 0 ? gn : 1) * sizeof(int32_t));
-    if (!offs) { a->err = -3; return; }
-    a->fn(a->W, a->xp, a->Kpad, a->B, a->bb, a->Y, a->ldy, a->bias, q0, q1, offs);
-    free(offs);
+    for (int64_t e0 = 0; q1 > q0 && e0 < gn; e0 += a->kc) {
+        const int64_t e1 = e0 + a->kc < gn ? e0 + a->kc : gn;
+        a->fn(a->W, a->offs, a->xp, a->Kpad * NM_MB, 0, a->npan, e0, e1, q0, q1, a->T, a->ldt,
+              e0 == 0);
+    }
+}
+
+static void unpermute_task(void *p, int tid, int nth)
+{
+    ggather_args *a = (ggather_args *)p;
+    int64_t b0, b1;
+    split(a->B, tid, nth, &b0, &b1);
+    if (b1 > b0) unpermute(a, a->T + b0 * a->ldt, b0, b1);
+}
+
+static int check_grouped(const nm_grouped *W)
+{
+    if (!W || W->n < 1 || W->m < 2 || W->n >= W->m || W->m > 32 || W->N < 0 || W->K < 0) return -1;
+    if (W->bits != nm_index_bits(W->m) || W->per != nm_index_per_word(W->m)) return -1;
+    const int64_t gn = (W->K + W->m - 1) / W->m * W->n;
+    if (W->Q != (W->N + NM_GR - 1) / NM_GR || W->iw != (gn + W->per - 1) / W->per) return -1;
+    return 0;
 }
 
 int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                           float *Y, int64_t ldy, const float *bias, int nthreads)
 {
-    if (!W || W->n < 1 || W->m < 2 || W->n >= W->m || W->m > 32 || W->N < 0 || W->K < 0 || B < 0)
-        return -1;
-    if (W->bits != nm_index_bits(W->m) || W->per != nm_index_per_word(W->m)) return -1;
-    const int64_t G = (W->K + W->m - 1) / W->m;
-    if (W->Q != (W->N + NM_GR - 1) / NM_GR || W->iw != (G * W->n + W->per - 1) / W->per) return -1;
+    if (check_grouped(W) || B < 0) return -1;
+    const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n;
     if (B == 0 || W->N == 0) return 0;
     if (W->K == 0) {
         for (int64_t b = 0; b < B; b++)
             for (int64_t r = 0; r < W->N; r++) Y[b * ldy + r] = bias ? bias[r] : 0.0f;
         return 0;
     }
-    const nm_isa_table *T = table();
-    const int64_t Kpad = G * W->m;
-    int nth = clamp_threads(nthreads, 2.0 * B * W->N * G * W->n, W->Q);
-    int64_t npan;
-    float *xp = make_panel(X, ldx, B, W->K, Kpad, NM_MB, &npan, nth);
-    if (!xp) return -3;
-    /* batch block: its panel (bb x Kpad floats) should stay in L2 */
-    int64_t bb = env_int("STEN_NM_GROUPED_PANEL_BYTES", 192 * 1024) / (Kpad * 4) / NM_MB * NM_MB;
-    if (bb < NM_MB) bb = NM_MB;
-    ggather_args ga = {W, xp, Kpad, B, bb, Y, ldy, bias, T->ggather, 0};
-    run_parallel(nth, ggather_task, &ga);
-    free(xp);
-    return ga.err;
+    const int64_t Q = W->Q, Kpad = G * W->m;
+    /* offsets of every group's kept slots, and the grouped column of every row */
+    int32_t *offs = (int32_t *)alloc64((size_t)(Q * gn) * sizeof(int32_t));
+    int32_t *inv = (int32_t *)alloc64((size_t)W->N * sizeof(int32_t));
+    if (!offs || !inv) { free(offs); free(inv); return -3; }
+    const nm_mat pat = {Q, G * W->m, W->n, W->m, W->bits, W->per, G, W->iw, NULL, W->idx};
+    nm_decode(&pat, 0, Q, 0, G, NM_MB, offs);
+    for (int64_t r = 0; r < W->N; r++) inv[r] = -1;
+    for (int64_t j = 0; j < Q * NM_GR; j++)
+        if (W->perm[j] >= 0 && W->perm[j] < W->N) inv[W->perm[j]] = (int32_t)j;
+    for (int64_t r = 0; r < W->N; r++)
+        if (inv[r] < 0) { free(offs); free(inv); return -1; }   /* perm is not a permutation */
+    const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, Q * B);
+    const int64_t npan = (B + NM_MB - 1) / NM_MB;
+    ggather_args a = {W, offs, inv, X, ldx, NULL, Kpad, B, npan, 0, 0, Y, ldy, bias, NULL, 0,
+                      table()->ggather, 0};
+    /* chunks of kept slots: whole groups of m columns, about STEN_NM_GROUPED_KC slots,
+     * equal sizes */
+    int64_t kcg = env_int("STEN_NM_GROUPED_KC", 256) / W->n;
+    if (kcg < 1) kcg = 1;
+    const int64_t nchunks = (G + kcg - 1) / kcg;
+    a.kc = (G + nchunks - 1) / nchunks * W->n;
+    a.ldt = Q * NM_GR + NM_GR;   /* + one group: rows of T do not alias in L1 */
+    /* panels per block: their packed x chunk (mcp * 6 * chunk columns) stays in L2 */
+    a.mcp = env_int("STEN_NM_GROUPED_PANEL_BYTES", 128 * 1024) / (a.kc / W->n * W->m * NM_MB * 4);
+    if (a.mcp < 1) a.mcp = 1;
+    if (npan >= 2 * (int64_t)nth || nth == 1) {
+        run_parallel(nth, ggather_rows_task, &a);
+    } else {
+        int64_t np;
+        float *xp = make_panel(X, ldx, B, W->K, Kpad, NM_MB, &np, nth);
+        a.T = (float *)alloc64((size_t)(npan * NM_MB * a.ldt) * sizeof(float));
+        a.xp = xp;
+        if (!xp || !a.T) { a.err = -3; } else {
+            run_parallel(nth, ggather_groups_task, &a);
+            run_parallel(nth, unpermute_task, &a);
+        }
+        free(xp); free(a.T);
+    }
+    free(offs); free(inv);
+    return a.err;
+}
+
+/* ------------------------------------------------ grouped weight gradient -- */
+typedef struct {
+    const nm_grouped *W; const float *dY; int64_t ldg; const float *X; int64_t ldx;
+    int64_t B; const int32_t *cols; float *gq; float *out; int64_t kb, kc; nm_gsddmm_fn fn; int err;
+} gsddmm_args;
+
+/* gq[q][b][j] = dY[b][perm[q*16 + j]] (0 for padding rows), groups split by thread. */
+static void gsddmm_pack_task(void *p, int tid, int nth)
+{
+    gsddmm_args *a = (gsddmm_args *)p;
+    int64_t q0, q1;
+    split(a->W->Q, tid, nth, &q0, &q1);
+    for (int64_t q = q0; q < q1; q++) {
+        const int32_t *rows = a->W->perm + q * NM_GR;
+        float *g = a->gq + q * a->B * NM_GR;
+        for (int64_t b = 0; b < a->B; b++) {
+            const float *dy = a->dY + b * a->ldg;
+            for (int j = 0; j < NM_GR; j++) g[b * NM_GR + j] = rows[j] >= 0 ? dy[rows[j]] : 0.0f;
+        }
+    }
+}
+
+/* Each thread owns a range of row groups; per block of kb batch rows and chunk of kc
+ * slots (whole groups of m columns) it packs x transposed ([column][kb], in L2). */
+static void gsddmm_task(void *p, int tid, int nth)
+{
+    gsddmm_args *a = (gsddmm_args *)p;
+    const nm_grouped *W = a->W;
+    const int64_t gn = (W->K + W->m - 1) / W->m * W->n, ccols = a->kc / W->n * W->m;
+    int64_t q0, q1;
+    split(W->Q, tid, nth, &q0, &q1);
+    if (q1 <= q0) return;
+    float *xt = (float *)alloc64((size_t)(ccols * a->kb) * sizeof(float));
+    int32_t *cols = (int32_t *)alloc64((size_t)a->kc * sizeof(int32_t));
+    if (!xt || !cols) { free(xt); free(cols); a->err = -3; return; }
+    for (int64_t b0 = 0; b0 < a->B; b0 += a->kb) {
+        const int64_t kb = b0 + a->kb < a->B ? a->kb : a->B - b0;
+        for (int64_t e0 = 0; e0 < gn; e0 += a->kc) {
+            const int64_t e1 = e0 + a->kc < gn ? e0 + a->kc : gn;
+            const int64_t c0 = e0 / W->n * W->m, c1 = e1 / W->n * W->m;
+            for (int64_t c = c0; c < c1; c++) {
+                float *o = xt + (c - c0) * kb;
+                if (c < W->K) {
+                    for (int64_t b = 0; b < kb; b++) o[b] = a->X[(b0 + b) * a->ldx + c];
+                } else {
+                    for (int64_t b = 0; b < kb; b++) o[b] = 0.0f;
+                }
+            }
+            for (int64_t q = q0; q < q1; q++) {
+                for (int64_t e = e0; e < e1; e++) cols[e - e0] = a->cols[q * gn + e] - (int32_t)c0;
+                a->fn(a->gq + (q * a->B + b0) * NM_GR, xt, cols, e1 - e0, kb,
+                      a->out + (q * gn + e0) * NM_GR, b0 == 0);
+            }
+        }
+    }
+    free(xt); free(cols);
+}
+
+int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
+                         const float *X, int64_t ldx, float *out, int nthreads)
+{
+    if (check_grouped(W) || B < 0) return -1;
+    const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n, Q = W->Q;
+    if (Q == 0 || gn == 0) return 0;
+    if (B == 0) { memset(out, 0, (size_t)(Q * gn * NM_GR) * sizeof(float)); return 0; }
+    int32_t *cols = (int32_t *)alloc64((size_t)(Q * gn) * sizeof(int32_t));
+    float *gq = (float *)alloc64((size_t)(Q * B * NM_GR) * sizeof(float));
+    if (!cols || !gq) { free(cols); free(gq); return -3; }
+    const nm_mat pat = {Q, G * W->m, W->n, W->m, W->bits, W->per, G, W->iw, NULL, W->idx};
+    nm_decode(&pat, 0, Q, 0, G, 1, cols);
+    const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, Q);
+    gsddmm_args a = {W, dY, ldg, X, ldx, B, cols, gq, out, 0, 0, table()->gsddmm, 0};
+    a.kb = env_int("STEN_NM_GSDDMM_ROWS", 256);
+    int64_t kcg = env_int("STEN_NM_GROUPED_KC", 256) / W->n;
+    if (kcg < 1) kcg = 1;
+    const int64_t nchunks = (G + kcg - 1) / kcg;
+    a.kc = (G + nchunks - 1) / nchunks * W->n;
+    run_parallel(nth, gsddmm_pack_task, &a);
+    run_parallel(nth, gsddmm_task, &a);
+    free(cols); free(gq);
+    return a.err;
 }
 
 /* ----------------------------------------------------------- conversions -- */

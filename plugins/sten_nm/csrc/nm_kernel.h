@@ -40,6 +40,11 @@ typedef struct {
 int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                           float *Y, int64_t ldy, const float *bias, int nthreads);
 
+/* Gradient of W's stored values for Y = X W^T: out[q][e][j] = sum_b dY[b][perm[q*16+j]]
+ * X[b][column of slot e of group q] (0 for padding rows); out is [Q][G*n][16]. */
+int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
+                         const float *X, int64_t ldx, float *out, int nthreads);
+
 /* Y[b][r] = sum_c A[r][c] X[b][c] (+ bias[r]); X is [B][C] (row stride ldx), Y [B][R] (ldy). */
 int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx,
                   float *Y, int64_t ldy, const float *bias, int nthreads);

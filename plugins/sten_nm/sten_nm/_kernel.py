@@ -66,10 +66,12 @@ def _load() -> ctypes.CDLL:
     lib.nm_compress_mask_f32.argtypes = [_c_i64, _c_i64, _c_i32, _c_i32, _c_p, _c_i64, _c_p, _c_p, _c_p, ctypes.c_int]
     lib.nm_decompress_f32.argtypes = [P, _c_p, _c_i64, ctypes.c_int]
     lib.nm_grouped_gather_f32.argtypes = [ctypes.POINTER(NMGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
+    lib.nm_grouped_sddmm_f32.argtypes = [ctypes.POINTER(NMGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
     lib.nm_isa.restype = ctypes.c_char_p
     lib.nm_set_isa.argtypes = [ctypes.c_char_p]
     for name in ("nm_gather_f32", "nm_scatter_f32", "nm_tgather_f32", "nm_sddmm_f32", "nm_compress_f32",
-                 "nm_compress_mask_f32", "nm_decompress_f32", "nm_set_isa", "nm_grouped_gather_f32", "nm_index_bits",
+                 "nm_compress_mask_f32", "nm_decompress_f32", "nm_set_isa", "nm_grouped_gather_f32", "nm_grouped_sddmm_f32",
+                 "nm_index_bits",
                  "nm_index_per_word"):
         getattr(lib, name).restype = ctypes.c_int
     _lib = lib
@@ -226,3 +228,14 @@ def grouped_gather(W: NMGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] =
                                        Y.stride(0), b.data_ptr() if b is not None else None, _threads(nthreads))
     _check(rc, "nm_grouped_gather")
     return Y
+
+
+def grouped_sddmm(W: NMGrouped, dY: torch.Tensor, X: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
+    """Gradient of a grouped ``W``'s stored values for ``Y = X W^T``: ``[Q, G*n, 16]``, the layout's order."""
+    dY, X = _rowmajor(dY), _rowmajor(X)
+    G = -(-W.K // W.m)
+    out = torch.empty((W.Q, G * W.n, GROUP_ROWS), dtype=torch.float32)
+    rc = _load().nm_grouped_sddmm_f32(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0), X.data_ptr(),
+                                      X.stride(0), out.data_ptr(), _threads(nthreads))
+    _check(rc, "nm_grouped_sddmm")
+    return out

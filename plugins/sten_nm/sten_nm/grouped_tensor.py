@@ -84,6 +84,9 @@ class GroupedNMTensor(_Base):
             raise ValueError("indices have the wrong dtype or shape")
         if perm.dtype != torch.int32 or tuple(perm.shape) != (Q * GR,):
             raise ValueError("perm must be int32 of shape (Q*16,)")
+        if not torch.equal(perm.sort().values, torch.cat([torch.full((Q * GR - N,), -1, dtype=torch.int32),
+                                                          torch.arange(N, dtype=torch.int32)])):
+            raise ValueError(f"perm must hold each row 0..{N - 1} once and -1 for the {Q * GR - N} padding rows")
         self._vals, self.indices, self.perm = vals.contiguous(), indices.contiguous(), perm.contiguous()
 
     @classmethod

@@ -81,3 +81,51 @@ def test_grouped_to_nm_conversion():
     t = GroupedNMTensor.from_dense(torch.randn(18, 20), 1, 2)
     out = sten.convert(sten.SparseTensorWrapper(t), NMTensor).wrapped_tensor
     assert isinstance(out, NMTensor) and torch.equal(out.to_dense(), t.to_dense())
+
+
+def _random_grouped(N, K, n, m):
+    """A grouped n:m tensor with a random row order (the kernels' general case)."""
+    t = GroupedNMTensor.from_dense(torch.randn(N, K), n, m, group=False)
+    perm = t.perm.clone()
+    perm[:N] = perm[:N][torch.randperm(N)]
+    return GroupedNMTensor(t.values(), t.indices, perm, t.shape, n, m)
+
+
+@pytest.mark.parametrize("n,m", PATTERNS)
+@pytest.mark.parametrize("blocked", [False, True])
+def test_grouped_kernels_blocking_and_threads(isa, n, m, blocked, monkeypatch):
+    """Forward and weight gradient equal the dense reference whatever the chunking
+    (slots per chunk, panels per block, batch rows per block) and thread count."""
+    from sten_nm import _kernel
+
+    if blocked:  # force many chunks and blocks on small shapes
+        monkeypatch.setenv("STEN_NM_GROUPED_KC", "3")
+        monkeypatch.setenv("STEN_NM_GROUPED_PANEL_BYTES", "1")
+        monkeypatch.setenv("STEN_NM_GSDDMM_ROWS", "5")
+    t = _random_grouped(45, 7 * m + 3, n, m)
+    d, desc = t.to_dense(), t.desc()
+    for B in (1, 7, 13, 50):
+        x, gy, b = torch.randn(B, d.shape[1]), torch.randn(B, 45), torch.randn(45)
+        for threads in (1, 2, 3):
+            y = _kernel.grouped_gather(desc, x, b, nthreads=threads)
+            torch.testing.assert_close(y, F.linear(x, d, b), rtol=1e-4, atol=1e-4)
+            g = _kernel.grouped_sddmm(desc, gy, x, nthreads=threads)
+            torch.testing.assert_close(g, t.gather(gy.t() @ x), rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_kernels_non_contiguous_inputs():
+    from sten_nm import _kernel
+
+    t = _random_grouped(33, 40, 2, 4)
+    x = torch.randn(40, 20).t()          # [20, 40], column-major
+    gy = torch.randn(33, 20).t()
+    torch.testing.assert_close(_kernel.grouped_gather(t.desc(), x), F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_kernel.grouped_sddmm(t.desc(), gy, x), t.gather(gy.t() @ x), rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_rejects_a_bad_row_order():
+    t = GroupedNMTensor.from_dense(torch.randn(20, 8), 1, 4)
+    perm = t.perm.clone()
+    perm[1] = perm[0]                     # a row twice, another never
+    with pytest.raises(ValueError, match="perm"):
+        GroupedNMTensor(t.values(), t.indices, perm, t.shape, 1, 4)
