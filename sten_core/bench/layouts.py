@@ -69,7 +69,7 @@ class BenchLayout:
 
     def pattern(self, sparsity: float) -> str:
         """A short note on what the sparsity means for this layout (``"1:10"``)."""
-        if self.name == "nm":
+        if self.name in ("nm", "grouped_nm"):
             n, m = nm_for_sparsity(sparsity)
             return f"{n}:{m}"
         if self.name == "2:4":
@@ -91,6 +91,12 @@ def _nm(s: float) -> Any:
     return PerBlockFractionSparsifier(*nm_for_sparsity(s))
 
 
+def _grouped_nm(s: float) -> Any:
+    from sten_nm import GroupedNMSparsifier  # only called where the plugin is available
+
+    return GroupedNMSparsifier(*nm_for_sparsity(s))
+
+
 def _two_four(s: float) -> Any:
     from ..sparsifiers import PerBlockFractionSparsifier
 
@@ -109,6 +115,8 @@ KNOWN: tuple[BenchLayout, ...] = (
     BenchLayout("torch_csr", "torch CSR", "CsrTensor", _magnitude, aliases=("csr",)),
     BenchLayout("scipy_csr", "scipy CSR", "ScipyCsrTensor", _magnitude, devices=("cpu",)),
     BenchLayout("nm", "n:m (sten_nm)", "NMTensor", _nm, devices=("cpu",), aliases=("n:m",)),
+    BenchLayout("grouped_nm", "grouped n:m (sten_nm)", "GroupedNMTensor", _grouped_nm, devices=("cpu",),
+                aliases=("grouped",)),
     BenchLayout("2:4", "2:4 (sten_cuda24)", "Sparse24Tensor", _two_four, devices=("cuda",),
                 sparsities=(0.5,), aliases=("24", "sparse24")),
     BenchLayout("block", "block 64x64 (sten_cuda24)", "BlockSparseTensor", _block, devices=("cuda",)),

@@ -48,16 +48,16 @@ static void NMG_CAT(ggather, SUF)(const nm_grouped *W, const int32_t *offs, cons
 }
 
 /* Gradient of the stored values, one row group and one chunk of its slots:
- * out[e][j] (+)= sum_b gq[b][j] * xt[cols[e]][b] for e < ne, b < kb, j < 16, where
- * gq is the group's rows of dY ([b][16], grouped order) and xt the packed x chunk,
- * transposed ([column][kb]). 6 slots x 16 rows per register block. */
-static void NMG_CAT(gsddmm, SUF)(const float *gq, const float *xt, const int32_t *cols,
+ * out[e][j] (+)= sum_b gq[b][j] * xt[cols[e] * ldb + b] for e < ne, b < kb, j < 16,
+ * where gq is the group's rows of dY ([b][16], grouped order) and xt is x
+ * transposed. 6 slots x 16 rows per register block. */
+static void NMG_CAT(gsddmm, SUF)(const float *gq, const float *xt, int64_t ldb, const int32_t *cols,
                                  int64_t ne, int64_t kb, float *out, int first)
 {
     for (int64_t e0 = 0; e0 < ne; e0 += NM_MB) {
         const int ns = ne - e0 < NM_MB ? (int)(ne - e0) : NM_MB;
         const float *xs[NM_MB];
-        for (int s = 0; s < NM_MB; s++) xs[s] = xt + (int64_t)cols[e0 + (s < ns ? s : 0)] * kb;
+        for (int s = 0; s < NM_MB; s++) xs[s] = xt + (int64_t)cols[e0 + (s < ns ? s : 0)] * ldb;
         vf acc[NM_MB][NVR];
         for (int s = 0; s < NM_MB; s++)
             for (int u = 0; u < NVR; u++)
@@ -75,6 +75,22 @@ static void NMG_CAT(gsddmm, SUF)(const float *gq, const float *xt, const int32_t
         for (int s = 0; s < ns; s++)
             for (int u = 0; u < NVR; u++) *(vf *)(out + (e0 + s) * NM_GR + u * VW) = acc[s][u];
     }
+}
+
+/* One row back in the original order: y[r] = t[inv[r]] (+ bias[r]) for r < N
+ * (vector stores; the loads are the permutation's gather). */
+static void NMG_CAT(unperm, SUF)(const float *t, const int32_t *inv, const float *bias, int64_t N,
+                                 float *y)
+{
+    int64_t r = 0;
+    for (; r + VW <= N; r += VW) {
+        vf v, b = (vf){0};
+        for (int l = 0; l < VW; l++) v[l] = t[inv[r + l]];
+        if (bias) __builtin_memcpy(&b, bias + r, sizeof b);
+        v += b;
+        __builtin_memcpy(y + r, &v, sizeof v);
+    }
+    for (; r < N; r++) y[r] = t[inv[r]] + (bias ? bias[r] : 0.0f);
 }
 
 #undef NVR

@@ -52,8 +52,11 @@ typedef void (*nm_ggather_fn)(const nm_grouped *W, const int32_t *offs, const fl
                               int64_t pstride, int64_t cbase, int64_t np, int64_t e0, int64_t e1,
                               int64_t q0, int64_t q1, float *T, int64_t ldt, int first);
 
-typedef void (*nm_gsddmm_fn)(const float *gq, const float *xt, const int32_t *cols, int64_t ne,
-                             int64_t kb, float *out, int first);
+typedef void (*nm_gsddmm_fn)(const float *gq, const float *xt, int64_t ldb, const int32_t *cols,
+                             int64_t ne, int64_t kb, float *out, int first);
+
+typedef void (*nm_unperm_fn)(const float *t, const int32_t *inv, const float *bias, int64_t N,
+                             float *y);
 
 typedef struct {
     const char *name;
@@ -63,6 +66,7 @@ typedef struct {
     nm_sddmm_fn sddmm[4];
     nm_cgather_fn cgather[4];   /* CSR gather (transposed products) */
     nm_ggather_fn ggather;      /* grouped n:m, 6 x 16 register block */
+    nm_unperm_fn unperm;        /* grouped n:m: one output row back in the original order */
     nm_gsddmm_fn gsddmm;        /* grouped n:m weight gradient, 6 slots x 16 rows */
 } nm_isa_table;
 

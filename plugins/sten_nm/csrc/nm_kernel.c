@@ -404,17 +404,8 @@ typedef struct {
 /* Y[b][r] = T[b - b0][inv[r]] (+ bias[r]) for rows b in [b0, b1). */
 static void unpermute(const ggather_args *a, const float *T, int64_t b0, int64_t b1)
 {
-    const int64_t N = a->W->N;
-    const int32_t *inv = a->inv;
-    for (int64_t b = b0; b < b1; b++) {
-        const float *t = T + (b - b0) * a->ldt;
-        float *y = a->Y + b * a->ldy;
-        if (a->bias) {
-            for (int64_t r = 0; r < N; r++) y[r] = t[inv[r]] + a->bias[r];
-        } else {
-            for (int64_t r = 0; r < N; r++) y[r] = t[inv[r]];
-        }
-    }
+    const nm_unperm_fn fn = table()->unperm;
+    for (int64_t b = b0; b < b1; b++) fn(T + (b - b0) * a->ldt, a->inv, a->bias, a->W->N, a->Y + b * a->ldy);
 }
 
 /* Many batch rows: each thread takes a range of micro-panels, block by block (mcp
@@ -508,7 +499,7 @@ int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_
                       table()->ggather, 0};
     /* chunks of kept slots: whole groups of m columns, about STEN_NM_GROUPED_KC slots,
      * equal sizes */
-    int64_t kcg = env_int("STEN_NM_GROUPED_KC", 256) / W->n;
+    int64_t kcg = env_int("STEN_NM_GROUPED_KC", 512) / W->n;
     if (kcg < 1) kcg = 1;
     const int64_t nchunks = (G + kcg - 1) / kcg;
     a.kc = (G + nchunks - 1) / nchunks * W->n;
@@ -536,59 +527,65 @@ int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_
 /* ------------------------------------------------ grouped weight gradient -- */
 typedef struct {
     const nm_grouped *W; const float *dY; int64_t ldg; const float *X; int64_t ldx;
-    int64_t B; const int32_t *cols; float *gq; float *out; int64_t kb, kc; nm_gsddmm_fn fn; int err;
+    int64_t B; const int32_t *cols; float *gq; float *xt; int64_t ldb; float *out;
+    int64_t kb, kc; nm_gsddmm_fn fn; int err;
 } gsddmm_args;
 
-/* gq[q][b][j] = dY[b][perm[q*16 + j]] (0 for padding rows), groups split by thread. */
+/* gq[q][b][j] = dY[b][perm[q*16 + j]] (0 for padding rows), groups split by thread;
+ * xt[c][b] = X[b][c] (0 past K), columns split by thread (16 x 16 blocks). */
 static void gsddmm_pack_task(void *p, int tid, int nth)
 {
     gsddmm_args *a = (gsddmm_args *)p;
-    int64_t q0, q1;
-    split(a->W->Q, tid, nth, &q0, &q1);
+    const nm_grouped *W = a->W;
+    int64_t q0, q1, c0, c1;
+    split(W->Q, tid, nth, &q0, &q1);
     for (int64_t q = q0; q < q1; q++) {
-        const int32_t *rows = a->W->perm + q * NM_GR;
+        const int32_t *rows = W->perm + q * NM_GR;
         float *g = a->gq + q * a->B * NM_GR;
         for (int64_t b = 0; b < a->B; b++) {
             const float *dy = a->dY + b * a->ldg;
             for (int j = 0; j < NM_GR; j++) g[b * NM_GR + j] = rows[j] >= 0 ? dy[rows[j]] : 0.0f;
         }
     }
+    const int64_t Kpad = (W->K + W->m - 1) / W->m * W->m;
+    split((Kpad + 15) / 16, tid, nth, &c0, &c1);
+    for (int64_t cb = c0 * 16; cb < c1 * 16 && cb < Kpad; cb += 16) {
+        const int64_t ce = cb + 16 < Kpad ? cb + 16 : Kpad, cx = ce < W->K ? ce : W->K;
+        for (int64_t b0 = 0; b0 < a->B; b0 += 16) {
+            const int64_t be = b0 + 16 < a->B ? b0 + 16 : a->B;
+            for (int64_t b = b0; b < be; b++) {
+                const float *x = a->X + b * a->ldx;
+                for (int64_t c = cb; c < cx; c++) a->xt[c * a->ldb + b] = x[c];
+                for (int64_t c = cx > cb ? cx : cb; c < ce; c++) a->xt[c * a->ldb + b] = 0.0f;
+            }
+        }
+    }
 }
 
-/* Each thread owns a range of row groups; per block of kb batch rows and chunk of kc
- * slots (whole groups of m columns) it packs x transposed ([column][kb], in L2). */
+/* Each thread owns a range of row groups; blocks of kb batch rows x chunks of kc
+ * slots (whole groups of m columns: their x, kb x chunk columns, stays in L2). */
 static void gsddmm_task(void *p, int tid, int nth)
 {
     gsddmm_args *a = (gsddmm_args *)p;
     const nm_grouped *W = a->W;
-    const int64_t gn = (W->K + W->m - 1) / W->m * W->n, ccols = a->kc / W->n * W->m;
+    const int64_t gn = (W->K + W->m - 1) / W->m * W->n;
     int64_t q0, q1;
     split(W->Q, tid, nth, &q0, &q1);
     if (q1 <= q0) return;
-    float *xt = (float *)alloc64((size_t)(ccols * a->kb) * sizeof(float));
     int32_t *cols = (int32_t *)alloc64((size_t)a->kc * sizeof(int32_t));
-    if (!xt || !cols) { free(xt); free(cols); a->err = -3; return; }
+    if (!cols) { a->err = -3; return; }
     for (int64_t b0 = 0; b0 < a->B; b0 += a->kb) {
         const int64_t kb = b0 + a->kb < a->B ? a->kb : a->B - b0;
         for (int64_t e0 = 0; e0 < gn; e0 += a->kc) {
             const int64_t e1 = e0 + a->kc < gn ? e0 + a->kc : gn;
-            const int64_t c0 = e0 / W->n * W->m, c1 = e1 / W->n * W->m;
-            for (int64_t c = c0; c < c1; c++) {
-                float *o = xt + (c - c0) * kb;
-                if (c < W->K) {
-                    for (int64_t b = 0; b < kb; b++) o[b] = a->X[(b0 + b) * a->ldx + c];
-                } else {
-                    for (int64_t b = 0; b < kb; b++) o[b] = 0.0f;
-                }
-            }
             for (int64_t q = q0; q < q1; q++) {
-                for (int64_t e = e0; e < e1; e++) cols[e - e0] = a->cols[q * gn + e] - (int32_t)c0;
-                a->fn(a->gq + (q * a->B + b0) * NM_GR, xt, cols, e1 - e0, kb,
+                for (int64_t e = e0; e < e1; e++) cols[e - e0] = a->cols[q * gn + e];
+                a->fn(a->gq + (q * a->B + b0) * NM_GR, a->xt + b0, a->ldb, cols, e1 - e0, kb,
                       a->out + (q * gn + e0) * NM_GR, b0 == 0);
             }
         }
     }
-    free(xt); free(cols);
+    free(cols);
 }
 
 int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
@@ -598,21 +595,24 @@ int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_
     const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n, Q = W->Q;
     if (Q == 0 || gn == 0) return 0;
     if (B == 0) { memset(out, 0, (size_t)(Q * gn * NM_GR) * sizeof(float)); return 0; }
+    const int64_t ldb = (B + 15) / 16 * 16 + 16;   /* + 16: x's columns do not alias in L1 */
     int32_t *cols = (int32_t *)alloc64((size_t)(Q * gn) * sizeof(int32_t));
     float *gq = (float *)alloc64((size_t)(Q * B * NM_GR) * sizeof(float));
-    if (!cols || !gq) { free(cols); free(gq); return -3; }
+    float *xt = (float *)alloc64((size_t)(G * W->m * ldb) * sizeof(float));
+    if (!cols || !gq || !xt) { free(cols); free(gq); free(xt); return -3; }
     const nm_mat pat = {Q, G * W->m, W->n, W->m, W->bits, W->per, G, W->iw, NULL, W->idx};
     nm_decode(&pat, 0, Q, 0, G, 1, cols);
     const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, Q);
-    gsddmm_args a = {W, dY, ldg, X, ldx, B, cols, gq, out, 0, 0, table()->gsddmm, 0};
+    gsddmm_args a = {W, dY, ldg, X, ldx, B, cols, gq, xt, ldb, out, 0, 0, table()->gsddmm, 0};
+    /* blocks of kb batch rows x chunks of kcg groups of m columns (kb x kcg*m floats of x) */
     a.kb = env_int("STEN_NM_GSDDMM_ROWS", 256);
-    int64_t kcg = env_int("STEN_NM_GROUPED_KC", 256) / W->n;
+    int64_t kcg = env_int("STEN_NM_GSDDMM_BYTES", 192 * 1024) / (a.kb * 4 * W->m);
     if (kcg < 1) kcg = 1;
     const int64_t nchunks = (G + kcg - 1) / kcg;
     a.kc = (G + nchunks - 1) / nchunks * W->n;
     run_parallel(nth, gsddmm_pack_task, &a);
     run_parallel(nth, gsddmm_task, &a);
-    free(cols); free(gq);
+    free(cols); free(gq); free(xt);
     return a.err;
 }
 
