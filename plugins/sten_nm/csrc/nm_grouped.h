@@ -93,6 +93,41 @@ static void NMG_CAT(unperm, SUF)(const float *t, const int32_t *inv, const float
     for (; r < N; r++) y[r] = t[inv[r]] + (bias ? bias[r] : 0.0f);
 }
 
+/* Input gradient, one row group: gxt[cols[e]][b] += sum_j wv[e][j] * gyt[j][b] for the
+ * group's slots e < gn, its 16 rows j and batch columns b < nb (a multiple of VW); gyt
+ * and gxt are batch-minor with row stride ld. Per half of the group (8 rows, kept in
+ * registers) and vector of batch: 6 slots at a time, 8 broadcasts and FMAs each. */
+static void NMG_CAT(gtgather, SUF)(const float *wv, const int32_t *cols, int64_t gn,
+                                   const float *gyt, float *gxt, int64_t ld, int64_t nb)
+{
+    for (int h = 0; h < NM_GR; h += 8)
+        for (int64_t p = 0; p < nb; p += VW) {
+            vf g[8];
+            for (int jj = 0; jj < 8; jj++) g[jj] = *(const vf *)(gyt + (h + jj) * ld + p);
+            int64_t e0 = 0;
+            for (; e0 + NM_MB <= gn; e0 += NM_MB) {
+                float *o[NM_MB];
+                vf acc[NM_MB];
+                for (int s = 0; s < NM_MB; s++) {
+                    o[s] = gxt + (int64_t)cols[e0 + s] * ld + p;
+                    acc[s] = *(const vf *)o[s];
+                }
+#pragma GCC unroll 8
+                for (int jj = 0; jj < 8; jj++) {
+#pragma GCC unroll 6
+                    for (int s = 0; s < NM_MB; s++) acc[s] += wv[(e0 + s) * NM_GR + h + jj] * g[jj];
+                }
+                for (int s = 0; s < NM_MB; s++) *(vf *)o[s] = acc[s];
+            }
+            for (; e0 < gn; e0++) {
+                float *o = gxt + (int64_t)cols[e0] * ld + p;
+                vf acc = *(const vf *)o;
+                for (int jj = 0; jj < 8; jj++) acc += wv[e0 * NM_GR + h + jj] * g[jj];
+                *(vf *)o = acc;
+            }
+        }
+}
+
 #undef NVR
 #undef NMG_CAT
 #undef NMG_CAT_

@@ -58,6 +58,9 @@ typedef void (*nm_gsddmm_fn)(const float *gq, const float *xt, int64_t ldb, cons
 typedef void (*nm_unperm_fn)(const float *t, const int32_t *inv, const float *bias, int64_t N,
                              float *y);
 
+typedef void (*nm_gtgather_fn)(const float *wv, const int32_t *cols, int64_t gn, const float *gyt,
+                               float *gxt, int64_t ld, int64_t nb);
+
 typedef struct {
     const char *name;
     int vw;                     /* floats per vector */
@@ -67,7 +70,8 @@ typedef struct {
     nm_cgather_fn cgather[4];   /* CSR gather (transposed products) */
     nm_ggather_fn ggather;      /* grouped n:m, 6 x 16 register block */
     nm_unperm_fn unperm;        /* grouped n:m: one output row back in the original order */
-    nm_gsddmm_fn gsddmm;        /* grouped n:m weight gradient, 6 slots x 16 rows */
+    nm_gsddmm_fn gsddmm;
+    nm_gtgather_fn gtgather;    /* grouped n:m input gradient, 6 slots x 8 rows x 1 vector */        /* grouped n:m weight gradient, 6 slots x 16 rows */
 } nm_isa_table;
 
 extern const nm_isa_table nm_table_generic;

@@ -616,6 +616,71 @@ int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_
     return a.err;
 }
 
+/* -------------------------------------------------- grouped input gradient -- */
+typedef struct {
+    const nm_grouped *W; const float *dY; int64_t ldg; float *dX; int64_t ldx; int64_t B;
+    const int32_t *cols; int64_t rows; nm_gtgather_fn fn; int err;
+} gtgather_args;
+
+/* Each thread takes a range of batch rows, block by block (rows, a multiple of the vector
+ * width): dY's block regrouped and transposed (gyt [Q*16][rows]), every row group added
+ * into dX's block transposed (gxt [Kpad][rows], in L2), then written back. */
+static void gtgather_task(void *p, int tid, int nth)
+{
+    gtgather_args *a = (gtgather_args *)p;
+    const nm_grouped *W = a->W;
+    const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n, Kpad = G * W->m;
+    const int64_t ld = a->rows, vw = table()->vw;
+    int64_t blk0, blk1;
+    split((a->B + ld - 1) / ld, tid, nth, &blk0, &blk1);
+    if (blk1 <= blk0) return;
+    float *gyt = (float *)alloc64((size_t)(W->Q * NM_GR * ld) * sizeof(float));
+    float *gxt = (float *)alloc64((size_t)(Kpad * ld) * sizeof(float));
+    if (!gyt || !gxt) { free(gyt); free(gxt); a->err = -3; return; }
+    for (int64_t blk = blk0; blk < blk1; blk++) {
+        const int64_t b0 = blk * ld, nb = b0 + ld < a->B ? ld : a->B - b0;
+        const int64_t nbv = (nb + vw - 1) / vw * vw;
+        for (int64_t j = 0; j < W->Q * NM_GR; j++) {
+            const int32_t r = W->perm[j];
+            float *o = gyt + j * ld;
+            for (int64_t bi = 0; bi < nbv; bi++)
+                o[bi] = (r >= 0 && bi < nb) ? a->dY[(b0 + bi) * a->ldg + r] : 0.0f;
+        }
+        memset(gxt, 0, (size_t)(Kpad * ld) * sizeof(float));
+        for (int64_t q = 0; q < W->Q; q++)
+            a->fn(W->vals + q * gn * NM_GR, a->cols + q * gn, gn, gyt + q * NM_GR * ld, gxt, ld, nbv);
+        for (int64_t bi = 0; bi < nb; bi++) {
+            float *x = a->dX + (b0 + bi) * a->ldx;
+            for (int64_t c = 0; c < W->K; c++) x[c] = gxt[c * ld + bi];
+        }
+    }
+    free(gyt); free(gxt);
+}
+
+int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
+                           float *dX, int64_t ldx, int nthreads)
+{
+    if (check_grouped(W) || B < 0) return -1;
+    const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n, Q = W->Q;
+    if (B == 0 || W->K == 0) return 0;
+    if (W->N == 0) {
+        for (int64_t b = 0; b < B; b++) memset(dX + b * ldx, 0, (size_t)W->K * sizeof(float));
+        return 0;
+    }
+    int32_t *cols = (int32_t *)alloc64((size_t)(Q * gn) * sizeof(int32_t));
+    if (!cols) return -3;
+    const nm_mat pat = {Q, G * W->m, W->n, W->m, W->bits, W->per, G, W->iw, NULL, W->idx};
+    nm_decode(&pat, 0, Q, 0, G, 1, cols);
+    const int64_t vw = table()->vw;
+    int64_t rows = env_int("STEN_NM_GTGATHER_ROWS", 16);
+    rows = (rows + vw - 1) / vw * vw;
+    const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, (B + rows - 1) / rows);
+    gtgather_args a = {W, dY, ldg, dX, ldx, B, cols, rows, table()->gtgather, 0};
+    run_parallel(nth, gtgather_task, &a);
+    free(cols);
+    return a.err;
+}
+
 /* ----------------------------------------------------------- conversions -- */
 typedef struct {
     int64_t R, C; int32_t n, m; const float *D; int64_t ldd; const uint8_t *mask;

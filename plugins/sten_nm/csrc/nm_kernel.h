@@ -45,6 +45,10 @@ int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_
 int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
                          const float *X, int64_t ldx, float *out, int nthreads);
 
+/* Input gradient for Y = X W^T: dX[b][c] = sum_r dY[b][r] W[r][c]; dX is [B][K] (ldx). */
+int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
+                           float *dX, int64_t ldx, int nthreads);
+
 /* Y[b][r] = sum_c A[r][c] X[b][c] (+ bias[r]); X is [B][C] (row stride ldx), Y [B][R] (ldy). */
 int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx,
                   float *Y, int64_t ldy, const float *bias, int nthreads);

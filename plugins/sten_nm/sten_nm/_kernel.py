@@ -67,10 +67,11 @@ def _load() -> ctypes.CDLL:
     lib.nm_decompress_f32.argtypes = [P, _c_p, _c_i64, ctypes.c_int]
     lib.nm_grouped_gather_f32.argtypes = [ctypes.POINTER(NMGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
     lib.nm_grouped_sddmm_f32.argtypes = [ctypes.POINTER(NMGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
+    lib.nm_grouped_tgather_f32.argtypes = [ctypes.POINTER(NMGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64, ctypes.c_int]
     lib.nm_isa.restype = ctypes.c_char_p
     lib.nm_set_isa.argtypes = [ctypes.c_char_p]
     for name in ("nm_gather_f32", "nm_scatter_f32", "nm_tgather_f32", "nm_sddmm_f32", "nm_compress_f32",
-                 "nm_compress_mask_f32", "nm_decompress_f32", "nm_set_isa", "nm_grouped_gather_f32", "nm_grouped_sddmm_f32",
+                 "nm_compress_mask_f32", "nm_decompress_f32", "nm_set_isa", "nm_grouped_gather_f32", "nm_grouped_sddmm_f32", "nm_grouped_tgather_f32",
                  "nm_index_bits",
                  "nm_index_per_word"):
         getattr(lib, name).restype = ctypes.c_int
@@ -239,3 +240,13 @@ def grouped_sddmm(W: NMGrouped, dY: torch.Tensor, X: torch.Tensor, nthreads: Opt
                                       X.stride(0), out.data_ptr(), _threads(nthreads))
     _check(rc, "nm_grouped_sddmm")
     return out
+
+
+def grouped_tgather(W: NMGrouped, dY: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
+    """Input gradient for a grouped ``W`` ``[N, K]``: ``dX = dY W``, ``[B, K]``."""
+    dY = _rowmajor(dY)
+    dX = torch.empty((dY.shape[0], W.K), dtype=torch.float32)
+    rc = _load().nm_grouped_tgather_f32(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0), dX.data_ptr(),
+                                        dX.stride(0) if W.K else 1, _threads(nthreads))
+    _check(rc, "nm_grouped_tgather")
+    return dX

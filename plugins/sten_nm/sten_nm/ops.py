@@ -247,29 +247,32 @@ def grouped_linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torc
 
 
 def _grouped_backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
-    """Input gradient through the exact n:m kernels (``to_nm`` is lossless); weight
-    gradient at the kept positions by the grouped kernel, in the layout's own order."""
+    """Input gradient and weight gradient at the kept positions by the grouped kernels
+    (the latter in the layout's own order); a dense weight gradient is the full product."""
     from sten_core import SparseTensorWrapper
 
     x, w, bias = ctx.saved_tensors
     G = w.wrapped_tensor
-    if sparse_grad and _needs(ctx, 1) and _out_dtype(x, G._vals) != torch.float64:
-        gx, _, gb = _backward(_NoWeightGrad(ctx), grad_outputs, False, True, saved=(x, G.to_nm(), bias))
-        gy2 = grad_outputs[0].reshape(-1, G.shape[0])
-        vals = _kernel.grouped_sddmm(G.desc(), gy2, x.reshape(-1, G.shape[1]))
-        return gx, SparseTensorWrapper(G.with_values(vals.to(G.dtype))), gb
-    gx, gw, gb = _backward(ctx, grad_outputs, sparse_grad=sparse_grad, linear=True, saved=(x, G.to_nm(), bias))
-    if sparse_grad and gw is not None:
-        gw = SparseTensorWrapper(G.with_values(G.from_row_values(gw.wrapped_tensor.values())))
+    N, K = G.shape
+    if _out_dtype(x, G._vals) == torch.float64:  # keep double precision: dense reference path
+        gx, gw, gb = _backward(ctx, grad_outputs, sparse_grad=sparse_grad, linear=True, saved=(x, G.to_nm(), bias))
+        if sparse_grad and gw is not None:
+            gw = SparseTensorWrapper(G.with_values(G.from_row_values(gw.wrapped_tensor.values())))
+        return gx, gw, gb
+    gy2 = grad_outputs[0].reshape(-1, N)
+    x2 = x.reshape(-1, K)
+    gx = gw = gb = None
+    if _needs(ctx, 0):
+        gx = _kernel.grouped_tgather(G.desc(), gy2).to(x.dtype).reshape(x.shape)
+    if _needs(ctx, 1):
+        if sparse_grad:
+            vals = _kernel.grouped_sddmm(G.desc(), gy2, x2)
+            gw = SparseTensorWrapper(G.with_values(vals.to(G.dtype)))
+        else:
+            gw = (gy2.t() @ x2.to(gy2.dtype)).to(G.dtype)
+    if bias is not None and _needs(ctx, 2):
+        gb = gy2.sum(0).to(bias.dtype)
     return gx, gw, gb
-
-
-class _NoWeightGrad:
-    """A backward context that asks for every gradient but the weight's."""
-
-    def __init__(self, ctx: Any):
-        needs = tuple(getattr(ctx, "needs_input_grad", (True, True, True)) or (True, True, True))
-        self.needs_input_grad = needs[:1] + (False,) + needs[2:]
 
 
 def grouped_linear_bwd_dense(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:

@@ -94,7 +94,7 @@ def _random_grouped(N, K, n, m):
 @pytest.mark.parametrize("n,m", PATTERNS)
 @pytest.mark.parametrize("blocked", [False, True])
 def test_grouped_kernels_blocking_and_threads(isa, n, m, blocked, monkeypatch):
-    """Forward and weight gradient equal the dense reference whatever the chunking
+    """Forward, weight and input gradients equal the dense reference whatever the chunking
     (slots per chunk, panels per block, batch rows per block) and thread count."""
     from sten_nm import _kernel
 
@@ -102,6 +102,7 @@ def test_grouped_kernels_blocking_and_threads(isa, n, m, blocked, monkeypatch):
         monkeypatch.setenv("STEN_NM_GROUPED_KC", "3")
         monkeypatch.setenv("STEN_NM_GROUPED_PANEL_BYTES", "1")
         monkeypatch.setenv("STEN_NM_GSDDMM_ROWS", "5")
+        monkeypatch.setenv("STEN_NM_GTGATHER_ROWS", "1")
     t = _random_grouped(45, 7 * m + 3, n, m)
     d, desc = t.to_dense(), t.desc()
     for B in (1, 7, 13, 50):
@@ -111,6 +112,8 @@ def test_grouped_kernels_blocking_and_threads(isa, n, m, blocked, monkeypatch):
             torch.testing.assert_close(y, F.linear(x, d, b), rtol=1e-4, atol=1e-4)
             g = _kernel.grouped_sddmm(desc, gy, x, nthreads=threads)
             torch.testing.assert_close(g, t.gather(gy.t() @ x), rtol=1e-4, atol=1e-4)
+            gx = _kernel.grouped_tgather(desc, gy, nthreads=threads)
+            torch.testing.assert_close(gx, gy @ d, rtol=1e-4, atol=1e-4)
 
 
 def test_grouped_kernels_non_contiguous_inputs():
@@ -121,6 +124,7 @@ def test_grouped_kernels_non_contiguous_inputs():
     gy = torch.randn(33, 20).t()
     torch.testing.assert_close(_kernel.grouped_gather(t.desc(), x), F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(_kernel.grouped_sddmm(t.desc(), gy, x), t.gather(gy.t() @ x), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_kernel.grouped_tgather(t.desc(), gy), gy @ t.to_dense(), rtol=1e-4, atol=1e-4)
 
 
 def test_grouped_rejects_a_bad_row_order():
