@@ -3,9 +3,12 @@ import sys
 
 from setuptools import Extension, setup
 
-args = ["-O3", "-std=gnu11", "-pthread", "-Wall"]
+# -fopenmp: the kernels run in the process's OpenMP pool (PyTorch's libgomp, shared by
+# soname) instead of threads of their own; without it they fall back to pthreads.
+args = ["-O3", "-std=gnu11", "-pthread", "-fopenmp", "-Wall"]
+link = ["-pthread", "-fopenmp"]
 if sys.platform == "win32":  # pragma: no cover - MSVC: portable kernels only
-    args = ["/O2"]
+    args, link = ["/O2"], []
 setup(
     ext_modules=[
         Extension(
@@ -19,7 +22,7 @@ setup(
             ],
             depends=["csrc/nm_kernel.h", "csrc/nm_isa.h", "csrc/nm_impl.h", "csrc/nm_body.h", "csrc/nm_grouped.h"],
             extra_compile_args=args,
-            extra_link_args=[] if sys.platform == "win32" else ["-pthread"],
+            extra_link_args=link,
         )
     ]
 )

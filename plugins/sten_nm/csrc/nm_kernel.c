@@ -1,4 +1,4 @@
-/* sten_nm driver: ISA selection, threading (pthreads), packing, conversions. */
+/* sten_nm driver: ISA selection, threading (OpenMP, else pthreads), packing, conversions. */
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -55,6 +55,23 @@ int nm_index_per_word(int32_t m) { return 32 / nm_index_bits(m); }
 
 /* ------------------------------------------------------------ threads ---- */
 typedef void (*task_fn)(void *arg, int tid, int nth);
+
+/* Run fn(arg, tid, nth) for tid in [0, nth). With OpenMP (the normal build), in the
+ * process's OpenMP pool: PyTorch's CPU builds load libgomp, and an extension that needs
+ * libgomp.so.1 shares that copy, so the kernels run on PyTorch's own worker threads
+ * instead of competing with them while they spin after an operator. */
+#ifdef _OPENMP
+#include <omp.h>
+static void run_parallel(int nth, task_fn fn, void *arg)
+{
+    if (nth <= 1) { fn(arg, 0, 1); return; }
+#pragma omp parallel num_threads(nth)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        for (int i = t; i < nth; i += T) fn(arg, i, nth);   /* all tasks, however many threads */
+    }
+}
+#else
 typedef struct { task_fn fn; void *arg; int tid, nth; } task_t;
 
 static void *task_main(void *p)
@@ -64,7 +81,6 @@ static void *task_main(void *p)
     return NULL;
 }
 
-/* Run fn(arg, tid, nth) for tid in [0, nth): tid 0 on the caller's thread. */
 static void run_parallel(int nth, task_fn fn, void *arg)
 {
     if (nth <= 1) { fn(arg, 0, 1); return; }
@@ -81,6 +97,7 @@ static void run_parallel(int nth, task_fn fn, void *arg)
     for (int i = 1; i < nth; i++)
         if (started[i]) pthread_join(th[i], NULL);
 }
+#endif
 
 static void split(int64_t total, int tid, int nth, int64_t *a, int64_t *b)
 {
