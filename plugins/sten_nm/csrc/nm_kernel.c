@@ -487,6 +487,27 @@ static int check_grouped(const nm_grouped *W)
     return 0;
 }
 
+/* Column (times scale) of every kept slot of every row group, [Q][G*n]; NULL when out of
+ * memory. */
+static int32_t *grouped_slot_columns(const nm_grouped *W, int64_t scale)
+{
+    const int64_t G = (W->K + W->m - 1) / W->m;
+    int32_t *cols = (int32_t *)alloc64((size_t)(W->Q * G * W->n) * sizeof(int32_t));
+    if (!cols) return NULL;
+    const nm_mat pat = {W->Q, G * W->m, W->n, W->m, W->bits, W->per, G, W->iw, NULL, W->idx};
+    nm_decode(&pat, 0, W->Q, 0, G, scale, cols);
+    return cols;
+}
+
+/* Kept slots per chunk: at most `groups` whole groups of m columns (at least one), the G
+ * groups cut into chunks of equal size. */
+static int64_t equal_chunk_slots(int64_t G, int64_t groups, int n)
+{
+    if (groups < 1) groups = 1;
+    const int64_t nchunks = (G + groups - 1) / groups;
+    return (G + nchunks - 1) / nchunks * n;
+}
+
 int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                           float *Y, int64_t ldy, const float *bias, int nthreads)
 {
@@ -500,11 +521,9 @@ int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_
     }
     const int64_t Q = W->Q, Kpad = G * W->m;
     /* offsets of every group's kept slots, and the grouped column of every row */
-    int32_t *offs = (int32_t *)alloc64((size_t)(Q * gn) * sizeof(int32_t));
+    int32_t *offs = grouped_slot_columns(W, NM_MB);
     int32_t *inv = (int32_t *)alloc64((size_t)W->N * sizeof(int32_t));
     if (!offs || !inv) { free(offs); free(inv); return -3; }
-    const nm_mat pat = {Q, G * W->m, W->n, W->m, W->bits, W->per, G, W->iw, NULL, W->idx};
-    nm_decode(&pat, 0, Q, 0, G, NM_MB, offs);
     for (int64_t r = 0; r < W->N; r++) inv[r] = -1;
     for (int64_t j = 0; j < Q * NM_GR; j++)
         if (W->perm[j] >= 0 && W->perm[j] < W->N) inv[W->perm[j]] = (int32_t)j;
@@ -516,10 +535,7 @@ int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_
                       table()->ggather, 0};
     /* chunks of kept slots: whole groups of m columns, about STEN_NM_GROUPED_KC slots,
      * equal sizes */
-    int64_t kcg = env_int("STEN_NM_GROUPED_KC", 512) / W->n;
-    if (kcg < 1) kcg = 1;
-    const int64_t nchunks = (G + kcg - 1) / kcg;
-    a.kc = (G + nchunks - 1) / nchunks * W->n;
+    a.kc = equal_chunk_slots(G, env_int("STEN_NM_GROUPED_KC", 512) / W->n, W->n);
     a.ldt = Q * NM_GR + NM_GR;   /* + one group: rows of T do not alias in L1 */
     /* panels per block: their packed x chunk (mcp * 6 * chunk columns) stays in L2 */
     a.mcp = env_int("STEN_NM_GROUPED_PANEL_BYTES", 128 * 1024) / (a.kc / W->n * W->m * NM_MB * 4);
@@ -613,20 +629,15 @@ int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_
     if (Q == 0 || gn == 0) return 0;
     if (B == 0) { memset(out, 0, (size_t)(Q * gn * NM_GR) * sizeof(float)); return 0; }
     const int64_t ldb = (B + 15) / 16 * 16 + 16;   /* + 16: x's columns do not alias in L1 */
-    int32_t *cols = (int32_t *)alloc64((size_t)(Q * gn) * sizeof(int32_t));
+    int32_t *cols = grouped_slot_columns(W, 1);
     float *gq = (float *)alloc64((size_t)(Q * B * NM_GR) * sizeof(float));
     float *xt = (float *)alloc64((size_t)(G * W->m * ldb) * sizeof(float));
     if (!cols || !gq || !xt) { free(cols); free(gq); free(xt); return -3; }
-    const nm_mat pat = {Q, G * W->m, W->n, W->m, W->bits, W->per, G, W->iw, NULL, W->idx};
-    nm_decode(&pat, 0, Q, 0, G, 1, cols);
     const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, Q);
     gsddmm_args a = {W, dY, ldg, X, ldx, B, cols, gq, xt, ldb, out, 0, 0, table()->gsddmm, 0};
     /* blocks of kb batch rows x chunks of kcg groups of m columns (kb x kcg*m floats of x) */
     a.kb = env_int("STEN_NM_GSDDMM_ROWS", 256);
-    int64_t kcg = env_int("STEN_NM_GSDDMM_BYTES", 192 * 1024) / (a.kb * 4 * W->m);
-    if (kcg < 1) kcg = 1;
-    const int64_t nchunks = (G + kcg - 1) / kcg;
-    a.kc = (G + nchunks - 1) / nchunks * W->n;
+    a.kc = equal_chunk_slots(G, env_int("STEN_NM_GSDDMM_BYTES", 192 * 1024) / (a.kb * 4 * W->m), W->n);
     run_parallel(nth, gsddmm_pack_task, &a);
     run_parallel(nth, gsddmm_task, &a);
     free(cols); free(gq); free(xt);
@@ -678,16 +689,14 @@ int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int6
                            float *dX, int64_t ldx, int nthreads)
 {
     if (check_grouped(W) || B < 0) return -1;
-    const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n, Q = W->Q;
+    const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n;
     if (B == 0 || W->K == 0) return 0;
     if (W->N == 0) {
         for (int64_t b = 0; b < B; b++) memset(dX + b * ldx, 0, (size_t)W->K * sizeof(float));
         return 0;
     }
-    int32_t *cols = (int32_t *)alloc64((size_t)(Q * gn) * sizeof(int32_t));
+    int32_t *cols = grouped_slot_columns(W, 1);
     if (!cols) return -3;
-    const nm_mat pat = {Q, G * W->m, W->n, W->m, W->bits, W->per, G, W->iw, NULL, W->idx};
-    nm_decode(&pat, 0, Q, 0, G, 1, cols);
     const int64_t vw = table()->vw;
     int64_t rows = env_int("STEN_NM_GTGATHER_ROWS", 16);
     rows = (rows + vw - 1) / vw * vw;
