@@ -32,7 +32,7 @@ import torch
 from . import plugins
 from .registry import Entry, OpKey, registry, trim
 from .signatures import bind, op_name
-from .sparsifiers import KeepAll
+from .sparsifiers import KeepAll, SameFormatSparsifier
 from .spec import DENSE, OutputSpec, coerce_specs
 from .tensor import (DENSE_TYPES, PLAIN_TYPES, WRAPPER_TYPES, SparseTensorWrapper, densify,
                      densify_tree, detached, write_back)
@@ -121,8 +121,13 @@ def layout_of(value: Any) -> Any:
 
 
 def _fix_text(key: OpKey) -> str:
+    def one(i: Any) -> str:
+        if isinstance(i, tuple):  # the layouts of a list argument's items
+            return "[" + ", ".join(one(x) for x in i) + "]"
+        return "None" if i is None else ("torch.Tensor" if i is torch.Tensor else i.__name__)
+
     def pat(items: Iterable) -> str:
-        parts = ["None" if i is None else ("torch.Tensor" if i is torch.Tensor else i.__name__) for i in items]
+        parts = [one(i) for i in items]
         return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
 
     def pairs(items: Iterable) -> str:
@@ -151,11 +156,20 @@ def _missing(key: OpKey) -> None:
         what = f"Sparse operator implementation is not registered ({key.direction})"
         then = "Fallback to dense implementation."
     message = f"{what}. {key.describe()}. {then} To add one: {_fix_text(key)}"
+    if key.direction == "fwd" and any(isinstance(i, tuple) for i in key.inp):
+        message = (f"{what}: wrappers inside a list argument. {key.describe()}. {then} "
+                   "Implementations are registered for tensor arguments only: pass the tensors "
+                   "densely or call a sparse operator that takes them one by one.")
+    _fail(message, key, then)
+
+
+def _fail(message: str, key: Any, then: str = "") -> None:
+    """Raise ``message`` as a ``DispatchError`` in raise mode; else warn once per ``key``."""
     if _failure_mode == "raise":
-        raise DispatchError(message.replace(then + " ", ""))
+        raise DispatchError(message.replace(then + " ", "") if then else message)
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, DispatchWarning, stacklevel=4)
+        warnings.warn(message, DispatchWarning, stacklevel=5)
 
 
 # -- conversions ------------------------------------------------------------------
@@ -221,7 +235,26 @@ def _convert(value: Any, target: type) -> Any:
         value = to_dense_tensor(layout)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"cannot convert {type(value).__name__} to {target.__name__}")
+    if not callable(getattr(target, "from_dense", None)):
+        raise DispatchError(
+            f"{target.__name__} has no from_dense, so a dense tensor cannot be converted to it. Register a "
+            f"sparsifier implementation that produces it: @sten.register_sparsifier_implementation("
+            f"sparsifier=..., inp=torch.Tensor, out={target.__name__})")
     return SparseTensorWrapper(target.from_dense(value.detach()))
+
+
+def same_format_layout(target: SparseTensorWrapper, dense: torch.Tensor) -> Any:
+    """A layout of ``target``'s type holding ``dense`` at ``target``'s positions,
+    made by the ``SameFormatSparsifier`` implementation for that layout (an
+    in-place update of a layout without the stored-values protocol)."""
+    layout_cls = type(target.wrapped_tensor)
+    result = _sparsify(SameFormatSparsifier(target), dense, layout_cls)
+    if not isinstance(result, SparseTensorWrapper) or type(result.wrapped_tensor) is not layout_cls:
+        raise DispatchError(
+            f"an in-place update of a {layout_cls.__name__} needs a SameFormatSparsifier implementation "
+            f"producing it: @sten.register_sparsifier_implementation(sparsifier=sten.SameFormatSparsifier, "
+            f"inp=torch.Tensor, out={layout_cls.__name__}); the tensor is unchanged")
+    return result.wrapped_tensor
 
 
 def wrap(value: Any) -> Any:
@@ -263,9 +296,12 @@ def _resolve_sparsifier(key: OpKey) -> tuple[str, Callable]:
                 impl = _call_sparsifier_entry(entry)
                 return "convert", lambda sp, t, grad_fmt=None, impl=impl: convert(impl(sp, densify(t), grad_fmt), out)
 
+    buildable = out is torch.Tensor or callable(getattr(out, "from_dense", None))
+
     def fallback(sp: Any, t: Any, grad_fmt: Any = None) -> Any:
         _missing(key)
-        return convert(densify(t), out)
+        # keep all values: in ``out`` when it can be built from a dense tensor, else dense
+        return convert(densify(t), out) if buildable else densify(t)
 
     return "fallback", fallback
 
@@ -477,19 +513,112 @@ def _detach_all(values: list, positions: Any) -> list:
     return values
 
 
-class _Call:
-    """One operator call: its arguments, specs and plan, forward and backward."""
+def _is_tensor(value: Any) -> bool:
+    t = type(value)
+    return t in _DENSE_TYPES or t in _WRAPPER_TYPES or (t not in PLAIN_TYPES and isinstance(value, torch.Tensor))
 
-    __slots__ = ("op", "args", "kwargs", "bound", "positions", "key", "plan", "specs", "ctx")
+
+class _Slot:
+    """A tensor taken out of a stashed tree: ``saved[index]`` (or its
+    detached twin when ``twin``)."""
+
+    __slots__ = ("index", "twin")
+
+    def __init__(self, index: int, twin: bool = False):
+        self.index, self.twin = index, twin
+
+
+class _Stash:
+    """Tensors that a recorded call keeps for backward, held by autograd
+    (``save_for_backward``: version-checked, freed after backward) instead of
+    by the node: trees (lists, tuples, dicts) are kept with ``_Slot``s."""
+
+    def __init__(self, originals: list, twins: dict[int, int]):
+        self.tensors: list = list(originals)
+        self.index = {id(t): i for i, t in enumerate(originals)}
+        self.twins = twins  # id(detached twin) -> index of its original
+
+    def take(self, tree: Any) -> Any:
+        if _is_tensor(tree):
+            i = self.twins.get(id(tree))
+            if i is not None:
+                return _Slot(i, twin=True)
+            i = self.index.get(id(tree))
+            if i is None:
+                i = self.index[id(tree)] = len(self.tensors)
+                self.tensors.append(tree)
+            return _Slot(i)
+        if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
+            items = [self.take(v) for v in tree]
+            return _rebuild_seq(tree, items)
+        if isinstance(tree, dict):
+            return {k: self.take(v) for k, v in tree.items()}
+        return tree
+
+
+def _restore(tree: Any, saved: tuple) -> Any:
+    """Inverse of ``_Stash.take`` given autograd's saved tensors."""
+    if type(tree) is _Slot:
+        value = saved[tree.index]
+        if tree.twin:
+            with _NoTorchFunction():
+                return detached(value)
+        return value
+    if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
+        return _rebuild_seq(tree, [_restore(v, saved) for v in tree])
+    if isinstance(tree, dict):
+        return {k: _restore(v, saved) for k, v in tree.items()}
+    return tree
+
+
+def _rebuild_seq(like: Any, items: list) -> Any:
+    """A list, tuple, named tuple or torch return type like ``like`` with ``items``."""
+    t = type(like)
+    if t is list or t is tuple:
+        return t(items)
+    if hasattr(like, "_fields"):
+        return t(*items)
+    try:
+        return t(items)  # torch.return_types (structseq)
+    except TypeError:
+        return tuple(items)
+
+
+class _Call:
+    """One operator call whose plan runs an implementation (``impl``,
+    ``generic`` or ``convert``): its arguments, specs and plan, forward and
+    backward. A tensor passed at several positions is one input of the
+    autograd node (``unique``); its gradients from all positions are summed."""
+
+    __slots__ = ("op", "args", "kwargs", "bound", "positions", "key", "plan", "specs", "ctx", "unique",
+                 "slot_of", "grad_specs", "stashed")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, bound: list, positions: Any, key: OpKey,
                  plan: Plan, specs: CallSpecs | None):
         self.op, self.args, self.kwargs, self.bound, self.positions = op, args, kwargs, bound, positions
         self.key, self.plan, self.specs = key, plan, specs
         self.ctx: OpContext | None = None
+        self.stashed = False
+
+    def dedupe(self) -> list:
+        """The distinct tensors among the call's tensor arguments, in order."""
+        unique: list = []
+        slot_of: dict[int, int] = {}
+        seen: dict[int, int] = {}
+        for p in self.positions:
+            v = self.bound[p]
+            k = seen.get(id(v))
+            if k is None:
+                k = seen[id(v)] = len(unique)
+                unique.append(v)
+            slot_of[p] = k
+        self.unique, self.slot_of = unique, slot_of
+        return unique
 
     # forward
     def forward(self, detach: bool = True) -> Any:
+        """Run the implementation (or, for an in-place call without one, the
+        dense op written back into its target)."""
         plan, op = self.plan, self.op
         started = time.perf_counter() if observers else 0.0
         if plan.kind in ("impl", "generic", "convert"):
@@ -502,71 +631,114 @@ class _Call:
             raw = _run_impl(plan, self.ctx, self.specs)
             if detach:
                 raw = _own_outputs(raw, inputs)
-        else:
+        else:  # an in-place call without an implementation, outside autograd
             if plan.kind == "fallback":
                 _missing(plan.key)
-            args, kwargs = self._dense_args(detach=detach)
+            args, kwargs = densify_tree((self.args, self.kwargs))
             raw = op(*args, **kwargs)
-            if _is_inplace(op, self.kwargs) and isinstance(self.bound[0], SparseTensorWrapper):
+            if isinstance(self.bound[0], SparseTensorWrapper):
                 raw = write_back(self.bound[0], args[0])
         if observers:
             _notify("op", self.key, plan.kind, time.perf_counter() - started)
         return _finish(raw, self.specs, self.specs is not None and _is_inplace(op, self.kwargs), plan.fixes_inline)
 
-    def _dense_args(self, detach: bool) -> tuple[tuple, dict]:
-        args, kwargs = densify_tree((self.args, self.kwargs))
-        if detach:
-            args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-        return args, kwargs
+    def stash(self, fctx: Any) -> None:
+        """Hand what backward needs to autograd (``save_for_backward``) and drop
+        the node's own references to the call's tensors."""
+        self.grad_specs = [_grad_spec(v) if _is_tensor(v) else None for v in self.bound]
+        twins = {}
+        ctx = self.ctx
+        if ctx is not None and self.plan.kind != "convert":
+            for p in self.positions:
+                if p < len(ctx.inputs) and ctx.inputs[p] is not self.bound[p]:
+                    twins[id(ctx.inputs[p])] = self.slot_of[p]
+        stash = _Stash(self.unique, twins)
+        self.args, self.kwargs = stash.take(self.args), stash.take(self.kwargs)
+        self.bound = stash.take(self.bound)
+        if ctx is not None:
+            ctx.inputs = stash.take(ctx.inputs)
+            ctx.call_args = stash.take(ctx.call_args)
+            ctx.saved_tensors = stash.take(tuple(ctx.saved_tensors))
+        fctx.save_for_backward(*stash.tensors)
+        self.stashed = True
+
+    def unstash(self, saved: tuple) -> tuple:
+        """The stashed trees filled from autograd's saved tensors; returns the
+        templates to put back after backward."""
+        ctx = self.ctx
+        templates = (self.args, self.kwargs, self.bound,
+                     None if ctx is None else (ctx.inputs, ctx.call_args, ctx.saved_tensors))
+        self.args, self.kwargs = _restore(self.args, saved), _restore(self.kwargs, saved)
+        self.bound = _restore(self.bound, saved)
+        if ctx is not None:
+            ctx.inputs = _restore(ctx.inputs, saved)
+            ctx.call_args = _restore(ctx.call_args, saved)
+            ctx.saved_tensors = _restore(ctx.saved_tensors, saved)
+        return templates
+
+    def restash(self, templates: tuple) -> None:
+        self.args, self.kwargs, self.bound, inner = templates
+        if inner is not None:
+            self.ctx.inputs, self.ctx.call_args, self.ctx.saved_tensors = inner
 
     # backward
-    def backward(self, grads: tuple, positions: list[int], needs: tuple) -> tuple:
+    def backward(self, grads: tuple, needs: tuple) -> tuple:
+        """Gradients for the node's (distinct) inputs."""
         specs = (self.specs.grad if self.specs is not None else None) or ()
         specs = specs + (DENSE,) * (len(grads) - len(specs))
         grad_outputs = [apply_spec(g, s) for g, s in zip(grads, specs)]
-        grad_specs = [_grad_spec(v) if isinstance(v, torch.Tensor) else None for v in self.bound]
+        grad_specs = self.grad_specs
         pairs = trim(tuple(None if s is None else (type(s.inline_sparsifier), s.tmp_format) for s in grad_specs))
-        key = OpKey("bwd", self.op, self.key.inp, pairs, tuple(layout_of(g) for g in grad_outputs))
-        if self.plan.kind == "native":  # the original op ran: so does its own backward
-            plan = Plan("native", key)
-        elif self.plan.kind == "fallback":  # no forward implementation saved anything
-            plan = Plan("fallback", key)
-        else:
-            plan = _plan_for(key)
+        inp = self.plan.key.inp if self.plan.kind == "convert" else self.key.inp  # what the forward ran on
+        key = OpKey("bwd", self.op, inp, pairs, tuple(layout_of(g) for g in grad_outputs))
+        plan = _plan_for(key)
         started = time.perf_counter() if observers else 0.0
-        if plan.kind in ("fallback", "native"):
-            if plan.kind == "fallback":
-                _missing(key)
-            raw = self._dense_backward(grad_outputs, positions, needs)
-            done = False
-        else:
-            ctx = self.ctx or OpContext(self.op, _detach_all(self.bound, self.positions))
-            ctx.needs_input_grad = tuple(
-                any(p == i and n for p, n in zip(positions, needs)) for i in range(len(self.bound))
-            )
-            sparsifiers = [None if s is None else s.inline_sparsifier for s in grad_specs]
-            raw = plan.entry.fn(ctx, tuple(grad_outputs), sparsifiers)
-            raw = (raw,) if not isinstance(raw, (tuple, list)) else tuple(raw)
-            raw = tuple(wrap(g) for g in raw)
-            done = True
+        slot_of = self.slot_of
+        if plan.kind == "fallback":
+            _missing(key)
+            by_slot = self._dense_backward(grad_outputs, needs)
+            if observers:
+                _notify("op", key, plan.kind, time.perf_counter() - started)
+            out = []
+            for k, g in enumerate(by_slot):
+                pos = next(p for p, s in slot_of.items() if s == k)
+                out.append(None if g is None else apply_spec(g, grad_specs[pos]))
+            return tuple(out)
+        ctx = self.ctx or OpContext(self.op, _detach_all(self.bound, self.positions))
+        ctx.needs_input_grad = tuple(i in slot_of and needs[slot_of[i]] for i in range(len(self.bound)))
+        sparsifiers = [None if s is None else s.inline_sparsifier for s in grad_specs]
+        raw = plan.entry.fn(ctx, tuple(grad_outputs), sparsifiers)
+        raw = (raw,) if not isinstance(raw, (tuple, list)) else tuple(raw)
+        raw = tuple(wrap(g) for g in raw)
         if observers:
             _notify("op", key, plan.kind, time.perf_counter() - started)
-        out = []
-        for pos, need in zip(positions, needs):
+        per_slot: list[list] = [[] for _ in self.unique]
+        spec_of: list = [None] * len(self.unique)
+        for pos in self.positions:
+            k = slot_of[pos]
+            spec_of[k] = grad_specs[pos]
             g = raw[pos] if pos < len(raw) else None
-            if g is None or not need:
+            if g is not None and needs[k]:
+                per_slot[k].append(g)
+        out = []
+        for k, gs in enumerate(per_slot):
+            if not gs:
                 out.append(None)
-                continue
-            g = apply_spec(g, grad_specs[pos], inline_done=done)
-            out.append(g)
+            elif len(gs) == 1:
+                out.append(apply_spec(gs[0], spec_of[k], inline_done=True))
+            else:  # the same tensor at several positions: its gradients add up
+                total = densify(gs[0])
+                for g in gs[1:]:
+                    total = total + densify(g)
+                out.append(apply_spec(total, spec_of[k]))
         return tuple(out)
 
-    def _dense_backward(self, grad_outputs: list, positions: list[int], needs: tuple) -> list:
+    def _dense_backward(self, grad_outputs: list, needs: tuple) -> list:
+        """Gradients per distinct input by re-running the op densely under autograd."""
         leaves: dict[int, torch.Tensor] = {}
-        for pos, need in zip(positions, needs):
-            value = self.bound[pos]
+        for k, value in enumerate(self.unique_values):
             dense = densify(value).detach()
-            if need and (dense.is_floating_point() or dense.is_complex()):
+            if needs[k] and (dense.is_floating_point() or dense.is_complex()):
                 dense.requires_grad_(True)
             leaves[id(value)] = dense
 
@@ -574,7 +746,7 @@ class _Call:
             if isinstance(tree, torch.Tensor) and id(tree) in leaves:
                 return leaves[id(tree)]
             if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
-                return type(tree)(swap(v) for v in tree)
+                return _rebuild_seq(tree, [swap(v) for v in tree])
             if isinstance(tree, dict):
                 return {k: swap(v) for k, v in tree.items()}
             return densify(tree)
@@ -582,15 +754,22 @@ class _Call:
         with torch.enable_grad():
             out = self.op(*swap(self.args), **swap(self.kwargs))
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        pairs = [(o, densify(g)) for o, g in zip(outs, grad_outputs) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        inputs = [leaves[id(self.bound[p])] for p in positions]
+        pairs = [(o, densify(g)) for o, g in zip(outs, grad_outputs)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        inputs = [leaves[id(v)] for v in self.unique_values]
         wanted = [t for t in inputs if t.requires_grad]
-        grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) if pairs and wanted else []
+        grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) \
+            if pairs and wanted else []
         by_id = {id(t): g for t, g in zip(wanted, grads)}
-        raw: list = [None] * len(self.bound)
-        for pos, t in zip(positions, inputs):
-            raw[pos] = by_id.get(id(t))
-        return raw
+        return [by_id.get(id(t)) for t in inputs]
+
+    @property
+    def unique_values(self) -> list:
+        """The distinct tensor arguments as they are now (restored in backward)."""
+        first = {}
+        for p in self.positions:
+            first.setdefault(self.slot_of[p], p)
+        return [self.bound[first[k]] for k in range(len(self.unique))]
 
 
 def _grad_spec(value: torch.Tensor) -> OutputSpec:
@@ -608,19 +787,104 @@ def _notify(kind: str, key: OpKey, plan: str, seconds: float) -> None:
 
 
 class _DispatchFunction(torch.autograd.Function):
+    """The autograd node of a call that runs an implementation."""
+
     @staticmethod
     def forward(fctx: Any, call: _Call, *tensors: torch.Tensor) -> Any:
         fctx.call = call
         out = call.forward()
         if isinstance(out, tuple):
             fctx.mark_non_differentiable(*[o for o in out if isinstance(o, torch.Tensor) and not o.is_floating_point()])
+        call.stash(fctx)
         return out
 
     @staticmethod
     def backward(fctx: Any, *grads: Any) -> Any:
         call = fctx.call
-        needs = fctx.needs_input_grad[1:]
-        return (None, *call.backward(grads, call.positions, needs))
+        templates = call.unstash(fctx.saved_tensors)  # raises if an input changed in place since
+        try:
+            return (None, *call.backward(grads, fctx.needs_input_grad[1:]))
+        finally:
+            call.restash(templates)
+
+
+class _Densify(torch.autograd.Function):
+    """A wrapper as a dense tensor, differentiably: its gradient comes back in
+    the wrapper's ``grad_fmt``."""
+
+    @staticmethod
+    def forward(fctx: Any, wrapper: SparseTensorWrapper) -> torch.Tensor:
+        fctx.spec = _grad_spec(wrapper)
+        return to_dense_tensor(wrapper.wrapped_tensor).detach()
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> Any:
+        return apply_spec(grad, fctx.spec)
+
+
+class _Sparsify(torch.autograd.Function):
+    """An output run through its spec, differentiably: the gradient flowing
+    into it is sparsified by ``grad_spec``, then made dense for the dense op."""
+
+    @staticmethod
+    def forward(fctx: Any, dense: torch.Tensor, spec: OutputSpec, grad_spec: OutputSpec) -> Any:
+        fctx.grad_spec = grad_spec
+        out = apply_spec(dense, spec)
+        return out.view_as(out) if out is dense else out
+
+    @staticmethod
+    def backward(fctx: Any, grad: Any) -> Any:
+        if fctx.grad_spec is not DENSE:
+            grad = apply_spec(grad, fctx.grad_spec)
+        return densify(grad), None, None
+
+
+def _differentiable_dense(tree: Any, grad: bool) -> Any:
+    """``densify_tree``, keeping the autograd graph of wrappers that require grad."""
+    t = type(tree)
+    if t in _WRAPPER_TYPES or (t not in _DENSE_TYPES and t not in PLAIN_TYPES and isinstance(tree, SparseTensorWrapper)):
+        if grad and tree.requires_grad:
+            return _apply(_Densify, tree)
+        return densify(tree)
+    if t is list or t is tuple or (isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size)):
+        return _rebuild_seq(tree, [_differentiable_dense(v, grad) for v in tree])
+    if t is dict:
+        return {k: _differentiable_dense(v, grad) for k, v in tree.items()}
+    return tree
+
+
+def _composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs: CallSpecs | None,
+               grad: bool) -> Any:
+    """The dense path (``fallback`` and ``native`` plans): wrappers become dense
+    tensors through differentiable nodes, the original op runs under ordinary
+    autograd, and outputs go through their specs differentiably. Autograd
+    itself then handles repeated arguments, tensors in lists, views and
+    multiple outputs exactly as for dense tensors."""
+    if plan.kind == "fallback":
+        _missing(plan.key)
+    started = time.perf_counter() if observers else 0.0
+    dense_args, dense_kwargs = _differentiable_dense((args, kwargs), grad)
+    out = op(*dense_args, **dense_kwargs)
+    if observers:
+        _notify("op", key, plan.kind, time.perf_counter() - started)
+    if specs is None:
+        return out
+    grad_specs = specs.grad or ()
+
+    def finish(value: Any, i: int) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        spec = specs.out[i] if i < len(specs.out) else DENSE
+        grad_spec = grad_specs[i] if i < len(grad_specs) else DENSE
+        if spec == DENSE and grad_spec == DENSE:
+            return value
+        if grad and value.requires_grad:
+            return _apply(_Sparsify, value, spec, grad_spec)
+        return apply_spec(value, spec)
+
+    if isinstance(out, (tuple, list)):
+        return _rebuild_seq(out, [finish(v, i) for i, v in enumerate(out)])
+    return finish(out, 0)
 
 
 def _own_outputs(out: Any, inputs: list) -> Any:
@@ -645,14 +909,21 @@ _apply_function = super(torch.autograd.Function, _DispatchFunction).apply
 _unwrap_if_dead = getattr(torch._C._functorch, "unwrap_if_dead", lambda tensor: tensor)
 
 
-def _record(call: _Call) -> Any:
-    """Run ``call`` as one autograd node whose inputs are its tensor arguments."""
-    bound = call.bound
+def _apply(function: type, *args: Any) -> Any:
+    """``function.apply(*args)`` with wrappers among ``args`` (no ``__torch_function__``)."""
     if torch._C._are_functorch_transforms_active():
         with _NoTorchFunction():
-            return _DispatchFunction.apply(call, *[bound[i] for i in call.positions])
-    return _apply_function(call, *[bound[i] if type(bound[i]) in _WRAPPER_TYPES else _unwrap_if_dead(bound[i])
-                                   for i in call.positions])
+            return function.apply(*args)
+    return super(torch.autograd.Function, function).apply(*args)
+
+
+def _record(call: _Call) -> Any:
+    """Run ``call`` as one autograd node whose inputs are its distinct tensor arguments."""
+    unique = call.dedupe()
+    if torch._C._are_functorch_transforms_active():
+        with _NoTorchFunction():
+            return _DispatchFunction.apply(call, *unique)
+    return _apply_function(call, *[v if type(v) in _WRAPPER_TYPES else _unwrap_if_dead(v) for v in unique])
 
 
 def _any_requires_grad_py(*args: Any) -> bool:
@@ -666,7 +937,11 @@ _any_requires_grad = getattr(torch._C, "_any_requires_grad", _any_requires_grad_
 
 
 def _scan(bound: list) -> tuple[tuple, list[int], bool]:
-    """Input layouts (trimmed), tensor positions, and whether any needs grad."""
+    """Input layouts (trimmed), tensor positions, and whether any needs grad.
+
+    A list or tuple argument holding wrappers (``torch.cat([w, w])``) has the
+    tuple of its items' layouts as its layout; no implementation matches such
+    a key, so the call takes the dense path with a warning."""
     layouts: list = []
     positions: list[int] = []
     wrappers = False
@@ -683,6 +958,10 @@ def _scan(bound: list) -> tuple[tuple, list[int], bool]:
             positions.append(i)
             layouts.append(torch.Tensor)
             needs_grad = needs_grad or v.requires_grad
+        elif (t is list or t is tuple) and any(isinstance(item, SparseTensorWrapper) for item in v):
+            layouts.append(tuple(layout_of(item) for item in v))
+            wrappers = True
+            needs_grad = needs_grad or _any_requires_grad(*[x for x in v if isinstance(x, torch.Tensor)])
         else:
             layouts.append(None)
     if wrappers and not needs_grad:
@@ -727,7 +1006,7 @@ def _remember_fast(fast_key: tuple, plan: Plan, key: OpKey, op: Any, args: tuple
     """Cache a positional call's plan by its argument kinds, when the kinds determine its key."""
     n = len(args)
     if all(p < n for p in positions) and all(
-            type(a) in _WRAPPER_TYPES or type(a) in _DENSE_TYPES or not isinstance(a, torch.Tensor) for a in args):
+            type(a) in _WRAPPER_TYPES or type(a) in _DENSE_TYPES or type(a) in PLAIN_TYPES for a in args):
         _fast[fast_key] = _Fast(plan, key, op, args, bound, positions)
 
 
@@ -779,8 +1058,18 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
     plan = _plan_for(key)
     if fast_key is not None and plan.direct:
         _remember_fast(fast_key, plan, key, op, args, bound, positions)
+    grad = needs_grad and torch.is_grad_enabled()
+    if _is_inplace(op, kwargs):
+        if grad:  # torch's own autograd records the in-place op; the wrapper's __torch_dispatch__ stores it
+            if plan.kind == "fallback":
+                _missing(plan.key)
+            with _NoTorchFunction():
+                return op(*args, **kwargs)
+        return _Call(op, args, kwargs, bound, positions, key, plan, specs).forward(detach=needs_grad)
+    if not plan.direct and plan.kind != "convert":
+        return _composite(op, args, kwargs, key, plan, specs, grad)
     call = _Call(op, args, kwargs, bound, positions, key, plan, specs)
-    if needs_grad and torch.is_grad_enabled() and not _is_inplace(op, kwargs):
+    if grad:
         return _record(call)
     return call.forward(detach=needs_grad)
 

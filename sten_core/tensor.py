@@ -37,8 +37,8 @@ class SparseTensorWrapper(torch.Tensor):
             external_sparsifier, out_format)`` of its gradient; ``None`` is dense.
     """
 
-    wrapped_tensor: Any
     grad_fmt: Any
+    _cell: list  # [layout]: shared by a wrapper and its aliases (``detach()``)
 
     @staticmethod
     def __new__(cls, wrapped_tensor: Any, requires_grad: bool = False, grad_fmt: Any = None):
@@ -51,9 +51,21 @@ class SparseTensorWrapper(torch.Tensor):
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
         )
-        self.wrapped_tensor = wrapped_tensor
+        self._cell = [wrapped_tensor]
         self.grad_fmt = grad_fmt
         return self
+
+    @property
+    def wrapped_tensor(self) -> Any:
+        """The layout object holding the values."""
+        return self._cell[0]
+
+    @wrapped_tensor.setter
+    def wrapped_tensor(self, layout: Any) -> None:
+        """Replace the layout object: an in-place change, seen by every alias
+        (``detach()``) and by autograd (the version counter is bumped)."""
+        self._cell[0] = layout
+        _bump_version(self)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -104,7 +116,7 @@ class SparseTensorWrapper(torch.Tensor):
         packet = func.overloadpacket
         first = args[0] if args else None
         if packet in (aten.detach, aten.alias, aten.view_as) and isinstance(first, SparseTensorWrapper):
-            return type(first)(first.wrapped_tensor, False, first.grad_fmt)
+            return _alias(first)
         if packet is aten.clone and isinstance(first, SparseTensorWrapper):
             return type(first)(_copy_layout(first.wrapped_tensor), False, first.grad_fmt)
         if packet in (aten.add, aten.add_) and len(args) >= 2 and not kwargs.get("alpha", 1) != 1:
@@ -113,7 +125,7 @@ class SparseTensorWrapper(torch.Tensor):
                 return result
         dense_args, dense_kwargs = densify_tree((args, kwargs))
         out = func(*dense_args, **dense_kwargs)
-        if packet.__name__.endswith("_") and isinstance(first, SparseTensorWrapper):
+        if func._schema.is_mutable and isinstance(first, SparseTensorWrapper):
             return write_back(first, dense_args[0])
         return out
 
@@ -141,15 +153,35 @@ class SparseParameterWrapper(SparseTensorWrapper):
 
 def write_back(target: SparseTensorWrapper, dense: torch.Tensor) -> SparseTensorWrapper:
     """Store the result of a dense in-place computation into ``target``: at its
-    stored positions when the layout allows (pattern kept), else re-built."""
+    stored positions when the layout allows (pattern kept), else re-built by the
+    layout's ``SameFormatSparsifier`` implementation (through dispatch, so a
+    user layout's registered one is used)."""
     layout = target.wrapped_tensor
     if supports_values(layout) and hasattr(layout, "gather"):
         values = layout.values()
         values.copy_(layout.gather(dense).to(values.dtype))
         target.wrapped_tensor = layout.with_values(values)
     else:
-        target.wrapped_tensor = type(layout).from_dense(dense)
+        from .dispatch import same_format_layout
+
+        target.wrapped_tensor = same_format_layout(target, dense)
     return target
+
+
+def _bump_version(tensor: torch.Tensor) -> None:
+    """Tell autograd that ``tensor`` changed in place (saved copies of it are stale)."""
+    try:
+        torch._C._increment_version((tensor,))
+    except (RuntimeError, TypeError):  # inference tensors have no version counter
+        pass
+
+
+def _alias(wrapper: SparseTensorWrapper) -> SparseTensorWrapper:
+    """A wrapper without autograd history sharing ``wrapper``'s layout cell:
+    an in-place change through either is seen by both (``w.detach().copy_(t)``)."""
+    new = SparseTensorWrapper.__new__(SparseTensorWrapper, wrapper.wrapped_tensor, False, wrapper.grad_fmt)
+    new._cell = wrapper._cell
+    return new
 
 
 _call_op = None
@@ -251,7 +283,11 @@ def densify_tree(tree: Any) -> Any:
 
 
 def _detach(self: SparseTensorWrapper) -> SparseTensorWrapper:
-    return SparseTensorWrapper(self.wrapped_tensor, False, None)
+    """``w.detach()``: an alias (same layout cell, same version counter) without history."""
+    with torch._C.DisableTorchFunctionSubclass():
+        out = torch.Tensor.detach(self)
+    out.grad_fmt = None
+    return out
 
 
 def _to_dense_method(self: SparseTensorWrapper, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -154,5 +154,24 @@ def test_backward_rows(example):
     report = _run(model, inputs, backward=True)
     directions = {r.key.direction for r in report.rows if r.kind == "op"}
     assert directions == {"fwd", "bwd"}
-    assert any(r.fix and r.fix.startswith("@sten.register_bwd_op_impl(") for r in report.fallbacks)
+    # a fallen-back forward runs its backward through dense autograd: no separate bwd fallback
+    assert all(r.key.direction == "fwd" for r in report.fallbacks if r.kind == "op")
+
     model.zero_grad(set_to_none=True)
+
+
+def test_backward_fallback_row_names_the_bwd_decorator():
+    w, x = csr(), torch.randn(3, 8)
+    owner = "test-explain-fwd-only"
+    with sten.registry.owner(owner):
+        @sten.register_fwd_op_impl(operator=torch.Tensor.sum, inp=(sten.CsrTensor,), out=None)
+        def csr_sum(ctx, inputs, output_sparsifiers):
+            return inputs[0].wrapped_tensor.data.values().sum()
+    try:
+        w.requires_grad_(True)
+        with sten.explain() as report:
+            torch.Tensor.sum(w).backward()
+        torch.testing.assert_close(w.grad, torch.ones(6, 8))
+        assert any(r.fix and r.fix.startswith("@sten.register_bwd_op_impl(") for r in report.fallbacks)
+    finally:
+        sten.registry.remove_owner(owner)

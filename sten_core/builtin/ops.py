@@ -101,47 +101,85 @@ def linear_bwd(sparse_weight_grad: bool) -> Callable:
     return impl
 
 
+def _as_columns(b: torch.Tensor) -> torch.Tensor:
+    """``b`` ([K], [K, N] or [..., K, N]) as one [K, R] matrix (``matmul``'s broadcasting)."""
+    if b.dim() == 1:
+        return b.unsqueeze(1)
+    if b.dim() == 2:
+        return b
+    return b.movedim(-2, 0).reshape(b.shape[-2], -1)
+
+
+def _from_columns(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_as_columns`` for a result [M, R] (M replaces ``like``'s K)."""
+    if like.dim() == 1:
+        return y.squeeze(1)
+    if like.dim() == 2:
+        return y
+    return y.reshape(y.shape[0], *like.shape[:-2], like.shape[-1]).movedim(0, -2)
+
+
+def _check_mm(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``torch.mm`` takes matrices only (``matmul`` broadcasts)."""
+    if ctx.op is torch.mm and (a.dim() != 2 or b.dim() != 2):
+        raise RuntimeError(f"torch.mm: expected 2-D matrices, got {a.dim()}-D and {b.dim()}-D tensors")
+
+
 def mm_sparse_dense_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    """sparse [M, K] @ dense [K], [K, N] or [..., K, N]."""
     a, b = inputs[:2]
+    _check_mm(ctx, a, b)
     (b,) = _amp(b)
     ctx.save_for_backward(a, b)
-    return _sparse_times(_sparse(a, b.dtype), b)
+    return _from_columns(_sparse_times(_sparse(a, b.dtype), _as_columns(b)), b)
 
 
 def mm_sparse_dense_bwd(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
     a, b = ctx.saved_tensors
     (g,) = grad_outputs
-    grad_a = g @ b.t().to(g.dtype)
-    grad_b = _sparse_times(_sparse(a, g.dtype).t(), g)
+    g2, b2 = _as_columns(g), _as_columns(b).to(g.dtype)
+    grad_a = g2 @ b2.t()
+    grad_b = _from_columns(_sparse_times(_sparse(a, g.dtype).t(), g2), b)
     return grad_a, grad_b
 
 
 def mm_dense_sparse_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    """dense [K], [M, K] or [..., M, K] @ sparse [K, N]."""
     a, b = inputs[:2]
+    _check_mm(ctx, a, b)
     (a,) = _amp(a)
     ctx.save_for_backward(a, b)
-    return _sparse_times(_sparse(b, a.dtype).t(), a.t()).t()
+    a2 = a.reshape(-1, a.shape[-1])
+    y = _sparse_times(_sparse(b, a.dtype).t(), a2.t()).t()
+    return y.reshape(*a.shape[:-1], b.shape[1])
 
 
 def mm_dense_sparse_bwd(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
     a, b = ctx.saved_tensors
     (g,) = grad_outputs
-    grad_a = _sparse_times(_sparse(b, g.dtype), g.t()).t()
-    grad_b = a.t().to(g.dtype) @ g
+    g2 = g.reshape(-1, b.shape[1])
+    a2 = a.reshape(-1, a.shape[-1]).to(g.dtype)
+    grad_a = _sparse_times(_sparse(b, g.dtype), g2.t()).t().reshape(a.shape)
+    grad_b = a2.t() @ g2
     return grad_a, grad_b
 
 
+def _alpha(ctx: Any) -> Any:
+    """``torch.add``'s ``alpha`` as the call gave it (its pattern lists two inputs)."""
+    args, kwargs = ctx.call_args
+    alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+    return 1 if alpha is None else alpha
+
+
 def add_union_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> Any:
-    a, b, alpha = (list(inputs) + [1, 1])[:3]
-    alpha = 1 if alpha is None else alpha
-    total = (a.wrapped_tensor.data.to_sparse() + alpha * b.wrapped_tensor.data.to_sparse()).coalesce()
+    a, b = inputs[:2]
+    total = (a.wrapped_tensor.data.to_sparse() + _alpha(ctx) * b.wrapped_tensor.data.to_sparse()).coalesce()
     return SparseTensorWrapper(CooTensor(total))
 
 
 def add_union_bwd(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
     (g,) = grad_outputs
-    alpha = ctx.inputs[2] if len(ctx.inputs) > 2 and ctx.inputs[2] is not None else 1
-    return g, g * alpha
+    return g, g * _alpha(ctx)
 
 
 def register(registry: Any) -> None:
