@@ -226,9 +226,12 @@ def _convert(value: Any, target: type) -> Any:
             return value
         path = conversion_path(type(layout), target)
         if path is not None:
-            for fn in path:
-                layout = fn(layout)
-            return SparseTensorWrapper(layout)
+            try:
+                for fn in path:
+                    layout = fn(layout)
+                return SparseTensorWrapper(layout)
+            except _REFUSALS:  # a step refused this tensor: the hook, then a dense round trip
+                layout = value.wrapped_tensor
         hooked = plugins.get_plugin_manager().hook.sten_convert(tensor=layout, target=target)
         if hooked is not None:
             return SparseTensorWrapper(hooked)
@@ -513,6 +516,21 @@ def _detach_all(values: list, positions: Any) -> list:
     return values
 
 
+_REFUSALS = (ValueError, TypeError, RuntimeError, NotImplementedError)
+"""What a conversion raises to say it does not apply (shape, dtype, device, rank)."""
+
+
+def _converted_inputs(bound: list, positions: list[int], plan: Plan, detach: bool) -> list | None:
+    """A convert plan's inputs (detached when ``detach``), or ``None`` if a
+    conversion refuses them: one plugin's layouts never break another's calls."""
+    inputs = _detach_all(bound, positions) if detach else list(bound)
+    try:
+        return [convert(v, c) if c is not None else v for v, c in zip(inputs, plan.conversions)] \
+            + inputs[len(plan.conversions):]
+    except _REFUSALS:
+        return None
+
+
 def _is_tensor(value: Any) -> bool:
     t = type(value)
     return t in _DENSE_TYPES or t in _WRAPPER_TYPES or (t not in PLAIN_TYPES and isinstance(value, torch.Tensor))
@@ -591,7 +609,7 @@ class _Call:
     autograd node (``unique``); its gradients from all positions are summed."""
 
     __slots__ = ("op", "args", "kwargs", "bound", "positions", "key", "plan", "specs", "ctx", "unique",
-                 "slot_of", "grad_specs", "stashed")
+                 "slot_of", "grad_specs", "stashed", "converted")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, bound: list, positions: Any, key: OpKey,
                  plan: Plan, specs: CallSpecs | None):
@@ -599,6 +617,7 @@ class _Call:
         self.key, self.plan, self.specs = key, plan, specs
         self.ctx: OpContext | None = None
         self.stashed = False
+        self.converted: list | None = None  # a convert plan's inputs, converted before the call
 
     def dedupe(self) -> list:
         """The distinct tensors among the call's tensor arguments, in order."""
@@ -622,9 +641,10 @@ class _Call:
         plan, op = self.plan, self.op
         started = time.perf_counter() if observers else 0.0
         if plan.kind in ("impl", "generic", "convert"):
-            inputs = _detach_all(self.bound, self.positions) if detach else list(self.bound)
-            if plan.kind == "convert":
-                inputs = [convert(v, c) if c is not None else v for v, c in zip(inputs, plan.conversions)] + inputs[len(plan.conversions):]
+            if self.converted is not None:
+                inputs = self.converted
+            else:
+                inputs = _detach_all(self.bound, self.positions) if detach else list(self.bound)
             nargs = plan.nargs
             inputs = inputs[:nargs] + [None] * (nargs - len(inputs))
             self.ctx = OpContext(op, inputs, (self.args, self.kwargs))
@@ -1066,9 +1086,15 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
             with _NoTorchFunction():
                 return op(*args, **kwargs)
         return _Call(op, args, kwargs, bound, positions, key, plan, specs).forward(detach=needs_grad)
+    converted = None
+    if plan.kind == "convert":
+        converted = _converted_inputs(bound, positions, plan, detach=needs_grad)
+        if converted is None:  # a conversion refused these inputs: the dense path, with its warning
+            plan = Plan("fallback", key)
     if not plan.direct and plan.kind != "convert":
         return _composite(op, args, kwargs, key, plan, specs, grad)
     call = _Call(op, args, kwargs, bound, positions, key, plan, specs)
+    call.converted = converted
     if grad:
         return _record(call)
     return call.forward(detach=needs_grad)

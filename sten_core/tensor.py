@@ -302,7 +302,7 @@ _PASSTHROUGH = {
     _T.register_hook, _T.register_post_accumulate_grad_hook, _T.backward, _T.__hash__,
     _T.__len__, _T.data_ptr, _T._is_view, _T.__setstate__, _T.dim_order, _T.is_inference,
     torch.is_complex, torch.is_floating_point, torch.numel, torch.is_tensor,
-    torch.autograd.backward,
+    torch.autograd.backward, torch.autograd.grad,
 }
 for _name in ("shape", "dtype", "device", "requires_grad", "grad", "grad_fn", "is_leaf", "layout",
               "ndim", "is_cuda", "is_sparse", "is_quantized", "is_meta", "_version", "is_nested",

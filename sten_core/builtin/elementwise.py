@@ -55,6 +55,10 @@ def _operand(value: Any, layout: Any, dense_ok: bool) -> Any:
     if isinstance(value, torch.Tensor) and value.dim() > 0:
         if not dense_ok:
             raise _NotOnValues
+        if value.shape != layout.shape:  # broadcasting: only an operand that expands to the layout's shape
+            if torch.broadcast_shapes(value.shape, layout.shape) != layout.shape:
+                raise _NotOnValues
+            value = value.expand(layout.shape)
         return layout.gather(value.to(layout.device))
     if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
         return type(value)(_operand(v, layout, dense_ok) for v in value)

@@ -88,15 +88,27 @@ def _check_mm(ctx: Any, a_shape: tuple, b_shape: tuple, sparse_first: bool) -> N
     dense_shape = b_shape if sparse_first else a_shape
     if ctx.op in MM_OPS and len(dense_shape) != 2:
         raise ValueError(f"{name}: both operands must be 2-D, got shapes {a_shape} and {b_shape}")
-    if sparse_first and len(dense_shape) not in (1, 2):
-        raise ValueError(f"{name}: with a sparse first operand the second must be 1-D or 2-D, got shape {b_shape}")
     if len(dense_shape) == 0:
         raise ValueError(f"{name}: the dense operand must be at least 1-D, got a scalar")
     k_a = a_shape[-1]
-    k_b = b_shape[0] if sparse_first or len(b_shape) == 2 else b_shape[-2]
+    k_b = b_shape[0] if len(b_shape) == 1 else b_shape[-2]
     if k_a != k_b:
         raise ValueError(f"{name}: inner dims must match: {a_shape} @ {b_shape} (expected the second "
                          f"operand's first dim to be {k_a})")
+
+
+def _columns(b: torch.Tensor) -> torch.Tensor:
+    """``b`` ([K], [K, N] or [..., K, N]: ``matmul`` broadcasts) as one [K, R] matrix."""
+    if b.dim() == 1:
+        return b.unsqueeze(1)
+    return b if b.dim() == 2 else b.movedim(-2, 0).reshape(b.shape[-2], -1)
+
+
+def _uncolumns(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_columns`` for a product [M, R] (M in place of ``like``'s K)."""
+    if like.dim() == 1:
+        return y.squeeze(1)
+    return y if like.dim() == 2 else y.reshape(y.shape[0], *like.shape[:-2], like.shape[-1]).movedim(0, -2)
 
 
 def sparse_dense_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
@@ -105,18 +117,17 @@ def sparse_dense_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.
     b = check_operand(b, layout.dtype, op_name(ctx.op), "the dense operand")
     _check_mm(ctx, tuple(layout.shape), tuple(b.shape), True)
     ctx.save_for_backward(a, b)
-    return sparse_times_dense(layout, b)
+    return _uncolumns(sparse_times_dense(layout, _columns(b)), b)
 
 
 def sparse_dense_bwd(want_a: type | None) -> Callable:
     def impl(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
         a, b = ctx.saved_tensors
         layout = a.wrapped_tensor
-        m, k = layout.shape
-        g2 = dense_of(grad_outputs[0]).to(layout.dtype).reshape(m, -1)
-        b2 = b.reshape(k, -1)
+        g2 = _columns(dense_of(grad_outputs[0]).to(layout.dtype))
+        b2 = _columns(b)
         grad_a = grad_of(a, want_a, lambda: g2 @ b2.t(), lambda lay: sampled(lay, g2, b2.t())) if _needs(ctx, 0) else None
-        grad_b = sparse_times_dense(layout.transpose(), g2).reshape(b.shape) if _needs(ctx, 1) else None
+        grad_b = _uncolumns(sparse_times_dense(layout.transpose(), g2), b) if _needs(ctx, 1) else None
         return grad_a, grad_b
 
     return impl

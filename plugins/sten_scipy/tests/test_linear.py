@@ -107,5 +107,21 @@ def test_bad_input(layout):
         torch.mm(torch.randn(2, 3), w)
     with pytest.raises(ValueError, match="both operands must be 2-D"):
         torch.mm(w, torch.randn(5))
-    with pytest.raises(ValueError, match="must be 1-D or 2-D"):
-        torch.matmul(w, torch.randn(2, 5, 3))
+
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", [(5,), (5, 3), (2, 5, 3), (0, 5, 3)])
+def test_matmul_broadcasts_like_dense(layout, shape):
+    dense = sample((4, 5))
+    w = sten.SparseTensorWrapper(layout.from_dense(dense), requires_grad=True)
+    b = torch.randn(*shape, requires_grad=True)
+    y = torch.matmul(w, b)
+    ref_w, ref_b = dense.clone().requires_grad_(), b.detach().clone().requires_grad_()
+    ref = torch.matmul(ref_w, ref_b)
+    torch.testing.assert_close(y, ref)
+    g = torch.randn(ref.shape)
+    y.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(b.grad, ref_b.grad)
+    torch.testing.assert_close(w.grad, ref_w.grad)
