@@ -6,7 +6,6 @@ Run with ``sten demo``.
 from __future__ import annotations
 
 import collections
-import warnings
 
 import torch
 
@@ -26,8 +25,7 @@ def run_demo(steps: int = 5) -> None:
     counts: collections.Counter = collections.Counter()
     dispatch.observers.append(lambda e: counts.update([(e["key"].describe(), e["plan"])]))
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", sten.DispatchWarning)
+        with sten.dispatch.quiet_fallbacks():
             for step in range(steps):
                 loss = torch.nn.functional.cross_entropy(sparse(x), y)
                 optimizer.zero_grad()

@@ -22,10 +22,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections import deque
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -36,7 +37,7 @@ from .sparsifiers import KeepAll, SameFormatSparsifier
 from .spec import DENSE, OutputSpec, coerce_specs
 from .tensor import (DENSE_TYPES, PLAIN_TYPES, WRAPPER_TYPES, SparseTensorWrapper, densify,
                      densify_tree, detached, write_back)
-from .layouts import to_dense_tensor
+from .layouts import builds_from_dense, to_dense_tensor
 
 
 class DispatchError(RuntimeError):
@@ -163,6 +164,37 @@ def _missing(key: OpKey) -> None:
     _fail(message, key, then)
 
 
+def lossy_fallback(key: OpKey, kept: int, chosen: int) -> None:
+    """A sparsifier's output was pruned again by its layout's ``from_dense``:
+    a fallback (warned once per key, raised in raise mode)."""
+    out = key.out.__name__
+    producers = [k.op.__name__ for k in registry.impls if k.direction == "sparsifier" and k.out is key.out]
+    hint = f" Sparsifiers registered to produce it: {', '.join(sorted(set(producers)))}." if producers else ""
+    message = (f"Lossy sparsifier output: {key.describe()}: {out}.from_dense kept {kept} of the {chosen} values "
+               f"that {key.op.__name__} chose (the layout cannot store its pattern), so the result was pruned "
+               f"again.{hint} Use a sparsifier that produces {out} directly, or register one: {_fix_text(key)}")
+    _fail(message, ("lossy", key))
+
+
+@contextlib.contextmanager
+def quiet_fallbacks() -> Iterator[None]:
+    """Silence ``DispatchWarning`` inside the block without using up the
+    once-per-key warnings: fallbacks first met inside still warn after it.
+
+    Example:
+        >>> import sten_core as sten
+        >>> with sten.dispatch.quiet_fallbacks():
+        ...     pass
+    """
+    given = set(_warned)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DispatchWarning)
+        try:
+            yield
+        finally:
+            _warned.intersection_update(given)
+
+
 def _fail(message: str, key: Any, then: str = "") -> None:
     """Raise ``message`` as a ``DispatchError`` in raise mode; else warn once per ``key``."""
     if _failure_mode == "raise":
@@ -225,20 +257,17 @@ def _convert(value: Any, target: type) -> Any:
         if type(layout) is target:
             return value
         path = conversion_path(type(layout), target)
-        if path is not None:
-            try:
-                for fn in path:
-                    layout = fn(layout)
-                return SparseTensorWrapper(layout)
-            except _REFUSALS:  # a step refused this tensor: the hook, then a dense round trip
-                layout = value.wrapped_tensor
+        if path is not None:  # a step may refuse this tensor (shape, dtype, device): callers decide
+            for fn in path:
+                layout = fn(layout)
+            return SparseTensorWrapper(layout)
         hooked = plugins.get_plugin_manager().hook.sten_convert(tensor=layout, target=target)
         if hooked is not None:
             return SparseTensorWrapper(hooked)
         value = to_dense_tensor(layout)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"cannot convert {type(value).__name__} to {target.__name__}")
-    if not callable(getattr(target, "from_dense", None)):
+    if not builds_from_dense(target):
         raise DispatchError(
             f"{target.__name__} has no from_dense, so a dense tensor cannot be converted to it. Register a "
             f"sparsifier implementation that produces it: @sten.register_sparsifier_implementation("
@@ -299,7 +328,7 @@ def _resolve_sparsifier(key: OpKey) -> tuple[str, Callable]:
                 impl = _call_sparsifier_entry(entry)
                 return "convert", lambda sp, t, grad_fmt=None, impl=impl: convert(impl(sp, densify(t), grad_fmt), out)
 
-    buildable = out is torch.Tensor or callable(getattr(out, "from_dense", None))
+    buildable = out is torch.Tensor or builds_from_dense(out)
 
     def fallback(sp: Any, t: Any, grad_fmt: Any = None) -> Any:
         _missing(key)
@@ -609,7 +638,7 @@ class _Call:
     autograd node (``unique``); its gradients from all positions are summed."""
 
     __slots__ = ("op", "args", "kwargs", "bound", "positions", "key", "plan", "specs", "ctx", "unique",
-                 "slot_of", "grad_specs", "stashed", "converted")
+                 "n_unique", "slot_of", "grad_specs", "stashed", "converted")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, bound: list, positions: Any, key: OpKey,
                  plan: Plan, specs: CallSpecs | None):
@@ -631,7 +660,7 @@ class _Call:
                 k = seen[id(v)] = len(unique)
                 unique.append(v)
             slot_of[p] = k
-        self.unique, self.slot_of = unique, slot_of
+        self.unique, self.n_unique, self.slot_of = unique, len(unique), slot_of
         return unique
 
     # forward
@@ -680,6 +709,7 @@ class _Call:
             ctx.call_args = stash.take(ctx.call_args)
             ctx.saved_tensors = stash.take(tuple(ctx.saved_tensors))
         fctx.save_for_backward(*stash.tensors)
+        self.unique = None
         self.stashed = True
 
     def unstash(self, saved: tuple) -> tuple:
@@ -732,8 +762,8 @@ class _Call:
         raw = tuple(wrap(g) for g in raw)
         if observers:
             _notify("op", key, plan.kind, time.perf_counter() - started)
-        per_slot: list[list] = [[] for _ in self.unique]
-        spec_of: list = [None] * len(self.unique)
+        per_slot: list[list] = [[] for _ in range(self.n_unique)]
+        spec_of: list = [None] * self.n_unique
         for pos in self.positions:
             k = slot_of[pos]
             spec_of[k] = grad_specs[pos]
@@ -789,7 +819,7 @@ class _Call:
         first = {}
         for p in self.positions:
             first.setdefault(self.slot_of[p], p)
-        return [self.bound[first[k]] for k in range(len(self.unique))]
+        return [self.bound[first[k]] for k in range(self.n_unique)]
 
 
 def _grad_spec(value: torch.Tensor) -> OutputSpec:

@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import importlib
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -185,9 +184,8 @@ class Report:
         except TypeError:  # pragma: no cover - older torch
             handles.append(nn_module.register_module_forward_hook(self._post_hook))
         self._undo.extend(h.remove for h in handles)
-        self._warnings = warnings.catch_warnings()
+        self._warnings = dispatch.quiet_fallbacks()
         self._warnings.__enter__()
-        warnings.simplefilter("ignore", dispatch.DispatchWarning)
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -114,3 +114,17 @@ def to_dense_tensor(layout: Any) -> torch.Tensor:
 
         dense = torch.from_numpy(np.asarray(dense))
     return dense
+
+
+def builds_from_dense(cls: Any) -> bool:
+    """Whether a layout class implements ``from_dense`` (not just ``Layout``'s).
+
+    Example:
+        >>> import sten_core as sten
+        >>> builds_from_dense(sten.CsrTensor), builds_from_dense(sten.Layout)
+        (True, False)
+    """
+    fn = getattr(cls, "from_dense", None)
+    if not callable(fn):
+        return False
+    return getattr(fn, "__func__", fn) is not Layout.__dict__["from_dense"].__func__

@@ -128,11 +128,11 @@ def run_sample(op: Any, sample: Any, layout: str, grad: bool) -> tuple[str, str]
             our_grads = torch.autograd.grad(losses, our_inputs, allow_unused=True)
     except Exception as error:
         return "mismatch", f"backward raised {type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
-    for r, g, leaf in zip(ref_grads, our_grads, ref_inputs):
+    for r, g, ref_leaf in zip(ref_grads, our_grads, ref_inputs):
         if r is None and g is None:
             continue
-        r = torch.zeros_like(leaf) if r is None else _strided(r)  # unused: a zero gradient
-        g = torch.zeros_like(leaf) if g is None else _strided(_dense(g))
+        r = torch.zeros_like(ref_leaf) if r is None else _strided(r)  # unused: a zero gradient
+        g = torch.zeros_like(ref_leaf) if g is None else _strided(_dense(g))
         try:
             torch.testing.assert_close(torch.broadcast_to(g, r.shape).detach(), r.detach(), equal_nan=True,
                                        atol=1e-4, rtol=1e-4, check_stride=False)

@@ -8,7 +8,6 @@ wrapped (``DenseTensor`` for any shape; ``CooTensor``, ``CsrTensor`` and
 """
 
 import pytest
-import torch
 
 from sten_core import plugins
 from opinfo_harness import LAYOUTS_2D, outcomes

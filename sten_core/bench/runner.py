@@ -19,7 +19,6 @@ import contextlib
 import copy
 import statistics
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -76,7 +75,6 @@ def time_forward(fn: Callable[[], Any], settings: Settings) -> tuple[list[float]
 def watch_fallbacks() -> Iterator[dict]:
     """Count dense fallbacks per key (description → calls), warnings silenced."""
     from .. import dispatch
-    from ..dispatch import DispatchWarning
 
     seen: dict[str, int] = {}
 
@@ -87,8 +85,7 @@ def watch_fallbacks() -> Iterator[dict]:
 
     dispatch.observers.append(observe)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DispatchWarning)
+        with dispatch.quiet_fallbacks():
             yield seen
     finally:
         dispatch.observers.remove(observe)

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ..layouts import supports_values
+from ..layouts import Layout, builds_from_dense, supports_values
 from ..registry import Entry, OpKey
-from ..sparsifiers import BUILTIN_SPARSIFIERS, KeepAll, SameFormatSparsifier
+from ..sparsifiers import BUILTIN_SPARSIFIERS, KeepAll, SameFormatSparsifier, Sparsifier
 from ..tensor import SparseTensorWrapper, densify
 
 
@@ -59,6 +59,8 @@ def resolve(key: OpKey) -> Any:
         return None
     if key.op is SameFormatSparsifier:
         out = key.out
+        if out is not torch.Tensor and not builds_from_dense(out) and not _has_values(out):
+            return None  # nothing generic can build it: a fallback (warned) or a registered implementation
 
         def same_format_into(sp: Any, tensor: torch.Tensor, grad_fmt: Any = None) -> Any:
             result = same_format(sp, tensor, grad_fmt)
@@ -70,12 +72,37 @@ def resolve(key: OpKey) -> Any:
             return convert(result, out)
 
         return Entry(same_format_into, 1)
-    if key.op is KeepAll or not callable(getattr(key.op, "mask", None)):
+    if key.op is KeepAll or not _has_mask(key.op):
         return None
-    if key.out is not torch.Tensor and not callable(getattr(key.out, "from_dense", None)):
+    if key.out is not torch.Tensor and not builds_from_dense(key.out):
         return None
     fn = into(key.out)
-    return lambda sp, t, grad_fmt=None: fn(sp, t, grad_fmt)
+    if key.out is torch.Tensor:
+        return lambda sp, t, grad_fmt=None: fn(sp, t, grad_fmt)
+    return lambda sp, t, grad_fmt=None: _lossless(fn(sp, t, grad_fmt), sp, t, key)
+
+
+def _has_values(layout_cls: type) -> bool:
+    """Whether a layout class has the stored-values protocol (``with_values``)."""
+    return callable(getattr(layout_cls, "with_values", None)) and layout_cls.with_values is not Layout.with_values
+
+
+def _has_mask(sparsifier_cls: type) -> bool:
+    """Whether a sparsifier class overrides ``Sparsifier.mask`` (a dense keep-mask)."""
+    mask = getattr(sparsifier_cls, "mask", None)
+    return callable(mask) and mask is not Sparsifier.mask
+
+
+def _lossless(result: Any, sparsifier: Any, tensor: torch.Tensor, key: OpKey) -> Any:
+    """``result`` if its layout kept every value the sparsifier chose; else a
+    lossy fallback (the layout's ``from_dense`` pruned again): warned, or raised."""
+    from ..dispatch import lossy_fallback
+
+    kept = int(torch.count_nonzero(result.to_dense()))
+    chosen = int(torch.count_nonzero(masked_dense(sparsifier, tensor)))
+    if kept != chosen:
+        lossy_fallback(key, kept, chosen)
+    return result
 
 
 def register(registry: Any, layouts: tuple) -> None:
