@@ -889,6 +889,11 @@ class _Sparsify(torch.autograd.Function):
         return densify(grad), None, None
 
 
+def dense_with_grad(wrapper: SparseTensorWrapper) -> torch.Tensor:
+    """``wrapper`` as a dense tensor whose gradient flows back to it (in its ``grad_fmt``)."""
+    return _apply(_Densify, wrapper)
+
+
 def _differentiable_dense(tree: Any, grad: bool) -> Any:
     """``densify_tree``, keeping the autograd graph of wrappers that require grad."""
     t = type(tree)

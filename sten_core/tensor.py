@@ -77,8 +77,14 @@ class SparseTensorWrapper(torch.Tensor):
             raise TypeError(f"dense must be a torch.Tensor, got {type(dense).__name__}")
         return SparseTensorWrapper(wrapped_tensor, requires_grad=dense.requires_grad, grad_fmt=grad_fmt)
 
-    def to_dense(self) -> torch.Tensor:  # type: ignore[override]
-        """The dense tensor this wrapper represents (no gradient tracking)."""
+    def to_dense(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        """The dense tensor this wrapper represents; differentiable (as
+        ``torch.Tensor.to_dense`` is) when the wrapper requires grad and grad
+        mode is on, its gradient then coming back in the wrapper's ``grad_fmt``."""
+        if torch.is_grad_enabled() and self.requires_grad:
+            from .dispatch import dense_with_grad
+
+            return dense_with_grad(self)
         return to_dense_tensor(self.wrapped_tensor)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
