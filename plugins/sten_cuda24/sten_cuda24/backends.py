@@ -110,7 +110,9 @@ def _check_operands(x: torch.Tensor, weight: Sparse24Tensor, bias: torch.Tensor 
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input has {x.shape[-1]} features but the weight expects {weight.shape[1]} (weight shape {tuple(weight.shape)})")
     if x.dtype != weight.dtype:
-        raise TypeError(f"input dtype {x.dtype} does not match the 2:4 weight dtype {weight.dtype}")
+        from .ops import dtype_mismatch
+
+        raise TypeError(dtype_mismatch("the 2:4 semi-structured matmul", x.dtype, weight.dtype))
     if x.device != weight.device:
         raise ValueError(f"input is on {x.device} but the 2:4 weight is on {weight.device}")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
