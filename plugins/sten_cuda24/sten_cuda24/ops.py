@@ -131,11 +131,64 @@ def _linear_bwd(grad_input: Any, weight_grad: Any, sparse_weight_grad: bool) -> 
     return impl
 
 
+WGRAD_CHOICE: dict[tuple, str] = {}
+"""Per ``(N, K, tokens, dtype, device)``: which 2:4 weight-gradient kernel ran faster."""
+
+
+def wgrad_mode() -> str:
+    """``STEN_CUDA24_SAMPLED_WGRAD``: ``auto`` (default: time both once per shape on CUDA,
+    keep the faster), ``always`` (the sampled Triton kernel) or ``never`` (GEMM + gather)."""
+    import os
+
+    mode = os.environ.get("STEN_CUDA24_SAMPLED_WGRAD", "auto")
+    if mode not in ("auto", "always", "never"):
+        raise ValueError(f"STEN_CUDA24_SAMPLED_WGRAD must be auto, always or never; got {mode!r}")
+    return mode
+
+
+def cuda_time(fn: Any) -> float:
+    """Milliseconds of one call of ``fn`` after one warm-up call (CUDA events)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def pick_faster(key: tuple, candidates: dict[str, Any], timer: Any = cuda_time) -> str:
+    """The name of the fastest candidate for ``key`` (timed once, then cached in ``WGRAD_CHOICE``)."""
+    hit = WGRAD_CHOICE.get(key)
+    if hit is None:
+        hit = min(candidates, key=lambda name: timer(candidates[name]))
+        WGRAD_CHOICE[key] = hit
+    return hit
+
+
 def _weight_grad24(g2: torch.Tensor, x2: torch.Tensor, layout: Sparse24Tensor, sparse: bool) -> Any:
-    dense = g2.t() @ x2
     if not sparse:
-        return dense
-    return _wrap(layout.with_values(layout.gather(dense.to(layout.dtype))))
+        paths.record("grad_weight24", "dense", "a dense weight gradient was asked for")
+        return g2.t() @ x2
+
+    def gemm_gather() -> torch.Tensor:
+        return layout.gather((g2.t() @ x2).to(layout.dtype))
+
+    def sampled() -> torch.Tensor:
+        from .triton_sdd24 import sdd24
+
+        return sdd24(g2, x2, layout if g2.dtype == layout.dtype else layout.to(dtype=g2.dtype)).to(layout.dtype)
+
+    mode = wgrad_mode()
+    can_sample = len(layout.shape) == 2 and _compat.has_triton() and (g2.device.type == "cuda" or _compat.triton_interpret())
+    choice = "gemm+gather"
+    if can_sample and mode == "always":
+        choice = "sampled"
+    elif can_sample and mode == "auto" and g2.device.type == "cuda":
+        key = (tuple(layout.shape), g2.shape[0], g2.dtype, g2.device)
+        choice = pick_faster(key, {"gemm+gather": gemm_gather, "sampled": sampled})
+    paths.record("grad_weight24", choice)
+    return _wrap(layout.with_values(sampled() if choice == "sampled" else gemm_gather()))
 
 
 def mm24_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
