@@ -186,7 +186,7 @@ class Sparse24Tensor(Layout):
         if self.live is not None:
             values = values.masked_fill_(~self.live, 0) if same else values.masked_fill(~self.live, 0)
         out = Sparse24Tensor(values.to(self.packed.dtype), self.meta, self._shape, self.meta_t, self.live)
-        if same:
+        if out.packed is self.packed:
             out._cache = self._cache
         return out
 
@@ -213,6 +213,16 @@ class Sparse24Tensor(Layout):
             and (other.live is None) == (self.live is None)
             and (self.live is None or bool(torch.equal(other.live, self.live)))
         )
+
+    def __getstate__(self) -> dict:
+        """Pickle the tensors, not the cached GPU operands (rebuilt on first use)."""
+        state = dict(self.__dict__)
+        state["_cache"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state.setdefault("live", None)  # tensors pickled before ``live`` existed
+        self.__dict__.update(state)
 
     # -- helpers ------------------------------------------------------------------------
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "Sparse24Tensor":

@@ -89,3 +89,12 @@ def test_transposed_pair_from_kernel_output_drops_disagreeing_slots():
     assert torch.equal(s.mask(), pruned != 0)
     assert torch.equal(s.to_dense() != 0, pruned != 0)
     assert torch.equal(operand_dense(s.transposed()).t(), s.to_dense())
+
+
+@pytest.mark.parametrize("make", ["transposable", "one_of_four"])
+def test_core_linear_conformance_with_fillers(sten, make):
+    """The core's F.linear conformance check (values and gradients vs dense) on weights with filler slots."""
+    from sten_core.testing import check_linear
+
+    sp = Sparse24Sparsifier(transposable=True) if make == "transposable" else sten.PerBlockFractionSparsifier(1, 4)
+    check_linear(Sparse24Tensor, sparsifier=sp, shapes=((7, 16, 12), (5, 20, 36)))
