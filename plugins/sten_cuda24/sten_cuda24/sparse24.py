@@ -239,23 +239,34 @@ class Sparse24Tensor(Layout):
         """The transposed matrix as a ``Sparse24Tensor`` (needs the transposed pair)."""
         if self.meta_t is None:
             raise ValueError("this Sparse24Tensor has no transposed pair; build it with transposable=True")
-        version = (self.packed.data_ptr(), self.packed._version)
         hit = self._cache.get("transposed")
-        if hit is None or hit[0] is not self.packed or hit[1] != version:
-            dense_t = self.to_dense().t()
-            live_t = encoding.live_slots(self.meta_t, self.mask().t())
-            kp = encoding.padded_k(dense_t.shape[1])
-            rows = torch.nn.functional.pad(dense_t, (0, kp - dense_t.shape[1]))
-            values_t = encoding.gather_codes(rows, encoding.unpack_codes(self.meta_t)).masked_fill_(~live_t, 0)
-            if hit is not None and hit[2].meta_t is self.meta and tuple(hit[2].shape) == tuple(dense_t.shape):
-                hit[2].packed.copy_(values_t)          # same pattern: refresh the values in place
-                layout_t = hit[2]
-            else:
-                full = bool(live_t.all()) if live_t.numel() else True
-                layout_t = Sparse24Tensor(values_t, self.meta_t, dense_t.shape, self.meta, None if full else live_t)
-            self._cache["transposed"] = (self.packed, version, layout_t)
-            hit = self._cache["transposed"]
-        return hit[2]
+        if hit is not None and hit[0] is self.packed and hit[1] == self.packed._version:
+            return hit[2]
+        flat = self.packed.reshape(-1)
+        if hit is not None and hit[2].meta_t is self.meta:
+            layout_t, index = hit[2], hit[3]          # same pattern: refresh the values in place
+            layout_t.packed.copy_(torch.where(index >= 0, flat[index.clamp_min(0)], 0))
+        else:
+            index = self._transpose_index()
+            live_t = index >= 0
+            values_t = torch.where(live_t, flat[index.clamp_min(0)], 0)
+            full = bool(live_t.all()) if live_t.numel() else True
+            shape_t = (self._shape[1], self._shape[0])
+            layout_t = Sparse24Tensor(values_t, self.meta_t, shape_t, self.meta, None if full else live_t)
+        self._cache["transposed"] = (self.packed, self.packed._version, layout_t, index)
+        return layout_t
+
+    def _transpose_index(self) -> torch.Tensor:
+        """For every slot of the transposed pair, the flat index of the same value in
+        ``packed`` (``-1``: a filler of the transposed metadata, or not live here)."""
+        r, k = self._shape
+        slots = torch.arange(1, self.packed.numel() + 1, device=self.packed.device).reshape(self.packed.shape)
+        if self.live is not None:
+            slots = slots.masked_fill(~self.live, 0)
+        where = encoding.decompress(slots, self.meta, k)            # [R, K]: slot number + 1, 0 if none
+        kpt = encoding.padded_k(r)
+        rows_t = torch.nn.functional.pad(where.t(), (0, kpt - r))
+        return encoding.gather_codes(rows_t, encoding.unpack_codes(self.meta_t)) - 1
 
     def cutlass_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(packed, meta_reordered)`` in CUTLASS's format (2-D, fp16/bf16, rows % 32 == 0)."""
