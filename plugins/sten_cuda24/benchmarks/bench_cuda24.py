@@ -28,6 +28,9 @@ goes. Sections (``--only`` picks some):
 Times are medians of CUDA-event timings after warm-up (ms); speed-ups are
 dense / sparse from the same run. Every sparse result is checked against the
 dense one (max abs error recorded).
+
+``--device cpu --tiny`` runs every section on tiny shapes on the CPU (Triton
+kernels under ``TRITON_INTERPRET=1``): a dry run of the script, not a measurement.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 SECTIONS = ("linear", "wgrad", "prune", "block", "train")
+DEVICE = "cuda"
 LINEAR_SHAPES = [  # (name, N = out_features, K = in_features)
     ("4096^2", 4096, 4096),
     ("8192^2", 8192, 8192),
@@ -62,9 +66,16 @@ LINEAR_SHAPES = [  # (name, N = out_features, K = in_features)
 
 
 def timeit(fn: Callable[[], Any], warmup: int = 5, reps: int = 20) -> float:
-    """Median CUDA-event time of ``fn`` in ms."""
+    """Median CUDA-event time of ``fn`` in ms (wall clock for the CPU dry run)."""
     for _ in range(warmup):
         fn()
+    if DEVICE != "cuda":
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -102,11 +113,11 @@ def bench_linear(tokens_list: list[int], shapes: list[tuple[str, int, int]], dty
     rows: list[dict] = []
     for dtype in dtypes:
         for name, n, k in shapes:
-            w24 = sparsify_24(torch.randn(n, k, device="cuda", dtype=dtype))
+            w24 = sparsify_24(torch.randn(n, k, device=DEVICE, dtype=dtype))
             w_pruned = w24.to_dense()
             wrapped = sten.SparseTensorWrapper(w24)
             for t in tokens_list:
-                x = torch.randn(t, k, device="cuda", dtype=dtype)
+                x = torch.randn(t, k, device=DEVICE, dtype=dtype)
                 ref = F.linear(x, w_pruned)
                 row: dict[str, Any] = {"shape": name, "N": n, "K": k, "tokens": t, "dtype": str(dtype).replace("torch.", "")}
                 row["dense_ms"] = timeit(lambda: F.linear(x, w_pruned), reps=reps)
@@ -139,9 +150,9 @@ def bench_wgrad(shapes: list[tuple[str, int, int]], tokens: int, reps: int) -> l
 
     rows: list[dict] = []
     for name, n, k in shapes:
-        w = sparsify_24(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
-        g = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        w = sparsify_24(torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16))
+        g = torch.randn(tokens, n, device=DEVICE, dtype=torch.bfloat16)
+        x = torch.randn(tokens, k, device=DEVICE, dtype=torch.bfloat16)
         row: dict[str, Any] = {"shape": name, "N": n, "K": k, "tokens": tokens, "dtype": "bfloat16"}
         ref = w.gather(g.t() @ x)
         row["dense_gemm_ms"] = timeit(lambda: g.t() @ x, reps=reps)
@@ -159,13 +170,18 @@ def bench_wgrad(shapes: list[tuple[str, int, int]], tokens: int, reps: int) -> l
             row["sampled_max_abs_err"] = _err(got, ref)
             row["sampled_ms"] = timeit(sampled, reps=reps)
             row["sampled_speedup_vs_gemm_gather"] = row["dense_gemm_gather_ms"] / row["sampled_ms"]
-        backend = _compat.semi_structured_backend()
+        backend = _compat.semi_structured_backend() if DEVICE == "cuda" else "cutlass"  # CPU dry run: the pure-tensor CUTLASS operand
         if backend is not None:
-            backends.prepare(w, backend)
+            cpu_prep = backends.build(w, backend) if DEVICE != "cuda" else None
+            if cpu_prep is None:
+                backends.prepare(w, backend)
 
             def step_and_sync() -> None:
                 w.values().add_(1e-3)
-                backends.prepare(w.with_values(w.values()), backend)
+                if cpu_prep is not None:
+                    backends.sync(cpu_prep, w)
+                else:
+                    backends.prepare(w.with_values(w.values()), backend)
 
             def step_and_rebuild() -> None:
                 w.values().add_(1e-3)
@@ -173,7 +189,7 @@ def bench_wgrad(shapes: list[tuple[str, int, int]], tokens: int, reps: int) -> l
 
             row["backend"] = backend
             row["refresh_in_place_ms"] = _guard(lambda: timeit(step_and_sync, reps=reps))
-            prep = w._cache.get(("prepared", backend), (None, None))[1]
+            prep = cpu_prep or w._cache.get(("prepared", backend), (None, None))[1]
             row["refresh_kind"] = getattr(prep, "refresh", None)
             row["rebuild_operand_ms"] = _guard(lambda: timeit(step_and_rebuild, reps=reps))
         _emit(rows, row)
@@ -188,7 +204,7 @@ def bench_prune(shapes: list[tuple[int, int]], reps: int) -> list[dict]:
 
     rows: list[dict] = []
     for n, k in shapes:
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
         pruned = sparsify24(w, write_dense=True)[2]
         row: dict[str, Any] = {"N": n, "K": k, "dtype": "bfloat16"}
 
@@ -241,11 +257,11 @@ def bench_block(size: int, configs: list[tuple[int, float]], reps: int) -> list[
     rows: list[dict] = []
     m = n = k = size
     for block, density in configs:
-        w_dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        w_dense = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
         layout = sten.sparsify(sten.BlockwiseFractionSparsifier(1 - density, (block, block)), w_dense, BlockSparseTensor).wrapped_tensor
         w_pruned = layout.to_dense()
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+        g = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
         row: dict[str, Any] = {"M": m, "N": n, "K": k, "block": block, "density": layout.density, "dtype": "bfloat16"}
         row["dense_fwd_ms"] = timeit(lambda: F.linear(x, w_pruned), reps=reps)
         row["ours_fwd_max_abs_err"] = _guard(lambda: _err(bsr_linear(x, layout), F.linear(x, w_pruned)))
@@ -285,8 +301,8 @@ def _mlp_stack(layers: int, d: int, ffn: int, kind: str) -> tuple[torch.nn.Modul
     blocks = torch.nn.ModuleList()
     params = []
     for _ in range(layers):
-        up = torch.nn.Linear(d, ffn, device="cuda", dtype=torch.bfloat16)
-        down = torch.nn.Linear(ffn, d, device="cuda", dtype=torch.bfloat16)
+        up = torch.nn.Linear(d, ffn, device=DEVICE, dtype=torch.bfloat16)
+        down = torch.nn.Linear(ffn, d, device=DEVICE, dtype=torch.bfloat16)
         for lin in (up, down):
             if kind == "dense":
                 continue
@@ -314,7 +330,7 @@ def _mlp_stack(layers: int, d: int, ffn: int, kind: str) -> tuple[torch.nn.Modul
 
 def bench_train(layers: int, d: int, ffn: int, tokens: int, reps: int) -> list[dict]:
     rows: list[dict] = []
-    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, d, device=DEVICE, dtype=torch.bfloat16)
     dense_ms = None
     for kind in ("dense", "24", "24t", "bsr75"):
         row: dict[str, Any] = {"model": f"{layers} x MLP [{d} -> {ffn} -> {d}]", "tokens": tokens, "weights": kind, "dtype": "bfloat16"}
@@ -332,7 +348,8 @@ def bench_train(layers: int, d: int, ffn: int, tokens: int, reps: int) -> list[d
             losses = []
             for _ in range(3):
                 step()
-                losses.append(float(model(x).float().square().mean()))
+                with torch.no_grad():
+                    losses.append(float(model(x).float().square().mean()))
             return {"ms": timeit(step, warmup=3, reps=reps), "loss_after_warmup": losses[-1]}
 
         got = _guard(run)
@@ -412,12 +429,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (smoke run)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run (needs --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (with --device cpu: checks the script runs)")
     args = parser.parse_args(argv)
     only = [s for s in args.only.split(",") if s]
     unknown = [s for s in only if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown sections {unknown}; choose from {SECTIONS}")
-    if not torch.cuda.is_available():
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cpu":
+        if not args.tiny:
+            parser.error("--device cpu is a dry run: add --tiny")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif not torch.cuda.is_available():
         print("bench_cuda24: needs a CUDA GPU; none available", file=sys.stderr)
         return 2
     import sten_core
@@ -425,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     sten_core.plugins.ensure_loaded()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    reps = 5 if args.quick else args.reps
+    reps = 2 if args.tiny else 5 if args.quick else args.reps
     started = time.time()
     result: dict[str, Any] = {"env": environment(args.quick)}
     out_json = args.out_dir / "bench_cuda24.json"
@@ -435,25 +460,29 @@ def main(argv: list[str] | None = None) -> int:
         out_json.write_text(json.dumps(result, indent=1))
         (args.out_dir / "bench_cuda24.md").write_text(to_markdown(result))
 
+    tiny = [("tiny", 64, 128)]
     if "linear" in only:
-        shapes = LINEAR_SHAPES[:1] if args.quick else LINEAR_SHAPES
-        tokens = [4096] if args.quick else [4096, 8192, 16384]
+        shapes = tiny if args.tiny else LINEAR_SHAPES[:1] if args.quick else LINEAR_SHAPES
+        tokens = [32] if args.tiny else [4096] if args.quick else [4096, 8192, 16384]
         dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float16]
         result["linear"] = bench_linear(tokens, shapes, dtypes, reps)
         save()
     if "wgrad" in only:
-        shapes = LINEAR_SHAPES[:1] if args.quick else [LINEAR_SHAPES[i] for i in (0, 1, 2, 8)]
-        result["wgrad"] = bench_wgrad(shapes, 4096 if args.quick else 8192, reps)
+        shapes = tiny if args.tiny else LINEAR_SHAPES[:1] if args.quick else [LINEAR_SHAPES[i] for i in (0, 1, 2, 8)]
+        result["wgrad"] = bench_wgrad(shapes, 32 if args.tiny else 4096 if args.quick else 8192, reps)
         save()
     if "prune" in only:
-        result["prune"] = bench_prune([(4096, 4096)] if args.quick else [(14336, 4096), (8192, 8192)], reps)
+        result["prune"] = bench_prune([(64, 128)] if args.tiny else [(4096, 4096)] if args.quick else [(14336, 4096), (8192, 8192)], reps)
         save()
     if "block" in only:
         configs = [(64, 0.1)] if args.quick else [(64, 0.1), (128, 0.1), (64, 0.25)]
-        result["block"] = bench_block(2048 if args.quick else 8192, configs, reps)
+        result["block"] = bench_block(256 if args.tiny else 2048 if args.quick else 8192, configs, reps)
         save()
     if "train" in only:
-        result["train"] = bench_train(2 if args.quick else 12, 768, 3072, 2048 if args.quick else 8192, reps)
+        if args.tiny:
+            result["train"] = bench_train(1, 64, 128, 64, reps)
+        else:
+            result["train"] = bench_train(2 if args.quick else 12, 768, 3072, 2048 if args.quick else 8192, reps)
         save()
     save()
     print(f"wrote {out_json} and {args.out_dir / 'bench_cuda24.md'}")
