@@ -205,8 +205,7 @@ def mm24_bwd(sparse_grad: bool) -> Any:
         a, b = ctx.saved_tensors
         (g,) = grad_outputs
         layout = a.wrapped_tensor
-        dense = g @ b.t().to(g.dtype)
-        grad_a = _wrap(layout.with_values(layout.gather(dense.to(layout.dtype)))) if sparse_grad else dense
+        grad_a = _weight_grad24(g.t(), b.t().to(g.dtype), layout, sparse_grad)   # g @ b.T, sampled when sparse
         grad_b = _grad_input24(g.t(), layout).t()
         return grad_a, grad_b
 

@@ -218,3 +218,19 @@ def test_cuda_dense_fallback_warns_or_raises(sten):
         paths.dense("linear_bsr", on_gpu, "test reason")
     assert [w.category for w in caught] == [sten.DispatchWarning]
     paths.dense("linear_bsr", torch.zeros(1), "tensors on cpu")   # CPU: the designed path, silent
+
+
+@pytest.mark.parametrize("sampled", ["never", "always"])
+def test_mm24_sparse_grad_of_the_2_4_operand(sten, sampled, monkeypatch):
+    monkeypatch.setenv("STEN_CUDA24_SAMPLED_WGRAD", sampled)
+    torch.manual_seed(2)
+    a = sten.sparsify(Sparse24Sparsifier(transposable=True), torch.randn(16, 32), Sparse24Tensor)
+    fmt = (sten.KeepAll(), Sparse24Tensor, sten.KeepAll(), Sparse24Tensor)
+    a = sten.SparseParameterWrapper(a.wrapped_tensor, grad_fmt=fmt)
+    ad = a.wrapped_tensor.to_dense().clone().requires_grad_(True)
+    b = torch.randn(32, 20, requires_grad=True)
+    torch.mm(a, b).square().sum().backward()
+    ga, gb = torch.autograd.grad(torch.mm(ad, b).square().sum(), (ad, b))
+    assert isinstance(a.grad.wrapped_tensor, Sparse24Tensor)
+    torch.testing.assert_close(a.grad.wrapped_tensor.to_dense(), ga * a.wrapped_tensor.mask(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(b.grad, gb, atol=1e-4, rtol=1e-4)

@@ -44,7 +44,7 @@ def test_sparsify24_kernel_errors(kernel_device):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
-@pytest.mark.parametrize("block", [(16, 16), (32, 16)])
+@pytest.mark.parametrize("block", [(16, 16), (32, 16), (128, 64)])
 def test_bsr_kernels_match_dense(kernel_device, dtype, tol, block):
     from sten_cuda24.triton_bsr import bsr_linear, bsr_sdd
 
