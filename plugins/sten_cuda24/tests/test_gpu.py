@@ -270,7 +270,11 @@ def test_cusparselt_refresh_in_place_matches_recompress():
         w = w.with_values(w.values())
         y = backends.linear(x, w, backend="cusparselt")
         prep = w._cache[("prepared", "cusparselt")][1]
-        fresh = torch._cslt_sparse_mm(torch._cslt_compress(w.to_dense()), x.t().contiguous(), transpose_result=True)
-        torch.testing.assert_close(y, fresh, atol=0, rtol=0)
+        fresh = torch._cslt_compress(w.to_dense())          # every slot nonzero: the same metadata
+        assert torch.equal(prep.compressed.view(torch.uint8), fresh.view(torch.uint8)), "refreshed buffer != recompressed"
+        xt = x.t().contiguous()
+        ours = torch._cslt_sparse_mm(prep.compressed, xt, transpose_result=True)
+        torch.testing.assert_close(ours, torch._cslt_sparse_mm(fresh, xt, transpose_result=True), atol=0, rtol=0)
+        rel_close(y, F.linear(x.float(), w.to_dense().float()), "refreshed product vs dense")
     print(f"cuSPARSELt buffer layout: {prep.refresh}")
     assert prep.refresh in ("prefix", "scatter"), f"cuSPARSELt's buffer was not a permutation of the values: {prep.refresh}"
