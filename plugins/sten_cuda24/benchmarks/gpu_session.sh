@@ -124,3 +124,4 @@ if [ "$STAGE" != "tests" ]; then
 fi
 
 echo "== summary"; cat "$OUT/summary.txt"
+sleep 1   # let tee flush session.log
