@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import _compat, encoding
+from . import _compat, encoding, operands
 from .sparse24 import Sparse24Tensor
 
 ROW_ALIGN, COL_ALIGN, TOKEN_ALIGN = 32, 64, 16
@@ -36,7 +36,15 @@ last_path: dict[str, str] = {}
 
 @dataclass
 class Prepared:
-    """A weight ready for one backend (padded to ``(n_pad, k_pad)``)."""
+    """A weight ready for one backend (padded to ``(n_pad, k_pad)``).
+
+    ``source``/``version`` name the values it was last synced with; ``refresh``
+    says what an optimizer step costs: ``"view"`` (nothing: CUTLASS reads our
+    values), ``"copy"`` (one copy of the values into the padded operand),
+    ``"prefix"``/``"scatter"`` (one copy into cuSPARSELt's buffer),
+    ``"recompress"`` (densify + ``torch._cslt_compress``), or ``"pending"``
+    (not yet updated: the first step discovers the cuSPARSELt layout).
+    """
 
     backend: str
     n: int
@@ -46,42 +54,82 @@ class Prepared:
     compressed: torch.Tensor | None = None  # cuSPARSELt
     packed: torch.Tensor | None = None      # CUTLASS
     meta: torch.Tensor | None = None        # CUTLASS (reordered)
+    source: Any = None
+    version: int = -1
+    refresh: str = "pending"
+    refresher: Any = None
 
 
 def _round_up(v: int, m: int) -> int:
     return -(-v // m) * m
 
 
+def _cslt_compress(dense: torch.Tensor) -> torch.Tensor:
+    return torch._cslt_compress(dense)
+
+
+def build(weight: Sparse24Tensor, backend: str, compress: Any = None) -> Prepared | None:
+    """The operand for ``backend`` from the weight's own values and metadata
+    (``None``: this dtype/pattern has no sparse kernel). Pure tensor code for CUTLASS;
+    ``compress`` (default ``torch._cslt_compress``) builds cuSPARSELt's buffer."""
+    n, k = weight.shape
+    n_pad, k_pad = _round_up(n, ROW_ALIGN), _round_up(k, COL_ALIGN)
+    values = operands.padded_values(weight, n_pad, k_pad)
+    refresh = "view" if values is weight.packed else "copy"
+    if backend == "cusparselt":
+        dense = encoding.decompress(values, operands.padded_meta(weight, n_pad, k_pad)).contiguous()
+        prep = Prepared(backend, n, k, n_pad, k_pad, compressed=(compress or _cslt_compress)(dense), refresh="pending")
+    elif weight.dtype == torch.float32:
+        meta = operands.padded_meta(weight, n_pad, k_pad, operands.EMPTY_CODE["fp32"])
+        if not operands.fp32_codes_ok(meta):
+            return None
+        prep = Prepared(backend, n, k, n_pad, k_pad, packed=values, meta=operands.fp32_meta(meta), refresh=refresh)
+    else:
+        meta = encoding.cutlass_reorder(operands.padded_meta(weight, n_pad, k_pad))
+        prep = Prepared(backend, n, k, n_pad, k_pad, packed=values, meta=meta, refresh=refresh)
+    prep.source, prep.version = weight.packed, weight.packed._version
+    return prep
+
+
+def sync(prep: Prepared, weight: Sparse24Tensor, compress: Any = None) -> None:
+    """Bring ``prep`` up to date with ``weight``'s values (same pattern), in place."""
+    if prep.source is weight.packed and prep.version == weight.packed._version:
+        return
+    if prep.backend == "cusparselt":
+        if prep.refresher is None:
+            meta = operands.padded_meta(weight, prep.n_pad, prep.k_pad)
+            prep.refresher = operands.Refresher(compress or _cslt_compress, meta, weight.dtype)
+            prep.refresh = prep.refresher.kind
+        values = operands.padded_values(weight, prep.n_pad, prep.k_pad)
+        prep.compressed = prep.refresher.refresh(values)
+    elif prep.packed is not weight.packed:
+        r, half = weight.packed.shape
+        prep.packed[:r, :half].copy_(weight.packed)
+    prep.source, prep.version = weight.packed, weight.packed._version
+
+
 def prepare(weight: Sparse24Tensor, backend: str | None = None) -> Prepared | None:
-    """The backend operand for ``weight`` (cached on it), or ``None`` for the dense fallback."""
+    """The backend operand for ``weight`` (cached on it), or ``None`` for the dense fallback.
+
+    Built once per pattern; after an optimizer step changed the values in place
+    it is refreshed in place (``Prepared.refresh`` says how), never rebuilt.
+    """
     if len(weight.shape) != 2:
         raise ValueError(f"a 2:4 weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
     _compat.require_cuda(weight.packed, "the 2:4 semi-structured matmul")
     backend = backend or _compat.semi_structured_backend()
-    dtype = weight.dtype
-    if backend == "cusparselt" and dtype == torch.float32:
+    if backend == "cusparselt" and weight.dtype == torch.float32:
         backend = "cutlass" if _compat.has_cutlass() else None
     if backend is None:
         return None
-    key = ("prepared", backend, weight.packed.data_ptr(), weight.packed._version)
+    key = ("prepared", backend)
     hit = weight._cache.get(key)
-    if hit is not None:
-        return hit
-    n, k = weight.shape
-    n_pad, k_pad = _round_up(n, ROW_ALIGN), _round_up(k, COL_ALIGN)
-    dense = F.pad(weight.to_dense(), (0, k_pad - k, 0, n_pad - n)).contiguous()
-    if backend == "cusparselt":
-        prep = Prepared(backend, n, k, n_pad, k_pad, compressed=torch._cslt_compress(dense))
-    elif dtype == torch.float32:
-        if not encoding.is_one_of_two(dense):
-            return None
-        packed, meta = encoding.fp32_to_cutlass(dense)
-        prep = Prepared(backend, n, k, n_pad, k_pad, packed=packed, meta=meta)
-    else:
-        packed, meta = encoding.compress(dense)
-        prep = Prepared(backend, n, k, n_pad, k_pad, packed=packed, meta=encoding.cutlass_reorder(meta))
-    weight._cache = {kk: v for kk, v in weight._cache.items() if kk[0] != "prepared"}
-    weight._cache[key] = prep
+    if hit is not None and hit[0] is weight.meta:
+        if hit[1] is not None:
+            sync(hit[1], weight)
+        return hit[1]
+    prep = build(weight, backend)
+    weight._cache[key] = (weight.meta, prep)
     return prep
 
 
@@ -110,7 +158,9 @@ def _check_operands(x: torch.Tensor, weight: Sparse24Tensor, bias: torch.Tensor 
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input has {x.shape[-1]} features but the weight expects {weight.shape[1]} (weight shape {tuple(weight.shape)})")
     if x.dtype != weight.dtype:
-        raise TypeError(f"input dtype {x.dtype} does not match the 2:4 weight dtype {weight.dtype}")
+        from .ops import dtype_mismatch
+
+        raise TypeError(dtype_mismatch("the 2:4 semi-structured matmul", x.dtype, weight.dtype))
     if x.device != weight.device:
         raise ValueError(f"input is on {x.device} but the 2:4 weight is on {weight.device}")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):

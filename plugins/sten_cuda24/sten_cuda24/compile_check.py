@@ -32,6 +32,11 @@ SPECS: list[tuple[str, str, dict[str, str], dict[str, Any]]] = [
       "T": "i32", "N": "i32", "K": "i32", "stride_g": "i32", "stride_x": "i32",
       "BT": "constexpr", "BN": "constexpr", "BK": "constexpr"},
      {"BT": 64, "BN": 64, "BK": 64}),
+    ("triton_sdd24", "sdd24_kernel",
+     {"g_ptr": "*bf16", "x_ptr": "*bf16", "meta_ptr": "*i16", "out_ptr": "*bf16",
+      "T": "i32", "N": "i32", "K": "i32", "W": "i32", "stride_g": "i32", "stride_x": "i32",
+      "BT": "constexpr", "BN": "constexpr", "BK": "constexpr"},
+     {"BT": 32, "BN": 64, "BK": 64}),
 ]
 
 

@@ -144,6 +144,36 @@ def keep_mask(meta: torch.Tensor, k: int | None = None) -> torch.Tensor:
     return out if k is None else out[:, :k]
 
 
+def slot_positions(meta: torch.Tensor) -> torch.Tensor:
+    """Column (in ``[0, Kp)``) of every stored slot: ``[R, Kp/2]`` int64."""
+    codes = unpack_codes(meta)
+    r, g = codes.shape
+    base = torch.arange(0, g * GROUP, GROUP, device=meta.device).unsqueeze(0)
+    return torch.stack((base + (codes & 3), base + (codes >> 2)), dim=-1).reshape(r, g * 2)
+
+
+def live_slots(meta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Which stored slots of ``meta`` lie inside ``mask`` (``[R, K]`` bool, K <= Kp): ``[R, Kp/2]`` bool.
+
+    Slots outside the mask are CUTLASS fillers (groups with fewer than two kept
+    values); they hold zeros and are never trained.
+    """
+    r, words = meta.shape
+    kp = words * WORD
+    rows = torch.nn.functional.pad(mask.to(device=meta.device, dtype=torch.bool), (0, kp - mask.shape[1]))
+    return rows.gather(1, slot_positions(meta))
+
+
+def slot_mask(meta: torch.Tensor, live: torch.Tensor | None, k: int | None = None) -> torch.Tensor:
+    """Boolean ``[R, Kp]`` mask of the live slots (all slots when ``live`` is None)."""
+    if live is None:
+        return keep_mask(meta, k)
+    r, words = meta.shape
+    out = torch.zeros(r, words * WORD, dtype=torch.bool, device=meta.device)
+    out.scatter_(1, slot_positions(meta), live)
+    return out if k is None else out[:, :k]
+
+
 # -- CUTLASS interleaved metadata --------------------------------------------------
 
 def cutlass_meta_offsets(rows: int, words: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -11,7 +11,13 @@
 
 On CUDA the sparse kernels run (cuSPARSELt/CUTLASS, Triton); elsewhere the
 same implementations compute through the dense tensor, so CPU runs give the
-same results (slowly).
+same results (slowly). ``sten_cuda24.paths.last`` records the path each call
+took; a CUDA call that has to compute densely warns (or raises under
+``set_dispatch_failure("raise")``).
+
+One dtype rule on every device: the input (and bias) must have the sparse
+weight's dtype, as for dense ``F.linear``; under ``torch.autocast`` the input,
+bias and weight all run in the autocast dtype.
 
 Example:
     >>> import torch, torch.nn.functional as F, sten_core as sten
@@ -28,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import _compat
+from . import _compat, paths
 from .blocksparse import BlockSparseTensor
 from .sparse24 import Sparse24Tensor
 
@@ -41,11 +47,26 @@ def _wrap(layout: Any) -> Any:
     return SparseTensorWrapper(layout)
 
 
-def _autocast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dtype_mismatch(what: str, x_dtype: torch.dtype, w_dtype: torch.dtype) -> str:
+    """The one message for an input whose dtype differs from the sparse weight's."""
+    name = str(w_dtype).replace("torch.", "")
+    return (f"{what}: input dtype {str(x_dtype).replace('torch.', '')} differs from the sparse weight's dtype {name}; "
+            f"cast the input (x.to(torch.{name})) or run under torch.autocast")
+
+
+def _operand_dtype(x: torch.Tensor, layout: Any, bias: torch.Tensor | None, what: str) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+    """Apply the dtype rule: ``(x, layout, bias)`` in one dtype, or a ``TypeError``."""
     device = x.device.type
     if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
-        x = x.to(torch.get_autocast_dtype(device))
-    return x
+        dtype = torch.get_autocast_dtype(device)
+        x = x.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        return x, (layout if layout.dtype == dtype else layout.to(dtype=dtype)), bias
+    if x.dtype != layout.dtype:
+        raise TypeError(dtype_mismatch(what, x.dtype, layout.dtype))
+    if bias is not None and bias.dtype != x.dtype:
+        raise TypeError(f"{what}: bias dtype {bias.dtype} differs from the input and weight dtype {x.dtype}")
+    return x, layout, bias
 
 
 def _check_weight_2d(layout: Any) -> None:
@@ -58,21 +79,31 @@ def _check_weight_2d(layout: Any) -> None:
 def linear24(x: torch.Tensor, w: Sparse24Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + bias``: semi-structured kernel on CUDA, dense elsewhere."""
     _check_weight_2d(w)
-    x = _autocast(x, w.dtype)
-    if x.device.type == "cuda" and w.device.type == "cuda" and _compat.semi_structured_backend() is not None:
-        from . import backends
+    x, w, bias = _operand_dtype(x, w, bias, "F.linear with a 2:4 weight")
+    if x.device.type == "cuda" and w.device.type == "cuda":
+        if _compat.semi_structured_backend() is not None:
+            from . import backends
 
-        return backends.linear(x, w, None if bias is None else bias.to(x.dtype))
-    return F.linear(x, w.to_dense().to(x.dtype), bias)
+            out = backends.linear(x, w, bias)
+            paths.record("linear24", backends.last_path["path"], backends.last_path.get("why", ""))
+            return out
+        paths.dense("linear24", x, "no cuSPARSELt/CUTLASS semi-structured backend in this torch")
+    else:
+        paths.dense("linear24", x, f"tensors on {x.device}")
+    return F.linear(x, w.to_dense(), bias)
 
 
 def _grad_input24(g2: torch.Tensor, w: Sparse24Tensor) -> torch.Tensor:
     """``g @ W``: the sparse kernel through the transposed pair when there is one."""
+    wt = w if g2.dtype == w.dtype else w.to(dtype=g2.dtype)
     if w.transposable and g2.device.type == "cuda" and _compat.semi_structured_backend() is not None:
         from . import backends
 
-        return backends.linear(g2.to(w.dtype), w.transposed())
-    return g2 @ w.to_dense().to(g2.dtype)
+        out = backends.linear(g2, wt.transposed())
+        paths.record("grad_input24", backends.last_path["path"], backends.last_path.get("why", ""))
+        return out
+    paths.record("grad_input24", "dense", "no transposed pair (Sparse24Sparsifier(transposable=True) makes one)" if not w.transposable else f"tensors on {g2.device}")
+    return g2 @ wt.to_dense()
 
 
 def linear24_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
@@ -100,11 +131,64 @@ def _linear_bwd(grad_input: Any, weight_grad: Any, sparse_weight_grad: bool) -> 
     return impl
 
 
+WGRAD_CHOICE: dict[tuple, str] = {}
+"""Per ``(N, K, tokens, dtype, device)``: which 2:4 weight-gradient kernel ran faster."""
+
+
+def wgrad_mode() -> str:
+    """``STEN_CUDA24_SAMPLED_WGRAD``: ``auto`` (default: time both once per shape on CUDA,
+    keep the faster), ``always`` (the sampled Triton kernel) or ``never`` (GEMM + gather)."""
+    import os
+
+    mode = os.environ.get("STEN_CUDA24_SAMPLED_WGRAD", "auto")
+    if mode not in ("auto", "always", "never"):
+        raise ValueError(f"STEN_CUDA24_SAMPLED_WGRAD must be auto, always or never; got {mode!r}")
+    return mode
+
+
+def cuda_time(fn: Any) -> float:
+    """Milliseconds of one call of ``fn`` after one warm-up call (CUDA events)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def pick_faster(key: tuple, candidates: dict[str, Any], timer: Any = cuda_time) -> str:
+    """The name of the fastest candidate for ``key`` (timed once, then cached in ``WGRAD_CHOICE``)."""
+    hit = WGRAD_CHOICE.get(key)
+    if hit is None:
+        hit = min(candidates, key=lambda name: timer(candidates[name]))
+        WGRAD_CHOICE[key] = hit
+    return hit
+
+
 def _weight_grad24(g2: torch.Tensor, x2: torch.Tensor, layout: Sparse24Tensor, sparse: bool) -> Any:
-    dense = g2.t() @ x2
     if not sparse:
-        return dense
-    return _wrap(layout.with_values(layout.gather(dense.to(layout.dtype))))
+        paths.record("grad_weight24", "dense", "a dense weight gradient was asked for")
+        return g2.t() @ x2
+
+    def gemm_gather() -> torch.Tensor:
+        return layout.gather((g2.t() @ x2).to(layout.dtype))
+
+    def sampled() -> torch.Tensor:
+        from .triton_sdd24 import sdd24
+
+        return sdd24(g2, x2, layout if g2.dtype == layout.dtype else layout.to(dtype=g2.dtype)).to(layout.dtype)
+
+    mode = wgrad_mode()
+    can_sample = len(layout.shape) == 2 and _compat.has_triton() and (g2.device.type == "cuda" or _compat.triton_interpret())
+    choice = "gemm+gather"
+    if can_sample and mode == "always":
+        choice = "sampled"
+    elif can_sample and mode == "auto" and g2.device.type == "cuda":
+        key = (tuple(layout.shape), g2.shape[0], g2.dtype, g2.device)
+        choice = pick_faster(key, {"gemm+gather": gemm_gather, "sampled": sampled})
+    paths.record("grad_weight24", choice)
+    return _wrap(layout.with_values(sampled() if choice == "sampled" else gemm_gather()))
 
 
 def mm24_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
@@ -121,8 +205,7 @@ def mm24_bwd(sparse_grad: bool) -> Any:
         a, b = ctx.saved_tensors
         (g,) = grad_outputs
         layout = a.wrapped_tensor
-        dense = g @ b.t().to(g.dtype)
-        grad_a = _wrap(layout.with_values(layout.gather(dense.to(layout.dtype)))) if sparse_grad else dense
+        grad_a = _weight_grad24(g.t(), b.t().to(g.dtype), layout, sparse_grad)   # g @ b.T, sampled when sparse
         grad_b = _grad_input24(g.t(), layout).t()
         return grad_a, grad_b
 
@@ -198,32 +281,57 @@ def _block_ok(w: BlockSparseTensor) -> bool:
     return all(16 <= s <= 128 and not s & (s - 1) for s in w.block_shape)
 
 
+def _why_not_triton(x: torch.Tensor, w: BlockSparseTensor) -> str | None:
+    """Why the Triton BSR kernels cannot run on ``x``/``w`` (None: they can)."""
+    if x.device.type != "cuda" and not _compat.triton_interpret():
+        return f"tensors on {x.device}"
+    if not _compat.has_triton():
+        return "triton is not installed"
+    if not _block_ok(w):
+        return f"block shape {w.block_shape} (the kernel takes powers of two in 16..128)"
+    if x.device != w.device:
+        return f"input on {x.device}, weight on {w.device}"
+    return None
+
+
 def linear_bsr(x: torch.Tensor, w: BlockSparseTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + bias``: the Triton kernel on CUDA, dense elsewhere."""
     _check_weight_2d(w)
-    x = _autocast(x, w.dtype)
-    if _triton_ok(x) and _block_ok(w) and x.dtype == w.dtype and x.device == w.device:
+    x, w, bias = _operand_dtype(x, w, bias, "F.linear with a block-sparse weight")
+    why = _why_not_triton(x, w)
+    if why is None:
         from .triton_bsr import bsr_linear
 
-        return bsr_linear(x, w, None if bias is None else bias.to(x.dtype))
-    return F.linear(x, w.to_dense().to(x.dtype), bias)
+        paths.record("linear_bsr", "triton")
+        return bsr_linear(x, w, bias)
+    paths.dense("linear_bsr", x, why)
+    return F.linear(x, w.to_dense(), bias)
 
 
 def _grad_input_bsr(g2: torch.Tensor, w: BlockSparseTensor) -> torch.Tensor:
-    if _triton_ok(g2) and _block_ok(w) and g2.dtype == w.dtype:
+    w = w if g2.dtype == w.dtype else w.to(dtype=g2.dtype)
+    why = _why_not_triton(g2, w)
+    if why is None:
         from .triton_bsr import bsr_linear
 
+        paths.record("grad_input_bsr", "triton")
         return bsr_linear(g2, w.transposed())
-    return g2 @ w.to_dense().to(g2.dtype)
+    paths.dense("grad_input_bsr", g2, why)
+    return g2 @ w.to_dense()
 
 
 def _weight_grad_bsr(g2: torch.Tensor, x2: torch.Tensor, layout: BlockSparseTensor, sparse: bool) -> Any:
     if not sparse:
+        paths.record("grad_weight_bsr", "dense", "a dense weight gradient was asked for")
         return g2.t() @ x2
-    if _triton_ok(g2) and _block_ok(layout) and g2.dtype == layout.dtype:
+    why = _why_not_triton(g2, layout)
+    if why is None:
         from .triton_bsr import bsr_sdd
 
-        return _wrap(layout.with_values(bsr_sdd(g2, x2, layout)))
+        paths.record("grad_weight_bsr", "triton")
+        vals = bsr_sdd(g2, x2, layout if g2.dtype == layout.dtype else layout.to(dtype=g2.dtype))
+        return _wrap(layout.with_values(vals.to(layout.dtype)))
+    paths.dense("grad_weight_bsr", g2, why)
     return _wrap(layout.with_values(layout.gather((g2.t() @ x2).to(layout.dtype))))
 
 

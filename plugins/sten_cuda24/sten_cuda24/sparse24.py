@@ -7,6 +7,12 @@ An optional *transposed pair* (``meta_t`` of the transposed matrix) exists when
 the mask is 2:4 along both dims (``Sparse24Sparsifier(transposable=True)``);
 training then computes the input gradient with the sparse kernel too.
 
+One mask: a group with fewer than two kept values still stores two slots (the
+CUTLASS *filler* positions hold zeros). ``live`` ``[R, Kp/2]`` (bool, or
+``None`` when every slot is live) says which slots are in the mask; fillers are
+never trained (``gather`` and ``with_values`` keep them zero), so the forward
+metadata and the transposed pair always describe the same matrix.
+
 On a GPU the matmul operand (cuSPARSELt compressed tensor or CUTLASS
 packed/meta) is built once per tensor and cached; on CPU the layout still works
 (``from_dense``/``to_dense``, conversions, values protocol).
@@ -43,6 +49,7 @@ class Sparse24Tensor(Layout):
         meta: torch.Tensor,
         shape: tuple[int, ...] | torch.Size,
         meta_t: torch.Tensor | None = None,
+        live: torch.Tensor | None = None,
     ) -> None:
         shape = torch.Size(shape)
         if len(shape) < 1:
@@ -57,9 +64,12 @@ class Sparse24Tensor(Layout):
             )
         if meta.dtype != torch.int16:
             raise TypeError(f"meta must be int16, got {meta.dtype}")
+        if live is not None and (live.shape != packed.shape or live.dtype != torch.bool):
+            raise ValueError(f"live must be a bool tensor of shape {tuple(packed.shape)}, got {live.dtype} {tuple(live.shape)}")
         self.packed = packed
         self.meta = meta
         self.meta_t = meta_t
+        self.live = live
         self._shape = shape
         self._cache: dict[Any, Any] = {}
 
@@ -76,31 +86,54 @@ class Sparse24Tensor(Layout):
         if tensor.dim() == 0:
             raise ValueError("Sparse24Tensor needs at least 1 dim")
         tensor = tensor.detach()
-        packed, meta = encoding.compress(tensor.reshape(-1, tensor.shape[-1]))
-        meta_t = None
         if transposable:
             if tensor.dim() != 2:
                 raise ValueError(f"the transposed pair needs a 2-D tensor, got {tensor.dim()}-D")
-            _, meta_t = encoding.compress(tensor.t())
-        return cls(packed, meta, tensor.shape, meta_t)
+            encoding.compress(tensor.t())  # raises, naming the group, when not 2:4 along dim 0
+            return cls.from_dense_masked(tensor, tensor != 0, transposable=True)
+        packed, meta = encoding.compress(tensor.reshape(-1, tensor.shape[-1]))
+        return cls(packed, meta, tensor.shape)
 
     @classmethod
-    def from_dense_masked(cls, tensor: torch.Tensor, mask: torch.Tensor) -> "Sparse24Tensor":
+    def from_dense_masked(cls, tensor: torch.Tensor, mask: torch.Tensor, transposable: bool = False) -> "Sparse24Tensor":
         """Store ``tensor`` at the positions where ``mask`` is True, kept zeros included.
 
         ``mask`` (tensor's shape) must have at most 2 True per group of 4 along
-        the last dim; groups with fewer use CUTLASS's filler positions.
+        the last dim; groups with fewer use CUTLASS's filler positions, which
+        hold zeros and are not trainable. ``transposable=True`` (2-D; the mask
+        must then be 2:4 along dim 0 too) also records the transposed pair.
         """
         if mask.shape != tensor.shape:
             raise ValueError(f"mask shape {tuple(mask.shape)} differs from tensor shape {tuple(tensor.shape)}")
         encoding.check_dtype(tensor.dtype)
+        mask = mask.to(device=tensor.device, dtype=torch.bool)
         k = tensor.shape[-1]
         kp = encoding.padded_k(k)
         rows = torch.nn.functional.pad(tensor.detach().reshape(-1, k), (0, kp - k))
-        mrows = torch.nn.functional.pad(mask.to(device=tensor.device, dtype=torch.bool).reshape(-1, k), (0, kp - k))
+        mrows = torch.nn.functional.pad(mask.reshape(-1, k), (0, kp - k))
         codes = encoding.group_codes(mrows.to(torch.uint8))
         values = encoding.gather_codes(rows * mrows, codes)
-        return cls(values, encoding.pack_codes(codes), tensor.shape)
+        meta = encoding.pack_codes(codes)
+        live = encoding.live_slots(meta, mrows)
+        meta_t = None
+        if transposable:
+            if tensor.dim() != 2:
+                raise ValueError(f"the transposed pair needs a 2-D tensor, got {tensor.dim()}-D")
+            kt = tensor.shape[0]
+            mt = torch.nn.functional.pad(mask.t(), (0, encoding.padded_k(kt) - kt))
+            meta_t = encoding.pack_codes(encoding.group_codes(mt.to(torch.uint8)))
+        full = bool(live.all()) if live.numel() else True
+        return cls(values, meta, tensor.shape, meta_t, None if full else live)
+
+    @classmethod
+    def from_pair(cls, packed: torch.Tensor, meta: torch.Tensor, shape: tuple[int, ...] | torch.Size, meta_t: torch.Tensor) -> "Sparse24Tensor":
+        """A transposable tensor from kernel output (``packed``/``meta`` and the
+        transposed ``meta_t``): the live slots are those both metadata name."""
+        shape = torch.Size(shape)
+        both = encoding.keep_mask(meta, shape[1]) & encoding.keep_mask(meta_t, shape[0]).t()
+        live = encoding.live_slots(meta, both)
+        packed = packed.masked_fill(~live, 0)
+        return cls(packed, meta, shape, meta_t, None if bool(live.all()) else live)
 
     # -- dense ------------------------------------------------------------------------
     def to_dense(self) -> torch.Tensor:
@@ -108,8 +141,8 @@ class Sparse24Tensor(Layout):
         return dense.reshape(self._shape)
 
     def mask(self) -> torch.Tensor:
-        """Boolean mask of the stored positions (logical shape)."""
-        return encoding.keep_mask(self.meta, self._shape[-1]).reshape(self._shape)
+        """Boolean mask of the stored, trainable positions (logical shape; fillers excluded)."""
+        return encoding.slot_mask(self.meta, self.live, self._shape[-1]).reshape(self._shape)
 
     # -- metadata ---------------------------------------------------------------------
     @property
@@ -127,6 +160,8 @@ class Sparse24Tensor(Layout):
     @property
     def nnz(self) -> int:
         """Stored values inside the logical shape (two per group of 4)."""
+        if self.live is not None:
+            return int(self.live.sum())
         k = self._shape[-1]
         return math.prod(self._shape[:-1]) * (2 * (k // 4) + min(2, k % 4))
 
@@ -139,9 +174,21 @@ class Sparse24Tensor(Layout):
         return self.packed
 
     def with_values(self, values: torch.Tensor) -> "Sparse24Tensor":
+        """The same pattern with new stored values (fillers forced to zero).
+
+        When ``values`` is this tensor's own storage (an optimizer step updated it
+        in place), the new tensor shares the prepared GPU operands, which are then
+        refreshed in place instead of rebuilt (see ``backends.prepare``).
+        """
         if values.shape != self.packed.shape:
             raise ValueError(f"values must have shape {tuple(self.packed.shape)}, got {tuple(values.shape)}")
-        return Sparse24Tensor(values.to(self.packed.dtype), self.meta, self._shape, self.meta_t)
+        same = values is self.packed
+        if self.live is not None:
+            values = values.masked_fill_(~self.live, 0) if same else values.masked_fill(~self.live, 0)
+        out = Sparse24Tensor(values.to(self.packed.dtype), self.meta, self._shape, self.meta_t, self.live)
+        if out.packed is self.packed:
+            out._cache = self._cache
+        return out
 
     def gather(self, dense: torch.Tensor) -> torch.Tensor:
         """Values of ``dense`` (logical shape) at the stored positions."""
@@ -152,7 +199,10 @@ class Sparse24Tensor(Layout):
         kp = encoding.padded_k(k)
         if kp != k:
             rows = torch.nn.functional.pad(rows, (0, kp - k))
-        return encoding.gather_codes(rows, encoding.unpack_codes(self.meta.to(dense.device)))
+        values = encoding.gather_codes(rows, encoding.unpack_codes(self.meta.to(dense.device)))
+        if self.live is not None:
+            values = values.masked_fill(~self.live.to(values.device), 0)
+        return values
 
     def same_pattern(self, other: Any) -> bool:
         return (
@@ -160,7 +210,19 @@ class Sparse24Tensor(Layout):
             and other._shape == self._shape
             and other.meta.device == self.meta.device
             and bool(torch.equal(other.meta, self.meta))
+            and (other.live is None) == (self.live is None)
+            and (self.live is None or bool(torch.equal(other.live, self.live)))
         )
+
+    def __getstate__(self) -> dict:
+        """Pickle the tensors, not the cached GPU operands (rebuilt on first use)."""
+        state = dict(self.__dict__)
+        state["_cache"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state.setdefault("live", None)  # tensors pickled before ``live`` existed
+        self.__dict__.update(state)
 
     # -- helpers ------------------------------------------------------------------------
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "Sparse24Tensor":
@@ -170,23 +232,41 @@ class Sparse24Tensor(Layout):
         packed = self.packed.to(device=device, dtype=dtype)
         meta = self.meta.to(device=device)
         meta_t = None if self.meta_t is None else self.meta_t.to(device=device)
-        return Sparse24Tensor(packed, meta, self._shape, meta_t)
+        live = None if self.live is None else self.live.to(device=device)
+        return Sparse24Tensor(packed, meta, self._shape, meta_t, live)
 
     def transposed(self) -> "Sparse24Tensor":
         """The transposed matrix as a ``Sparse24Tensor`` (needs the transposed pair)."""
         if self.meta_t is None:
             raise ValueError("this Sparse24Tensor has no transposed pair; build it with transposable=True")
-        key = ("transposed", self.packed.data_ptr(), self.packed._version)
-        hit = self._cache.get(key)
-        if hit is None:
-            dense_t = self.to_dense().t()
-            kp = encoding.padded_k(dense_t.shape[1])
-            rows = torch.nn.functional.pad(dense_t, (0, kp - dense_t.shape[1]))
-            values_t = encoding.gather_codes(rows, encoding.unpack_codes(self.meta_t))
-            hit = Sparse24Tensor(values_t, self.meta_t, dense_t.shape, self.meta)
-            self._cache = {k: v for k, v in self._cache.items() if k[0] != "transposed"}
-            self._cache[key] = hit
-        return hit
+        hit = self._cache.get("transposed")
+        if hit is not None and hit[0] is self.packed and hit[1] == self.packed._version:
+            return hit[2]
+        flat = self.packed.reshape(-1)
+        if hit is not None and hit[2].meta_t is self.meta:
+            layout_t, index = hit[2], hit[3]          # same pattern: refresh the values in place
+            layout_t.packed.copy_(torch.where(index >= 0, flat[index.clamp_min(0)], 0))
+        else:
+            index = self._transpose_index()
+            live_t = index >= 0
+            values_t = torch.where(live_t, flat[index.clamp_min(0)], 0)
+            full = bool(live_t.all()) if live_t.numel() else True
+            shape_t = (self._shape[1], self._shape[0])
+            layout_t = Sparse24Tensor(values_t, self.meta_t, shape_t, self.meta, None if full else live_t)
+        self._cache["transposed"] = (self.packed, self.packed._version, layout_t, index)
+        return layout_t
+
+    def _transpose_index(self) -> torch.Tensor:
+        """For every slot of the transposed pair, the flat index of the same value in
+        ``packed`` (``-1``: a filler of the transposed metadata, or not live here)."""
+        r, k = self._shape
+        slots = torch.arange(1, self.packed.numel() + 1, device=self.packed.device).reshape(self.packed.shape)
+        if self.live is not None:
+            slots = slots.masked_fill(~self.live, 0)
+        where = encoding.decompress(slots, self.meta, k)            # [R, K]: slot number + 1, 0 if none
+        kpt = encoding.padded_k(r)
+        rows_t = torch.nn.functional.pad(where.t(), (0, kpt - r))
+        return encoding.gather_codes(rows_t, encoding.unpack_codes(self.meta_t)) - 1
 
     def cutlass_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(packed, meta_reordered)`` in CUTLASS's format (2-D, fp16/bf16, rows % 32 == 0)."""

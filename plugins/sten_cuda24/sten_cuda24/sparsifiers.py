@@ -71,8 +71,8 @@ def sparsify_24(dense: torch.Tensor, transposable: bool = False, activation: str
             from .cuda_lib import sparsify24_cuda
 
             packed, meta, _, meta_t, _ = sparsify24_cuda(dense, transposable=True)
-            return Sparse24Tensor(packed, meta, dense.shape, meta_t)
-        return Sparse24Tensor.from_dense(dense * encoding.transposable_mask(dense), transposable=True)
+            return Sparse24Tensor.from_pair(packed, meta, dense.shape, meta_t)
+        return Sparse24Tensor.from_dense_masked(dense, encoding.transposable_mask(dense), transposable=True)
     if _gpu_kernel_ok(dense) and _compat.has_triton():
         from .triton_sparsify24 import sparsify24
 
@@ -107,7 +107,7 @@ def per_block_impl(sparsifier: Any, tensor: torch.Tensor, grad_fmt: Any = None) 
     dense = _dense(tensor)
     if n == 2:
         return _wrap(sparsify_24(dense), grad_fmt)
-    return _wrap(Sparse24Tensor.from_dense(dense * nm_keep_mask(dense, n, m)), grad_fmt)
+    return _wrap(Sparse24Tensor.from_dense_masked(dense, nm_keep_mask(dense, n, m).to(torch.bool)), grad_fmt)
 
 
 def blockwise_impl(sparsifier: Any, tensor: torch.Tensor, grad_fmt: Any = None) -> Any:

@@ -6,7 +6,10 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+try:  # the GPU machine may lack hypothesis: the property test then runs fixed cases
+    from hypothesis import given, settings, strategies as st
+except ImportError:  # pragma: no cover
+    given = None
 from torch.sparse._semi_structured_conversions import (
     sparse_semi_structured_from_dense_cutlass as torch_from_dense,
     sparse_semi_structured_to_dense_cutlass as torch_to_dense,
@@ -47,8 +50,14 @@ def test_fp32_one_of_two_matches_torch():
         encoding.fp32_to_cutlass(torch.ones(32, 64))
 
 
-@settings(max_examples=25, deadline=None)
-@given(rows=st.integers(1, 40), k=st.integers(1, 70), seed=st.integers(0, 2**16))
+def _roundtrip_cases(fn):
+    if given is not None:
+        return settings(max_examples=25, deadline=None)(given(rows=st.integers(1, 40), k=st.integers(1, 70), seed=st.integers(0, 2**16))(fn))
+    cases = [(1, 1, 0), (1, 70, 1), (40, 1, 2), (40, 70, 3), (7, 13, 4), (32, 64, 5), (3, 17, 6), (16, 33, 7)]
+    return pytest.mark.parametrize("rows,k,seed", cases)(fn)
+
+
+@_roundtrip_cases
 def test_compress_roundtrip_any_shape(rows, k, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g)

@@ -70,6 +70,10 @@ def test_sparse24_errors():
 def test_sparse24_pickles():
     s = Sparse24Tensor.from_dense(pruned(4, 16))
     assert torch.equal(pickle.loads(pickle.dumps(s)).to_dense(), s.to_dense())
+    t = sparsify_24(torch.randn(12, 16), transposable=True)
+    t.transposed()                                       # fills the cache
+    back = pickle.loads(pickle.dumps(t))
+    assert back._cache == {} and torch.equal(back.mask(), t.mask()) and back.same_pattern(t)
 
 
 @pytest.mark.parametrize("shape,block", [((64, 64), (16, 16)), ((40, 50), (16, 32)), ((7, 9), (4, 4))])

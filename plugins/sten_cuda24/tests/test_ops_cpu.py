@@ -141,3 +141,96 @@ def test_gpu_only_paths_refuse_cpu_tensors():
         sparsify24_cuda(torch.zeros(4, 16))
     with pytest.raises(TypeError, match="float16, bfloat16, float32"):
         sparsify24_cuda(torch.zeros(4, 16, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("kind", ["24", "bsr"])
+def test_one_dtype_rule(sten, kind):
+    """The input must have the weight's dtype on every device (as dense F.linear);
+    under autocast everything runs in the autocast dtype."""
+    torch.manual_seed(0)
+    dense = torch.randn(32, 64)
+    if kind == "24":
+        w = sten.sparsify(Sparse24Sparsifier(), dense.half(), Sparse24Tensor)
+    else:
+        w = sten.SparseTensorWrapper(BlockSparseTensor.from_dense_block_mask(dense.half(), torch.tensor([[True, False], [False, True]]), (16, 32)))
+    x = torch.randn(4, 64)
+    with pytest.raises(TypeError, match=r"input dtype float32 differs from the sparse weight's dtype float16; cast the input"):
+        F.linear(x, w)
+    with pytest.raises(TypeError, match="bias dtype"):
+        F.linear(x.half(), w, torch.zeros(32))
+    y = F.linear(x.half(), w)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), x.half().float() @ w.wrapped_tensor.to_dense().float().t(), atol=1e-2, rtol=1e-2)
+    with torch.autocast("cpu", dtype=torch.float16):
+        ya = F.linear(x, w, torch.zeros(32))
+    assert ya.dtype == torch.float16
+    torch.testing.assert_close(ya.float(), y.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_gpu_matmul_names_the_same_dtype_rule():
+    from sten_cuda24 import backends
+
+    s = Sparse24Tensor.from_dense(torch.zeros(32, 64, dtype=torch.float16))
+    with pytest.raises(TypeError, match="input dtype float32 differs from the sparse weight's dtype float16"):
+        backends._check_operands(torch.zeros(4, 64), s, None)
+
+
+@pytest.mark.parametrize("sparse_grad", [False, True])
+def test_paths_are_recorded(sten, sparse_grad):
+    """Every operator call records its path; CPU tensors compute densely without a warning."""
+    import warnings
+
+    from sten_cuda24 import paths
+
+    layout = BlockSparseTensor.from_dense_block_mask(torch.randn(32, 32), torch.tensor([[True, False], [True, True]]), (16, 16))
+    grad_fmt = (sten.KeepAll(), BlockSparseTensor, sten.KeepAll(), BlockSparseTensor) if sparse_grad else None
+    w = sten.SparseParameterWrapper(layout, grad_fmt=grad_fmt)
+    x = torch.randn(3, 32, requires_grad=True)
+    paths.last.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        F.linear(x, w).sum().backward()
+    from sten_cuda24 import _compat
+
+    expect = "triton" if _compat.triton_interpret() and _compat.has_triton() else "dense"
+    assert paths.last["linear_bsr"]["path"] == expect
+    assert paths.last["grad_input_bsr"]["path"] == expect
+    assert paths.last["grad_weight_bsr"]["path"] == (expect if sparse_grad else "dense")
+
+
+def test_cuda_dense_fallback_warns_or_raises(sten):
+    """A CUDA call that cannot use the sparse kernel is a dense fallback: DispatchError
+    under set_dispatch_failure("raise") (the fixture), one DispatchWarning under "warn"."""
+    import types
+    import warnings
+
+    from sten_cuda24 import paths
+
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda"))
+    with pytest.raises(sten.DispatchError, match="linear_bsr: the sparse kernel cannot run \\(triton is not installed\\)"):
+        paths.dense("linear_bsr", on_gpu, "triton is not installed")
+    assert paths.last["linear_bsr"] == {"path": "dense", "why": "triton is not installed"}
+    sten.set_dispatch_failure("warn")
+    paths._warned.discard(("linear_bsr", "test reason"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        paths.dense("linear_bsr", on_gpu, "test reason")
+        paths.dense("linear_bsr", on_gpu, "test reason")
+    assert [w.category for w in caught] == [sten.DispatchWarning]
+    paths.dense("linear_bsr", torch.zeros(1), "tensors on cpu")   # CPU: the designed path, silent
+
+
+@pytest.mark.parametrize("sampled", ["never", "always"])
+def test_mm24_sparse_grad_of_the_2_4_operand(sten, sampled, monkeypatch):
+    monkeypatch.setenv("STEN_CUDA24_SAMPLED_WGRAD", sampled)
+    torch.manual_seed(2)
+    a = sten.sparsify(Sparse24Sparsifier(transposable=True), torch.randn(16, 32), Sparse24Tensor)
+    fmt = (sten.KeepAll(), Sparse24Tensor, sten.KeepAll(), Sparse24Tensor)
+    a = sten.SparseParameterWrapper(a.wrapped_tensor, grad_fmt=fmt)
+    ad = a.wrapped_tensor.to_dense().clone().requires_grad_(True)
+    b = torch.randn(32, 20, requires_grad=True)
+    torch.mm(a, b).square().sum().backward()
+    ga, gb = torch.autograd.grad(torch.mm(ad, b).square().sum(), (ad, b))
+    assert isinstance(a.grad.wrapped_tensor, Sparse24Tensor)
+    torch.testing.assert_close(a.grad.wrapped_tensor.to_dense(), ga * a.wrapped_tensor.mask(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(b.grad, gb, atol=1e-4, rtol=1e-4)

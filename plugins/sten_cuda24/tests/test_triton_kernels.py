@@ -44,7 +44,7 @@ def test_sparsify24_kernel_errors(kernel_device):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
-@pytest.mark.parametrize("block", [(16, 16), (32, 16)])
+@pytest.mark.parametrize("block", [(16, 16), (32, 16), (128, 64)])
 def test_bsr_kernels_match_dense(kernel_device, dtype, tol, block):
     from sten_cuda24.triton_bsr import bsr_linear, bsr_sdd
 
@@ -74,3 +74,57 @@ def test_bsr_kernel_errors(kernel_device):
     w = BlockSparseTensor.from_dense(torch.ones(16, 16, device=kernel_device), (16, 16))
     with pytest.raises(ValueError, match="expects 16"):
         bsr_linear(torch.ones(2, 15, device=kernel_device), w)
+
+
+@pytest.mark.parametrize("transposable", [False, True])
+@pytest.mark.parametrize("shape,tokens", [((64, 128), 40), ((37, 50), 7), ((70, 100), 33)])
+def test_sampled_24_weight_gradient_matches_dense(kernel_device, shape, tokens, transposable):
+    from sten_cuda24 import sparsify_24
+    from sten_cuda24.triton_sdd24 import sdd24
+
+    torch.manual_seed(0)
+    w = sparsify_24(torch.randn(*shape), transposable=transposable).to(kernel_device)
+    g = torch.randn(tokens, shape[0], device=kernel_device)
+    x = torch.randn(tokens, shape[1], device=kernel_device)
+    got = sdd24(g, x, w)
+    ref = w.gather(g.t() @ x)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(w.with_values(got).mask(), w.mask())
+
+
+def test_sampled_weight_gradient_through_dispatch(sten, kernel_device, monkeypatch):
+    """STEN_CUDA24_SAMPLED_WGRAD=always runs the sampled kernel in the backward of F.linear."""
+    import torch.nn.functional as F
+
+    from sten_cuda24 import Sparse24Sparsifier, Sparse24Tensor, paths
+
+    monkeypatch.setenv("STEN_CUDA24_SAMPLED_WGRAD", "always")
+    torch.manual_seed(1)
+    w = sten.sparsify(Sparse24Sparsifier(), torch.randn(32, 48, device=kernel_device), Sparse24Tensor)
+    fmt = (sten.KeepAll(), Sparse24Tensor, sten.KeepAll(), Sparse24Tensor)
+    w = sten.SparseParameterWrapper(w.wrapped_tensor, grad_fmt=fmt)
+    wd = w.wrapped_tensor.to_dense().clone().requires_grad_(True)
+    x = torch.randn(20, 48, device=kernel_device)
+    F.linear(x, w).square().sum().backward()
+    assert paths.last["grad_weight24"]["path"] == "sampled"
+    (gw,) = torch.autograd.grad(F.linear(x, wd).square().sum(), (wd,))
+    torch.testing.assert_close(w.grad.wrapped_tensor.to_dense(), gw * w.wrapped_tensor.mask(), atol=1e-4, rtol=1e-4)
+
+
+def test_pick_faster_times_once_per_key():
+    from sten_cuda24 import ops
+
+    calls = []
+    times = {"gemm+gather": 2.0, "sampled": 1.0}
+
+    def timer(fn):
+        calls.append(fn)
+        return times[fn()]
+
+    ops.WGRAD_CHOICE.pop(("k",), None)
+    cands = {"gemm+gather": lambda: "gemm+gather", "sampled": lambda: "sampled"}
+    assert ops.pick_faster(("k",), cands, timer) == "sampled"
+    times["sampled"] = 3.0
+    assert ops.pick_faster(("k",), cands, timer) == "sampled" and len(calls) == 2   # cached
+    ops.WGRAD_CHOICE.pop(("k",))
+    assert ops.pick_faster(("k",), cands, timer) == "gemm+gather"

@@ -47,8 +47,9 @@ __device__ __forceinline__ int encode_group(const T v[4], const bool keep[4], T*
 #pragma unroll
   for (int i = 0; i < 4; ++i) m[i] = keep[i] && to_f(v[i]) != 0.f;
   int code = code_of_mask(m[0], m[1], m[3]);
-  out2[0] = v[code & 3];
-  out2[1] = v[code >> 2];
+  // a filler position (group with < 2 kept values) stores zero, never the pruned value
+  out2[0] = m[code & 3] ? v[code & 3] : zero<T>();
+  out2[1] = m[code >> 2] ? v[code >> 2] : zero<T>();
   return code;
 }
 
