@@ -162,6 +162,16 @@ class Sparse24Tensor(Layout):
             and bool(torch.equal(other.meta, self.meta))
         )
 
+    # -- saving: torch.save / torch.load(weights_only=True) -----------------------------
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        """``(packed, meta[, meta_t])``: plain tensors that ``from_state_tensors`` rebuilds it from."""
+        return (self.packed, self.meta) if self.meta_t is None else (self.packed, self.meta, self.meta_t)
+
+    @classmethod
+    def from_state_tensors(cls, tensors: tuple, shape: tuple) -> "Sparse24Tensor":
+        packed, meta, *rest = tensors
+        return cls(packed, meta, shape, rest[0] if rest else None)
+
     # -- helpers ------------------------------------------------------------------------
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "Sparse24Tensor":
         """Move/cast the storage (the mask is unchanged)."""
