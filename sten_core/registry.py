@@ -238,6 +238,8 @@ class Registry:
     def register_fwd_op_impl(self, operator: Any, inp: Any, out: Any, impl: Callable) -> Callable:
         if not callable(operator):
             raise TypeError(f"operator must be a callable torch operator, got {operator!r}")
+        if isinstance(out, (list, tuple)) and len(out) == 0:
+            out = None  # the original STen's out=[]: the default dense output
         key = OpKey("fwd", operator, normalize_inp(inp, operator), normalize_out_pairs(out))
         self._put("impls", key, Entry(impl, _full_length(inp)))
         return impl
