@@ -342,11 +342,16 @@ class SparsityScheduler:
                 (``PerBlockFractionSparsifier``/``NMSparsifier``; the schedule
                 sets ``n``), or a score sparsifier (``TaylorSparsifier``, ...).
         """
-        params = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under every name
         if not isinstance(name, str) or name not in params:
-            raise ValueError(f"unknown weight {name!r}; the model's parameters are: {', '.join(params)}")
+            names = dict(self.model.named_parameters())
+            raise ValueError(f"unknown weight {name!r}; the model's parameters are: {', '.join(names)}")
         if name in self.entries:
             raise ValueError(f"weight {name!r} is already scheduled")
+        tie = next((other for other, e in self.entries.items() if e.param is params[name]), None)
+        if tie is not None:
+            raise ValueError(f"weight {name!r} is tied to {tie!r} (one parameter under two names), which is already "
+                             "scheduled; the schedule applies to both names")
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a Schedule (OneShot, GradualPruning, PruneRegrow), got {type(schedule).__name__}")
         if sparsifier is not None and (isinstance(sparsifier, type) or not isinstance(sparsifier, Sparsifier) and not callable(getattr(sparsifier, "mask", None))):
@@ -642,9 +647,12 @@ class SparsityScheduler:
 
     def _replace_param(self, entry: _Entry, old: torch.Tensor, new: SparseParameterWrapper) -> None:
         """Swap a dense parameter for its sparse wrapper in the module and the optimizer."""
+        from .builder import _places_of
+
         if old.grad is not None:
             new.grad = old.grad  # a dense gradient, as backward gives a sparse weight with no grad_fmt
-        setattr(entry.module, entry.attr, new)
+        for module, attr in _places_of(self.model, old) or [(entry.module, entry.attr)]:  # every name of a tied weight
+            setattr(module, attr, new)
         if self.optimizer is None:
             return
         for group in self.optimizer.param_groups:

@@ -77,3 +77,17 @@ def test_unknown_weight_still_lists_the_parameters():
     sb = sten.SparsityBuilder(tiny_gpt2())
     with pytest.raises(ValueError, match="unknown weight 'lm_head.wieght'.*transformer.wte.weight"):
         sb.set_weight("lm_head.wieght", sten.ScalarFractionSparsifier(0.5), out_format=sten.CsrTensor)
+
+
+def test_scheduler_on_a_tied_weight_keeps_the_tie():
+    from sten_core.schedule import OneShot, SparsityScheduler
+
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = SparsityScheduler(model, opt)
+    sched.add("lm_head.weight", OneShot(0.5), layout=sten.CsrTensor)
+    w = model.lm_head.weight
+    assert isinstance(w, sten.SparseParameterWrapper) and model.transformer.wte.weight is w
+    assert any(p is w for p in opt.param_groups[0]["params"])
+    with pytest.raises(ValueError, match="'transformer.wte.weight' is tied to 'lm_head.weight'"):
+        sched.add("transformer.wte.weight", OneShot(0.5), layout=sten.CsrTensor)
