@@ -48,11 +48,13 @@ from .builder import SparsityBuilder
 from .schedule import GradualPruning, OneShot, PruneRegrow, SparsityScheduler
 from .scores import MovementSparsifier, ScoreSparsifier, TaylorSparsifier
 from .serialization import densify_state_dict, load_dense_state_dict
+from .summary import summary
 
 
 def register_fwd_op_impl(operator: Callable, inp: Any, out: Any = None) -> Callable:
     """Decorator: the forward implementation of ``operator`` for input layouts
-    ``inp`` and outputs ``out`` (``[(SparsifierClass, tmp_format), ...]``).
+    ``inp`` and outputs ``out`` (``[(SparsifierClass, tmp_format), ...]``;
+    ``None`` or ``[]``: one dense output, the default).
 
     The implementation is ``impl(ctx, inputs, output_sparsifiers)``.
     """
@@ -117,4 +119,5 @@ __all__ = [
     "plugins", "random_mask_sparsify", "register_bwd_op_impl", "register_fwd_op_impl",
     "register_sparsifier_implementation", "registry", "scalar_mask_sparsify",
     "set_dispatch_failure", "sparsified_op", "sparsify", "densify_state_dict", "load_dense_state_dict",
+    "summary",
 ]

@@ -17,6 +17,14 @@ Example:
     >>> sparse = sb.get_sparse_model()
     >>> type(sparse[0].weight.wrapped_tensor).__name__
     'CsrTensor'
+
+The original STen's form, a builder without a model, works too (names are
+checked when the model is given):
+
+    >>> sb = sten.SparsityBuilder()
+    >>> sb.set_weight("0.weight", sten.ScalarFractionSparsifier(0.5), out_format=sten.CsrTensor)
+    >>> type(sb.get_sparse_model(model)[0].weight.wrapped_tensor).__name__
+    'CsrTensor'
 """
 
 from __future__ import annotations
@@ -109,11 +117,15 @@ class SparsityBuilder:
     """Collects sparsity settings for a model's weights and intermediates.
 
     Args:
-        model: the dense ``nn.Module``; ``get_sparse_model`` leaves it untouched.
+        model: the dense ``nn.Module`` (optional: the original STen's
+            ``SparsityBuilder()`` takes the model in ``get_sparse_model(model)``,
+            ``sparsify_model_inplace(model)`` and
+            ``sparsify_model_and_optimizer_inplace(model, optimizer)``, where the
+            names set are checked); ``get_sparse_model`` leaves it untouched.
     """
 
-    def __init__(self, model: torch.nn.Module):
-        if not isinstance(model, torch.nn.Module):
+    def __init__(self, model: torch.nn.Module | None = None):
+        if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.weights: dict[str, tuple[Any, OutputSpec]] = {}
@@ -122,10 +134,18 @@ class SparsityBuilder:
         self.interm_grads: dict[str, OutputSpec] = {}
 
     # -- settings -------------------------------------------------------------
-    def _check_weight(self, name: str) -> None:
-        names = dict(self.model.named_parameters())
-        if name not in names:
-            raise ValueError(f"unknown weight {name!r}; the model's parameters are: {', '.join(names)}")
+    def _check_weight(self, name: str, model: torch.nn.Module | None = None) -> None:
+        model = self.model if model is None else model
+        if model is None:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"weight name must be a non-empty string, got {name!r}")
+            return  # checked when the model is given
+        names = dict(model.named_parameters())
+        if name in names:
+            return
+        if name in _tied_names(model):
+            return  # another name of a tied parameter: both names are sparsified, and stay tied
+        raise ValueError(f"unknown weight {name!r}; the model's parameters are: {', '.join(names)}")
 
     def set_weight(self, name: str, initial_sparsifier: Any = None, inline_sparsifier: Any = None,
                    tmp_format: type = torch.Tensor, external_sparsifier: Any = None,
@@ -143,9 +163,12 @@ class SparsityBuilder:
         self.weight_grads[name] = _spec(inline_sparsifier or KeepAll(), tmp_format,
                                         external_sparsifier or KeepAll(), out_format, "set_weight_grad")
 
-    def _check_interm(self, name: str) -> tuple[str, str]:
+    def _check_interm(self, name: str, model: torch.nn.Module | None = None) -> tuple[str, str]:
         path, _, node = name.rpartition(".")
-        modules = dict(self.model.named_modules())
+        model = self.model if model is None else model
+        if model is None:
+            return path, node  # checked when the model is given
+        modules = dict(model.named_modules())
         if path not in modules:
             raise ValueError(f"unknown intermediate {name!r}: no submodule {path!r}; submodules: {', '.join(m for m in modules if m)}")
         names = _fx_node_names(modules[path])
@@ -184,8 +207,26 @@ class SparsityBuilder:
             return value  # a dense out_format: stays a plain tensor
         return SparseParameterWrapper(value.wrapped_tensor, requires_grad=dense.requires_grad, grad_fmt=grad_fmt)
 
+    def _check_all(self, model: torch.nn.Module) -> None:
+        """Check every name set against ``model`` (a builder made without a model)."""
+        for name in list(self.weights) + list(self.weight_grads):
+            self._check_weight(name, model)
+        for name in list(self.interms) + list(self.interm_grads):
+            self._check_interm(name, model)
+        tied = _tied_names(model)
+        for settings in (self.weights, self.weight_grads):
+            for alias, name in tied.items():
+                if alias in settings and name in settings:
+                    raise ValueError(
+                        f"weight {alias!r} is tied to {name!r} (one parameter under two names) and both are set; "
+                        f"set one of them: the setting applies to both names, which stay tied"
+                    )
+
     def _apply(self, model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
         """Replace weights and hook intermediates in ``model``; returns old id → new param."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self._check_all(model)
         replaced = {}
         for name in self.weights:
             path, _, attr = name.rpartition(".")
@@ -194,7 +235,8 @@ class SparsityBuilder:
             new = self.sparse_weight(name, old)
             if not isinstance(new, SparseTensorWrapper):
                 new = torch.nn.Parameter(new, requires_grad=old.requires_grad)
-            setattr(module, attr, new)
+            for owner, owner_attr in _places_of(model, old):  # every name of a tied weight
+                setattr(owner, owner_attr, new)
             replaced[id(old)] = new
         for name in set(self.weight_grads) - set(self.weights):
             path, _, attr = name.rpartition(".")
@@ -210,18 +252,37 @@ class SparsityBuilder:
             module.register_forward_hook(hooks.post, always_call=True)
         return replaced
 
-    def get_sparse_model(self) -> torch.nn.Module:
-        """A sparsified copy of the model; the original is not changed."""
-        model = copy.deepcopy(self.model)
+    def _model(self, model: torch.nn.Module | None, method: str) -> torch.nn.Module:
+        model = self.model if model is None else model
+        if model is None:
+            raise TypeError(f"{method}() needs the model: this builder was made without one (SparsityBuilder())")
+        return model
+
+    def get_sparse_model(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
+        """A sparsified copy of ``model`` (default: the builder's); the original is not changed."""
+        model = copy.deepcopy(self._model(model, "get_sparse_model"))
+        self._apply(model)
+        return model
+
+    def sparsify_model_inplace(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
+        """Sparsify ``model`` (default: the builder's) in place and return it.
+
+        An optimizer built on the model still holds the old dense parameters; use
+        ``sparsify_model_and_optimizer_inplace`` then.
+        """
+        model = self._model(model, "sparsify_model_inplace")
         self._apply(model)
         return model
 
     def sparsify_model_and_optimizer_inplace(self, model: torch.nn.Module | None = None,
-                                             optimizer: torch.optim.Optimizer | None = None) -> torch.nn.Module:
+                                             optimizer: torch.optim.Optimizer | None = None
+                                             ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
         """Sparsify ``model`` (default: the builder's) in place, and make
         ``optimizer`` hold the new sparse parameters, its state sparsified
-        like them."""
-        model = self.model if model is None else model
+        like them. Returns ``(model, optimizer)``, as the original STen."""
+        model = self._model(model, "sparsify_model_and_optimizer_inplace")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         replaced = self._apply(model)
         if optimizer is not None:
             for group in optimizer.param_groups:
@@ -234,7 +295,25 @@ class SparsityBuilder:
                 optimizer.state[new] = {
                     k: _like(new, v) for k, v in state.items()
                 }
-        return model
+        return model, optimizer
+
+
+def _tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each extra name of a tied parameter → the name ``named_parameters()`` gives it."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied
+
+
+def _places_of(model: torch.nn.Module, param: torch.Tensor) -> list[tuple[torch.nn.Module, str]]:
+    """Every (module, attribute) holding ``param`` (more than one when weights are tied)."""
+    return [(module, attr) for module in model.modules()
+            for attr, p in module._parameters.items() if p is param]
 
 
 def _like(param: Any, value: Any) -> Any:

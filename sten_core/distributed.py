@@ -9,6 +9,17 @@ parameter is all-reduced densely. Sparse parameters are broadcast from rank 0
 at the start. Gradients are reduced when they are accumulated, so call
 ``optimizer.zero_grad()`` every step (no ``no_sync`` accumulation).
 
+Every rank must hold the same patterns (build the sparse model with the same
+seed and sparsifiers everywhere): ``sparse_ddp`` compares a fingerprint of each
+sparse parameter's layout, shape and stored positions across ranks and raises
+``ValueError`` naming the parameter and the ranks that differ, on every rank.
+Collective tensors live on the process group's device (CUDA for NCCL).
+
+Plain ``DistributedDataParallel`` also trains a sparse model whose ranks hold
+the same patterns (ranks stay bit-identical); it broadcasts only values at
+construction, so ranks that start from other patterns keep them:
+``check_same_patterns(model)`` checks that first.
+
 Example (inside an initialised process group):
     >>> ddp = sparse_ddp(sparse_model)          # doctest: +SKIP
     >>> ddp(x).sum().backward(); optimizer.step()  # doctest: +SKIP
@@ -16,8 +27,10 @@ Example (inside an initialised process group):
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,13 +51,85 @@ def _payload(tensor: Any) -> torch.Tensor:
     return tensor
 
 
-def _reduce_grad(param: SparseTensorWrapper) -> None:
+def _reduce_grad(param: SparseTensorWrapper, group: Any = None) -> None:
     grad = param.grad
     if grad is None:
         return
     payload = _payload(grad)
-    dist.all_reduce(payload)
-    payload.div_(dist.get_world_size())
+    dist.all_reduce(payload, group=group)
+    payload.div_(dist.get_world_size(group))
+
+
+def _reducer(group: Any) -> Any:
+    return lambda param: _reduce_grad(param, group)
+
+
+def _group_rank0(group: Any) -> int:
+    """The global rank of ``group``'s rank 0 (``broadcast`` takes global ranks)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """Where tensors for collectives of ``group`` must live: the current CUDA
+    device for NCCL, the CPU otherwise (gloo, mpi)."""
+    backend = str(dist.get_backend(group)).lower()
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("the process group uses NCCL, which needs CUDA, but torch.cuda is not available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def pattern_fingerprint(tensor: SparseTensorWrapper) -> tuple[int, int]:
+    """``(nnz, hash)`` of a sparse tensor's layout class, shape and stored positions.
+
+    >>> import torch, sten_core as sten
+    >>> a = sten.sparsify(sten.KeepAll(), torch.eye(3), sten.CsrTensor)
+    >>> b = sten.sparsify(sten.KeepAll(), torch.eye(3).flip(0), sten.CsrTensor)
+    >>> pattern_fingerprint(a)[0] == pattern_fingerprint(b)[0], pattern_fingerprint(a) == pattern_fingerprint(b)
+    (True, False)
+    """
+    from .schedule import stored_mask
+
+    mask = stored_mask(tensor).detach().to("cpu", torch.bool).contiguous()
+    layout = type(tensor.wrapped_tensor)
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(f"{layout.__module__}.{layout.__qualname__}{tuple(tensor.shape)}".encode())
+    digest.update(np.packbits(mask.numpy().reshape(-1)).tobytes())
+    return int(mask.sum()), int.from_bytes(digest.digest(), "little", signed=True)
+
+
+def check_same_patterns(model: torch.nn.Module, group: Any = None) -> None:
+    """Raise ``ValueError`` (on every rank) unless each sparse parameter of ``model``
+    has the same layout, shape and stored positions on all ranks of ``group``."""
+    if not dist.is_initialized():
+        raise RuntimeError("check_same_patterns needs an initialised process group (torch.distributed.init_process_group)")
+    sparse = _sparse_parameters(model)
+    mine = torch.tensor([[len(sparse), 0]] + [list(pattern_fingerprint(p)) for _, p in sparse], dtype=torch.int64,
+                        device=collective_device(group))
+    world = dist.get_world_size(group)
+    counts = [torch.zeros(1, dtype=torch.int64, device=mine.device) for _ in range(world)]
+    dist.all_gather(counts, mine[:1, 0].contiguous(), group=group)
+    if len({int(c) for c in counts}) != 1:
+        raise ValueError(f"the ranks hold different numbers of sparse parameters: {[int(c) for c in counts]}")
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    problems = []
+    for i, (name, _) in enumerate(sparse, start=1):
+        nnz0, hash0 = gathered[0][i].tolist()
+        for rank in range(1, world):
+            nnz, h = gathered[rank][i].tolist()
+            if nnz != nnz0:
+                problems.append(f"{name}: rank {rank} stores {nnz} positions, rank 0 {nnz0}")
+            elif h != hash0:
+                problems.append(f"{name}: rank {rank} stores {nnz} positions like rank 0, but other ones "
+                                "(or another layout)")
+    if problems:
+        raise ValueError(
+            "sparse parameters have different patterns across ranks; averaging their stored values would mix "
+            "values of different positions. Build the sparse model identically on every rank (the same seed and "
+            "sparsifiers) before wrapping it: " + "; ".join(problems)
+        )
 
 
 def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.parallel.DistributedDataParallel:
@@ -61,13 +146,10 @@ def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.parallel.D
     if ignore is None:
         raise RuntimeError("this torch has no DistributedDataParallel._set_params_and_buffers_to_ignore_for_model")
     ignore(model, [name for name, _ in sparse])
+    group = ddp_kwargs.get("process_group")
+    check_same_patterns(model, group)
     for name, param in sparse:
-        nnz = torch.tensor([_payload(param).numel()])
-        counts = [torch.zeros_like(nnz) for _ in range(dist.get_world_size())]
-        dist.all_gather(counts, nnz)
-        if len({int(c) for c in counts}) != 1:
-            raise ValueError(f"sparse parameter {name} has different patterns across ranks: seed the sparsifiers alike")
         with torch.no_grad():
-            dist.broadcast(_payload(param), src=0)
-        param.register_post_accumulate_grad_hook(_reduce_grad)
+            dist.broadcast(_payload(param), src=_group_rank0(group), group=group)
+        param.register_post_accumulate_grad_hook(_reduce_grad if group is None else _reducer(group))
     return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)

@@ -5,9 +5,15 @@ on the first dispatch or registry look-up. A plugin that fails to import or
 register is reported with a ``PluginLoadWarning`` and skipped; the others keep
 working. Environment variables:
 
-- ``STEN_PLUGINS=a,b``: load only these entry points;
+- ``STEN_PLUGINS=a,b``: load only these entry points (a name that is not
+  installed is reported, naming the installed ones);
 - ``STEN_DISABLE_PLUGINS=a,b``: never load these;
-- ``STEN_STRICT_PLUGINS=1``: a load error raises instead of warning.
+- ``STEN_STRICT_PLUGINS=1``: a load error raises instead of warning (after the
+  other plugins are loaded, so one broken plugin does not take the rest down).
+
+Loading is thread-safe: a thread that asks while another one loads waits until
+the registry is complete. A plugin with a hook that is not in the spec (a
+misspelling such as ``sten_regster``) fails to load with the name it meant.
 
 Tests register a plugin without installing it:
 
@@ -17,6 +23,7 @@ Tests register a plugin without installing it:
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import os
 import threading
@@ -40,7 +47,8 @@ class PluginLoadError(RuntimeError):
 
 
 _pm: pluggy.PluginManager | None = None
-_loaded = False
+_loaded = False  # set only when every plugin has been loaded (or reported)
+_loading_thread: int | None = None  # the thread loading now (its own re-entry returns at once)
 _lock = threading.RLock()
 failed: dict[str, str] = {}
 
@@ -62,20 +70,56 @@ def get_plugin_manager() -> pluggy.PluginManager:
     return _pm
 
 
-def _report(name: str, error: BaseException) -> None:
+def _strict() -> bool:
+    return os.environ.get("STEN_STRICT_PLUGINS", "") not in ("", "0")
+
+
+def _report(name: str, error: BaseException, deferred: list | None = None) -> None:
+    """Record a failed plugin; warn, or raise under ``STEN_STRICT_PLUGINS=1``
+    (collected into ``deferred`` when given, raised by the caller at the end)."""
     message = f"sten plugin {name!r} failed to load and was skipped: {type(error).__name__}: {error}"
     failed[name] = f"{type(error).__name__}: {error}"
-    if os.environ.get("STEN_STRICT_PLUGINS", "") not in ("", "0"):
+    if _strict():
+        if deferred is not None:
+            deferred.append((message, error))
+            return
         raise PluginLoadError(message) from error
     warnings.warn(message, PluginLoadWarning, stacklevel=3)
 
 
-def _register_into(pm: pluggy.PluginManager, plugin: Any, name: str) -> bool:
+class UnknownHookError(ValueError):
+    """A plugin implements a hook that the ``sten`` hook specs do not define."""
+
+
+def _check_hooks(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    """Raise ``UnknownHookError`` for a hook implementation without a spec
+    (pluggy's ``check_pending``, for this plugin only)."""
+    known = sorted(n for n in dir(hookspecs) if n.startswith("sten_") and callable(getattr(hookspecs, n)))
+    for caller in pm.get_hookcallers(plugin) or []:
+        if caller.spec is not None:
+            continue
+        for impl in caller.get_hookimpls():
+            if impl.plugin is plugin and not impl.optionalhook:
+                close = difflib.get_close_matches(caller.name, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise UnknownHookError(
+                    f"plugin {name!r} implements {caller.name!r}, which is not a sten hook{hint} "
+                    f"(the hooks are: {', '.join(known)})"
+                )
+
+
+def _register_into(pm: pluggy.PluginManager, plugin: Any, name: str, deferred: list | None = None) -> bool:
     """Register ``plugin`` and run its ``sten_register``; undo everything on error."""
     try:
         pm.register(plugin, name=name)
     except Exception as error:  # a hook signature mismatch, a duplicate name
-        _report(name, error)
+        _report(name, error, deferred)
+        return False
+    try:
+        _check_hooks(pm, plugin, name)
+    except UnknownHookError as error:
+        pm.unregister(plugin)
+        _report(name, error, deferred)
         return False
     try:
         with registry.owner(name):
@@ -85,7 +129,7 @@ def _register_into(pm: pluggy.PluginManager, plugin: Any, name: str) -> bool:
     except Exception as error:
         registry.remove_owner(name)
         pm.unregister(plugin)
-        _report(name, error)
+        _report(name, error, deferred)
         return False
     registry._changed()  # its hooks (sten_resolve_op, conversions) may change cached plans
     failed.pop(name, None)
@@ -116,29 +160,57 @@ def unregister_plugin(name: str) -> None:
 
 
 def ensure_loaded() -> None:
-    """Load the built-in plugin and the installed ones, once."""
-    global _loaded
+    """Load the built-in plugin and the installed ones, once.
+
+    Other threads calling meanwhile wait until loading has finished; under
+    ``STEN_STRICT_PLUGINS=1`` every plugin is tried and then one
+    ``PluginLoadError`` names all that failed.
+    """
+    global _loaded, _loading_thread
     if _loaded:
         return
     with _lock:
-        if _loaded:
-            return
-        _loaded = True
-        pm = get_plugin_manager()
-        from .builtin import plugin as builtin_plugin
+        if _loaded or _loading_thread == threading.get_ident():
+            return  # loaded meanwhile, or this thread's own plugin asks while it loads
+        _loading_thread = threading.get_ident()
+        deferred: list = []
+        try:
+            _load_all(deferred)
+        finally:
+            _loading_thread = None
+            _loaded = True
+        if deferred:
+            messages = "; ".join(message for message, _ in deferred)
+            raise PluginLoadError(messages) from deferred[0][1]
 
-        _register_into(pm, builtin_plugin, "builtin")
-        only = _names_from_env("STEN_PLUGINS")
-        disabled = _names_from_env("STEN_DISABLE_PLUGINS") or set()
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if (only is not None and ep.name not in only) or ep.name in disabled or pm.has_plugin(ep.name):
-                continue
-            try:
-                module = ep.load()
-            except Exception as error:
-                _report(ep.name, error)
-                continue
-            _register_into(pm, module, ep.name)
+
+def _load_all(deferred: list) -> None:
+    pm = get_plugin_manager()
+    from .builtin import plugin as builtin_plugin
+
+    _register_into(pm, builtin_plugin, "builtin", deferred)
+    only = _names_from_env("STEN_PLUGINS")
+    disabled = _names_from_env("STEN_DISABLE_PLUGINS") or set()
+    entry_points = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    if only:
+        installed = {ep.name for ep in entry_points} | {"builtin"}
+        unknown = sorted(only - installed)
+        if unknown:
+            error = LookupError(
+                f"STEN_PLUGINS names {', '.join(map(repr, unknown))}, which {'is' if len(unknown) == 1 else 'are'} "
+                f"not installed; installed plugins: {', '.join(sorted(installed))}"
+            )
+            for name in unknown:
+                _report(name, error, deferred)
+    for ep in entry_points:
+        if (only is not None and ep.name not in only) or ep.name in disabled or pm.has_plugin(ep.name):
+            continue
+        try:
+            module = ep.load()
+        except Exception as error:
+            _report(ep.name, error, deferred)
+            continue
+        _register_into(pm, module, ep.name, deferred)
 
 
 def reset() -> None:
@@ -163,16 +235,30 @@ def _distribution_version(plugin: Any) -> str | None:
     return None
 
 
+def _plugin_info(pm: pluggy.PluginManager, plugin: Any, name: str) -> dict:
+    """The plugin's ``sten_plugin_info()``; an error or a non-dict reads as unavailable."""
+    for impl in pm.hook.sten_plugin_info.get_hookimpls():
+        if impl.plugin is not plugin:
+            continue
+        try:
+            info = impl.function()
+        except Exception as error:
+            return {"available": False, "reason": f"sten_plugin_info() raised {type(error).__name__}: {error}"}
+        if info is None:
+            return {}
+        if not isinstance(info, dict):
+            return {"available": False, "reason": f"sten_plugin_info() returned {type(info).__name__}, not a dict"}
+        return info
+    return {}
+
+
 def plugin_report() -> list[dict]:
     """One dict per plugin: name, version, available, reason, layouts, hooks."""
     ensure_loaded()
     pm = get_plugin_manager()
     rows = []
     for name, plugin in pm.list_name_plugin():
-        info = {}
-        for impl in pm.hook.sten_plugin_info.get_hookimpls():
-            if impl.plugin is plugin:
-                info = impl.function() or {}
+        info = _plugin_info(pm, plugin, name)
         rows.append(
             {
                 "name": info.get("name", name),

@@ -212,7 +212,17 @@ class Registry:
         for method in ("from_dense", "to_dense"):
             if not callable(getattr(cls, method, None)):
                 raise TypeError(f"layout {cls.__name__} must define {method}()")
-        self._put("layouts", name or cls.__name__, cls)
+        name = name or cls.__name__
+        previous = self.layouts.get(name)
+        if previous is not None and previous is not cls and _qualified(previous) != _qualified(cls):
+            owner = self._owners.get(("layouts", name), "user")
+            raise ValueError(
+                f"layout name {name!r} is taken: {_qualified(previous)} (registered by {owner!r}) and "
+                f"{_qualified(cls)} (by {self._owner!r}) would overwrite each other and checkpoints would "
+                f"load the wrong class; register one under another name: "
+                f"registry.register_layout({cls.__name__}, name='<package>.{cls.__name__}')"
+            )
+        self._put("layouts", name, cls)
         return cls
 
     def layout(self, name: str) -> type:
@@ -228,6 +238,8 @@ class Registry:
     def register_fwd_op_impl(self, operator: Any, inp: Any, out: Any, impl: Callable) -> Callable:
         if not callable(operator):
             raise TypeError(f"operator must be a callable torch operator, got {operator!r}")
+        if isinstance(out, (list, tuple)) and len(out) == 0:
+            out = None  # the original STen's out=[]: the default dense output
         key = OpKey("fwd", operator, normalize_inp(inp, operator), normalize_out_pairs(out))
         self._put("impls", key, Entry(impl, _full_length(inp)))
         return impl
@@ -261,3 +273,8 @@ class Registry:
 
 
 registry = Registry()
+
+
+def _qualified(cls: type) -> str:
+    """``module.QualName`` of a class (a re-imported module gives the same string)."""
+    return f"{cls.__module__}.{cls.__qualname__}"

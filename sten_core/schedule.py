@@ -342,11 +342,16 @@ class SparsityScheduler:
                 (``PerBlockFractionSparsifier``/``NMSparsifier``; the schedule
                 sets ``n``), or a score sparsifier (``TaylorSparsifier``, ...).
         """
-        params = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under every name
         if not isinstance(name, str) or name not in params:
-            raise ValueError(f"unknown weight {name!r}; the model's parameters are: {', '.join(params)}")
+            names = dict(self.model.named_parameters())
+            raise ValueError(f"unknown weight {name!r}; the model's parameters are: {', '.join(names)}")
         if name in self.entries:
             raise ValueError(f"weight {name!r} is already scheduled")
+        tie = next((other for other, e in self.entries.items() if e.param is params[name]), None)
+        if tie is not None:
+            raise ValueError(f"weight {name!r} is tied to {tie!r} (one parameter under two names), which is already "
+                             "scheduled; the schedule applies to both names")
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a Schedule (OneShot, GradualPruning, PruneRegrow), got {type(schedule).__name__}")
         if sparsifier is not None and (isinstance(sparsifier, type) or not isinstance(sparsifier, Sparsifier) and not callable(getattr(sparsifier, "mask", None))):
@@ -415,6 +420,81 @@ class SparsityScheduler:
     def mask(self, name: str) -> torch.Tensor:
         """The current boolean keep-mask of ``name`` (a copy)."""
         return self._entry(name).mask.clone()
+
+    # -- checkpoints ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The scheduler's progress, for ``torch.save`` (plain tensors and numbers:
+        ``torch.load`` reads it with ``weights_only=True``).
+
+        Holds the step count and, per scheduled weight, its keep-mask, running
+        score, history and the sparsifier's own state; the schedules, layouts and
+        sparsifiers themselves are configured by ``add`` when resuming.
+        """
+        entries = {}
+        for name, entry in self.entries.items():
+            sp_state = entry.sparsifier.state_dict() if callable(getattr(entry.sparsifier, "state_dict", None)) else None
+            entries[name] = {
+                "schedule": repr(entry.schedule),
+                "layout": _class_name(entry.layout),
+                "sparsifier": repr(entry.sparsifier),
+                "sparsifier_state": sp_state,
+                "mask": entry.mask.detach().clone(),
+                "score": None if entry.score is None else entry.score.detach().clone(),
+                "masked_dense": entry.masked_dense,
+                "history": [list(h) for h in entry.history],
+            }
+        return {"step_count": self.step_count, "entries": entries}
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        """Resume from ``state_dict()``: call ``add`` for the same weights first, and
+        load the model and optimizer states before (or after) this one.
+
+        With ``strict`` the scheduled weights, schedules, layouts and sparsifiers
+        must be the ones saved; otherwise only the weights present in both are
+        restored.
+
+        >>> import torch, sten_core as sten
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+        >>> sched = SparsityScheduler(model)
+        >>> sched.add("0.weight", OneShot(0.5), layout=sten.CsrTensor)
+        >>> sched.step(); state = sched.state_dict()
+        >>> again = SparsityScheduler(torch.nn.Sequential(torch.nn.Linear(8, 8)))
+        >>> again.add("0.weight", OneShot(0.5), layout=sten.CsrTensor)
+        >>> again.load_state_dict(state); again.step_count
+        1
+        """
+        if not isinstance(state_dict, dict) or not {"step_count", "entries"} <= set(state_dict):
+            raise ValueError("state_dict must be a SparsityScheduler.state_dict() (with 'step_count' and 'entries')")
+        saved = state_dict["entries"]
+        if strict and set(saved) != set(self.entries):
+            missing, unexpected = sorted(set(saved) - set(self.entries)), sorted(set(self.entries) - set(saved))
+            raise ValueError(
+                f"state_dict schedules other weights: saved but not added here: {', '.join(missing) or 'none'}; "
+                f"added here but not saved: {', '.join(unexpected) or 'none'} (call add() for the saved weights, "
+                "or load with strict=False)"
+            )
+        for name, entry in self.entries.items():
+            if name not in saved:
+                continue
+            state = saved[name]
+            if strict:
+                here = {"schedule": repr(entry.schedule), "layout": _class_name(entry.layout),
+                        "sparsifier": repr(entry.sparsifier)}
+                for key, value in here.items():
+                    if state[key] != value:
+                        raise ValueError(f"{name!r}: the checkpoint's {key} is {state[key]}, this scheduler's is "
+                                         f"{value} (add() it as it was saved, or load with strict=False)")
+            mask = state["mask"]
+            if not isinstance(mask, torch.Tensor) or mask.shape != entry.mask.shape:
+                raise ValueError(f"{name!r}: the saved mask has shape {tuple(getattr(mask, 'shape', ()))}, "
+                                 f"the weight {tuple(entry.mask.shape)}")
+            entry.mask = mask.to(device=entry.mask.device, dtype=torch.bool).clone()
+            entry.score = None if state["score"] is None else state["score"].clone()
+            entry.masked_dense = bool(state["masked_dense"])
+            entry.history = [tuple(h) for h in state["history"]]
+            if state["sparsifier_state"] is not None and callable(getattr(entry.sparsifier, "load_state_dict", None)):
+                entry.sparsifier.load_state_dict(state["sparsifier_state"])
+        self.step_count = _int(state_dict["step_count"], "state_dict['step_count']")
 
     # -- internals ---------------------------------------------------------------
     def _entry(self, name: str) -> _Entry:
@@ -567,15 +647,22 @@ class SparsityScheduler:
 
     def _replace_param(self, entry: _Entry, old: torch.Tensor, new: SparseParameterWrapper) -> None:
         """Swap a dense parameter for its sparse wrapper in the module and the optimizer."""
+        from .builder import _places_of
+
         if old.grad is not None:
             new.grad = old.grad  # a dense gradient, as backward gives a sparse weight with no grad_fmt
-        setattr(entry.module, entry.attr, new)
+        for module, attr in _places_of(self.model, old) or [(entry.module, entry.attr)]:  # every name of a tied weight
+            setattr(module, attr, new)
         if self.optimizer is None:
             return
         for group in self.optimizer.param_groups:
             group["params"] = [new if p is old else p for p in group["params"]]
         if old in self.optimizer.state:
             self.optimizer.state[new] = self.optimizer.state.pop(old)
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 __all__ = [

@@ -104,6 +104,28 @@ class ScoreSparsifier(Sparsifier):
         new._inputs = {**self.inputs, **inputs}
         return new
 
+    # -- checkpoints -------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """``fraction`` and the bound inputs (tensors, numbers), for ``torch.save``.
+
+        >>> sp = TaylorSparsifier(0.5).bind(grad=torch.ones(2))
+        >>> again = TaylorSparsifier(0.9); again.load_state_dict(sp.state_dict())
+        >>> again.fraction, again.inputs["grad"].tolist()
+        (0.5, [1.0, 1.0])
+        """
+        return {"fraction": self.fraction,
+                "inputs": {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in self.inputs.items()}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore ``state_dict()``: the fraction and the bound inputs."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"fraction", "inputs"}:
+            raise ValueError(f"state_dict must be a {type(self).__name__}.state_dict() with 'fraction' and 'inputs'")
+        unknown = sorted(set(state_dict["inputs"]) - set(needs_of(self)))
+        if unknown:
+            raise ValueError(f"state_dict binds {', '.join(unknown)}, which {type(self).__name__} does not take")
+        self.fraction = _check_fraction(state_dict["fraction"])
+        self._inputs = dict(state_dict["inputs"])
+
     # -- scores ---------------------------------------------------------------
     def score(self, tensor: torch.Tensor, **inputs: Any) -> torch.Tensor:
         """Per-value score, the tensor's shape; higher is kept."""

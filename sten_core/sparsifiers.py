@@ -161,12 +161,31 @@ class PerBlockFractionSparsifier(Sparsifier):
 
 
 class SameFormatSparsifier(Sparsifier):
-    """Keeps the positions that the reference tensor ``ref`` stores, in its layout."""
+    """Keeps the positions that the reference tensor ``ref`` stores, in its layout.
+
+    ``ref_sp_ten`` is the original STen's name of ``ref``:
+
+    >>> import sten_core as sten
+    >>> w = sten.sparsify(sten.KeepAll(), torch.eye(2), sten.CsrTensor)
+    >>> SameFormatSparsifier(w).ref_sp_ten is w
+    True
+    """
 
     kind = STREAMING
 
-    def __init__(self, ref: Any):
-        self.ref = ref
+    def __init__(self, ref: Any = None, *, ref_sp_ten: Any = None):
+        if (ref is None) == (ref_sp_ten is None):
+            raise TypeError("SameFormatSparsifier takes one reference tensor: ref (or ref_sp_ten)")
+        self.ref = ref if ref is not None else ref_sp_ten
+
+    @property
+    def ref_sp_ten(self) -> Any:
+        """The reference tensor (the original STen's attribute name)."""
+        return self.ref
+
+    @ref_sp_ten.setter
+    def ref_sp_ten(self, value: Any) -> None:
+        self.ref = value
 
     def params(self) -> dict[str, Any]:
         return {"ref": type(getattr(self.ref, "wrapped_tensor", self.ref)).__name__}
@@ -278,10 +297,22 @@ def random_mask_sparsify(tensor: torch.Tensor, frac: float) -> torch.Tensor:
     return tensor * random_keep_mask(tensor, frac)
 
 
-def scalar_mask_sparsify(tensor: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Zero values whose magnitude is below ``threshold``; returns a dense tensor."""
+def scalar_mask_sparsify(tensor: torch.Tensor, frac: float) -> torch.Tensor:
+    """Zero the ``frac`` fraction of values with the smallest magnitude (the
+    original STen's helper); returns a dense tensor.
+
+    ``ceil(frac * numel)`` values are dropped, so the largest ``1 - frac``
+    fraction by magnitude is kept; among equal magnitudes the earliest are kept.
+
+    >>> scalar_mask_sparsify(torch.tensor([[1., -4., 2., 3.]]), frac=0.5)
+    tensor([[ 0., -4.,  0.,  3.]])
+    """
     _check_tensor(tensor)
-    return tensor * ScalarThresholdSparsifier(threshold).mask(tensor)
+    frac = _check_fraction(frac, "frac")
+    flat = tensor.detach().reshape(-1).abs()
+    dropped = math.ceil(round(frac * flat.numel(), 9))  # round: 0.7 * 10 is 7.000000000000001
+    keep = _keep_top(flat, flat.numel() - dropped).view(tensor.shape)
+    return tensor * keep
 
 
 BUILTIN_SPARSIFIERS = (

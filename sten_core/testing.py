@@ -5,15 +5,17 @@ dense reference and raises ``AssertionError`` with the failing case.
 
 Example (in a plugin's tests):
     >>> import sten_core as sten
-    >>> from sten_core.testing import check_layout, check_linear
+    >>> from sten_core.testing import check_checkpoint, check_layout, check_linear
     >>> check_layout(sten.CsrTensor)
     >>> check_linear(sten.CsrTensor)
+    >>> check_checkpoint(sten.CsrTensor)
 """
 
 from __future__ import annotations
 
+import io
 import pickle
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from . import dispatch, plugins
 from .layouts import layout_metadata, supports_values, to_dense_tensor
 from .registry import registry
+from .serialization import densify_state_dict
 from .sparsifiers import KeepAll, ScalarFractionSparsifier
 from .tensor import SparseParameterWrapper, SparseTensorWrapper
 
@@ -43,8 +46,9 @@ def _sample(shape: tuple, dtype: torch.dtype, sparsifier: Any, device: str, seed
 def check_layout(layout_cls: type, *, shapes: Iterable[tuple] = DEFAULT_SHAPES,
                  dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES, sparsifier: Any = None,
                  device: str = "cpu") -> None:
-    """Round trip, metadata, ``nnz``, wrapper, pickling, conversions, the
-    stored-values protocol and sparsifying into ``layout_cls``."""
+    """Round trip, metadata, ``nnz``, wrapper, pickling, checkpoints
+    (``check_checkpoint``), conversions, the stored-values protocol and
+    sparsifying into ``layout_cls``."""
     plugins.ensure_loaded()
     sparsifier = sparsifier or ScalarFractionSparsifier(0.5)
     for i, shape in enumerate(shapes):
@@ -71,6 +75,89 @@ def check_layout(layout_cls: type, *, shapes: Iterable[tuple] = DEFAULT_SHAPES,
             assert torch.equal(kept.to_dense().cpu(), dense.cpu()), f"{case}: sparsify(KeepAll(), x, layout)"
             _check_values_protocol(obj, dense, case)
             _check_conversions(layout_cls, wrapper, dense, case)
+            _check_checkpoint(obj, layout_cls.from_dense(_sample(tuple(shape), dtype, sparsifier, device, seed=i + 50)), case)
+
+
+def check_checkpoint(layout_cls: type, *, shapes: Iterable[tuple] = ((16, 32), (5, 8)),
+                     dtypes: Iterable[torch.dtype] = (torch.float32,), sparsifier: Any = None,
+                     device: str = "cpu", make: Callable[[torch.Tensor], Any] | None = None) -> None:
+    """A model holding a ``layout_cls`` weight saves with ``torch.save(model.state_dict())``
+    and loads with the default ``torch.load`` (``weights_only=True``), exactly: into a
+    fresh sparse model (other values and pattern before loading) and, through
+    ``densify_state_dict``, into a dense one.
+
+    ``make(dense)`` builds the layout object (default ``layout_cls.from_dense``);
+    the dense samples are masked by ``sparsifier`` (default: 50 % magnitude).
+    The layout must be registered and implement ``state_tensors()`` and the
+    classmethod ``from_state_tensors(tensors, shape)`` (plain tensors only).
+    """
+    plugins.ensure_loaded()
+    sparsifier = sparsifier or ScalarFractionSparsifier(0.5)
+    make = make or layout_cls.from_dense
+    for i, shape in enumerate(shapes):
+        for dtype in dtypes:
+            case = f"{layout_cls.__name__} shape={tuple(shape)} dtype={dtype}"
+            saved = make(_sample(tuple(shape), dtype, sparsifier, device, seed=200 + i))
+            other = make(_sample(tuple(shape), dtype, sparsifier, device, seed=300 + i))
+            assert isinstance(saved, layout_cls), f"{case}: make() returned {type(saved).__name__}"
+            _check_checkpoint(saved, other, case)
+
+
+class _Holder(torch.nn.Module):
+    """A module with one weight (sparse or dense) and a dense bias."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+        self.bias = torch.nn.Parameter(bias)
+
+
+def _check_checkpoint(saved: Any, other: Any, case: str) -> None:
+    """Save a model with weight ``saved``; load into one with weight ``other`` and a dense one."""
+    layout_cls = type(saved)
+    dense = to_dense_tensor(saved)
+    gen = torch.Generator().manual_seed(7)
+    bias = torch.randn(dense.shape[0], generator=gen).to(dense.dtype).to(dense.device)
+    model = _Holder(SparseParameterWrapper(saved), bias)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    try:
+        loaded = torch.load(buf)  # the default: weights_only=True
+    except pickle.UnpicklingError as error:
+        raise AssertionError(
+            f"{case}: torch.load(weights_only=True) cannot read a state dict holding this layout: register the "
+            f"layout and give it state_tensors() and the classmethod from_state_tensors(tensors, shape) "
+            f"(plain tensors only). torch said: {str(error).splitlines()[0]}"
+        ) from None
+    weight = loaded["weight"]
+    assert isinstance(weight, SparseTensorWrapper) and type(weight.wrapped_tensor) is layout_cls, \
+        f"{case}: loaded weight is {type(getattr(weight, 'wrapped_tensor', weight)).__name__}, expected {layout_cls.__name__}"
+    _assert_same_layout(weight.wrapped_tensor, saved, f"{case}: torch.load")
+    assert torch.equal(loaded["bias"], bias), f"{case}: bias after torch.load"
+
+    fresh = _Holder(SparseParameterWrapper(other), torch.zeros_like(bias))
+    fresh.load_state_dict(loaded)
+    assert isinstance(fresh.weight, SparseParameterWrapper), f"{case}: fresh model's weight is no longer a sparse parameter"
+    _assert_same_layout(fresh.weight.wrapped_tensor, saved, f"{case}: load_state_dict into a fresh sparse model")
+    assert torch.equal(fresh.bias, bias), f"{case}: bias of the fresh sparse model"
+
+    dense_model = _Holder(torch.nn.Parameter(torch.zeros_like(dense)), torch.zeros_like(bias))
+    dense_model.load_state_dict(densify_state_dict(loaded))
+    assert torch.equal(dense_model.weight.detach(), dense), f"{case}: load_state_dict(densify_state_dict(...)) into a dense model"
+
+
+def _assert_same_layout(got: Any, want: Any, case: str) -> None:
+    """Same class, dtype, shape, dense values and (where defined) stored tensors and pattern."""
+    assert type(got) is type(want), f"{case}: {type(got).__name__} is not {type(want).__name__}"
+    a, b = to_dense_tensor(got), to_dense_tensor(want)
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{case}: {a.dtype} {tuple(a.shape)} != {b.dtype} {tuple(b.shape)}"
+    assert torch.equal(a.cpu(), b.cpu()), f"{case}: dense values differ"
+    if hasattr(want, "state_tensors"):
+        for j, (x, y) in enumerate(zip(got.state_tensors(), want.state_tensors())):
+            assert x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()), f"{case}: state tensor {j} differs"
+    if supports_values(want):
+        assert want.same_pattern(got), f"{case}: the stored pattern differs"
 
 
 def _check_values_protocol(obj: Any, dense: torch.Tensor, case: str) -> None:

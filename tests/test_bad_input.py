@@ -102,7 +102,7 @@ def test_non_tensor_to_helpers():
     with pytest.raises(TypeError, match="tensor"):
         sten.random_mask_sparsify([1.0, 2.0], frac=0.5)
     with pytest.raises(TypeError, match="tensor"):
-        sten.scalar_mask_sparsify([1.0, 2.0], threshold=0.5)
+        sten.scalar_mask_sparsify([1.0, 2.0], frac=0.5)
 
 
 def test_wrapper_of_a_plain_tensor():

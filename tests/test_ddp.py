@@ -86,3 +86,140 @@ def test_ddp_two_ranks_match_single_process(tmp_path, grad_layout):
     for name in single:
         torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
         torch.testing.assert_close(ranks[0][name], single[name], rtol=1e-5, atol=1e-5)
+
+
+# -- patterns across ranks, the collective device, plain DistributedDataParallel -------------
+
+def mismatch_worker(rank, world, port, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(rank)  # another pattern per rank, with the same nnz
+        model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        sb = sten.SparsityBuilder(model)
+        sb.set_weight("0.weight", initial_sparsifier=sten.ScalarFractionSparsifier(0.7), out_format=sten.CsrTensor)
+        sb.set_weight("2.weight", initial_sparsifier=sten.ScalarFractionSparsifier(0.7), out_format=sten.CsrTensor)
+        model = sb.get_sparse_model()
+        with torch.no_grad():  # 2.weight: the same pattern on both ranks, other values
+            model[2].weight.wrapped_tensor = sten.CsrTensor.from_dense(torch.ones(3, 16) * (rank + 1))
+        try:
+            sparse_ddp(model)
+            message = "no error"
+        except ValueError as error:
+            message = str(error)
+        with open(f"{out_path}.{rank}", "w") as f:
+            f.write(message)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sparse_ddp_rejects_different_patterns_with_equal_nnz(tmp_path):
+    out = str(tmp_path / "msg")
+    mp.start_processes(mismatch_worker, args=(2, free_port(), out), nprocs=2, join=True, start_method="spawn")
+    for rank in range(2):
+        message = open(f"{out}.{rank}").read()
+        assert "different patterns across ranks" in message, message
+        assert "0.weight: rank 1 stores 58 positions like rank 0, but other ones" in message
+        assert "2.weight" not in message, "equal patterns with other values are fine (values are broadcast)"
+
+
+def test_collective_device(monkeypatch):
+    import sten_core.distributed as sd
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert sd.collective_device() == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    if torch.cuda.is_available():
+        assert sd.collective_device() == torch.device("cuda", torch.cuda.current_device())
+    else:
+        with pytest.raises(RuntimeError, match="NCCL, which needs CUDA"):
+            sd.collective_device()
+
+
+def test_pattern_fingerprint_sees_positions_layout_and_shape():
+    from sten_core.distributed import pattern_fingerprint
+
+    x = torch.randn(6, 8)
+    a = sten.sparsify(sten.ScalarFractionSparsifier(0.5), x, sten.CsrTensor)
+    b = sten.sparsify(sten.ScalarFractionSparsifier(0.5), -x.flip(1), sten.CsrTensor)
+    assert pattern_fingerprint(a) == pattern_fingerprint(sten.sparsify(sten.ScalarFractionSparsifier(0.5), 2 * x, sten.CsrTensor))
+    assert pattern_fingerprint(a)[0] == pattern_fingerprint(b)[0] and pattern_fingerprint(a) != pattern_fingerprint(b)
+    assert pattern_fingerprint(a) != pattern_fingerprint(sten.sparsify(sten.ScalarFractionSparsifier(0.5), x, sten.CooTensor))
+
+
+def plain_model(seed=0):
+    from sten_nm import NMSparsifier, NMTensor
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    sb = sten.SparsityBuilder(model)
+    sb.set_weight("0.weight", initial_sparsifier=sten.ScalarFractionSparsifier(0.7), out_format=sten.CsrTensor)
+    sb.set_weight("2.weight", initial_sparsifier=NMSparsifier(2, 4), out_format=NMTensor)
+    return sb.get_sparse_model()
+
+
+def plain_train(model, xs, ys, net=None):
+    net = net or model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in zip(xs, ys):
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    out = {n: (p.to_dense() if isinstance(p, sten.SparseTensorWrapper) else p.detach()).clone() for n, p in model.named_parameters()}
+    out["layouts"] = [type(model[0].weight.wrapped_tensor).__name__, type(model[2].weight.wrapped_tensor).__name__]
+    return out
+
+
+def plain_worker(rank, world, port, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from sten_core.distributed import check_same_patterns
+
+        model = plain_model()
+        check_same_patterns(model)
+        xs, ys = data()
+        per = xs.shape[1] // world
+        params = plain_train(model, xs[:, rank * per:(rank + 1) * per], ys[:, rank * per:(rank + 1) * per],
+                             torch.nn.parallel.DistributedDataParallel(model))
+        torch.save(params, f"{out_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_plain_ddp_keeps_csr_and_nm_ranks_bit_identical(tmp_path):
+    out = str(tmp_path / "plain")
+    mp.start_processes(plain_worker, args=(2, free_port(), out), nprocs=2, join=True, start_method="spawn")
+    ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    xs, ys = data()
+    single = plain_train(plain_model(), xs, ys)
+    before = plain_model()
+    assert ranks[0].pop("layouts") == ranks[1].pop("layouts") == single.pop("layouts") == ["CsrTensor", "NMTensor"]
+    for name in single:
+        assert torch.equal(ranks[0][name], ranks[1][name]), f"{name} differs between the ranks"
+        torch.testing.assert_close(ranks[0][name], single[name], rtol=1e-5, atol=1e-5)
+    for name in ("0.weight", "2.weight"):  # trained, inside the pattern
+        initial = before.get_parameter(name).to_dense()
+        assert not torch.equal(ranks[0][name], initial)
+        assert not bool(((ranks[0][name] != 0) & (initial == 0)).any())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs CUDA and NCCL")
+def test_sparse_ddp_on_nccl_single_rank(tmp_path):
+    """NCCL rejects CPU tensors: the pattern check and the broadcast run on the GPU."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        model = make_model(None)
+        for module in model:  # onto the GPU by hand (moving sparse parameters is another issue's)
+            for attr, p in list(module.named_parameters(recurse=False)):
+                dense = (p.to_dense() if isinstance(p, sten.SparseTensorWrapper) else p.detach()).cuda()
+                setattr(module, attr, sten.SparseParameterWrapper(sten.CsrTensor.from_dense(dense))
+                        if isinstance(p, sten.SparseTensorWrapper) else torch.nn.Parameter(dense))
+        ddp = sparse_ddp(model)
+        ddp(torch.randn(4, 12, device="cuda")).sum().backward()
+    finally:
+        dist.destroy_process_group()

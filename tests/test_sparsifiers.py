@@ -319,12 +319,20 @@ def test_random_mask_sparsify_extremes():
 
 @PROFILE
 @given(shape=shapes_any, dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16),
-       threshold=st.sampled_from([0.0, 0.3, 1.0, 5.0]))
-def test_scalar_mask_sparsify(shape, dtype, seed, threshold):
+       frac=st.sampled_from([0.0, 0.3, 0.5, 0.7, 0.9, 1.0]))
+def test_scalar_mask_sparsify(shape, dtype, seed, frac):
+    """The original STen's semantics: the ceil(frac * numel) smallest magnitudes are zeroed."""
     x = make(shape, dtype, seed, ties=False)
-    out = sten.scalar_mask_sparsify(x, threshold=threshold)
+    out = sten.scalar_mask_sparsify(x, frac)
     assert type(out) is torch.Tensor and out.dtype == dtype
-    assert torch.equal(out, x * (x.abs() >= threshold))
+    n = x.numel()
+    # the reference: the n - ceil(frac * n) largest magnitudes (ties: the earliest), i.e. the
+    # original's "ascending rank >= frac * n" (float rounding of frac * n aside)
+    kept = n - math.ceil(round(frac * n, 9))
+    order = torch.argsort(-x.detach().reshape(-1).abs().double(), stable=True)
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[order[:kept]] = True
+    assert torch.equal(out, x * keep.view(x.shape))
 
 
 # -- sparsifier objects ------------------------------------------------------------------

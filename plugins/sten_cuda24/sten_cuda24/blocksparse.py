@@ -183,6 +183,16 @@ class BlockSparseTensor(Layout):
             and bool(torch.equal(other.col, self.col))
         )
 
+    # -- saving: torch.save / torch.load(weights_only=True) ------------------------------------
+    def state_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(crow, col, blocks)``: plain tensors that ``from_state_tensors`` rebuilds it from."""
+        return (self.crow, self.col, self.blocks)
+
+    @classmethod
+    def from_state_tensors(cls, tensors: tuple, shape: tuple) -> "BlockSparseTensor":
+        crow, col, blocks = tensors
+        return cls(crow, col, blocks, shape)
+
     # -- helpers -------------------------------------------------------------------------------
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "BlockSparseTensor":
         return BlockSparseTensor(self.crow.to(device), self.col.to(device), self.blocks.to(device=device, dtype=dtype), self._shape)

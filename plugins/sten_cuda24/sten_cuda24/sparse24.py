@@ -224,6 +224,21 @@ class Sparse24Tensor(Layout):
         state.setdefault("live", None)  # tensors pickled before ``live`` existed
         self.__dict__.update(state)
 
+    # -- saving: torch.save / torch.load(weights_only=True) -----------------------------
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        """``(packed, meta, meta_t, live)``: plain tensors that ``from_state_tensors``
+        rebuilds it from (an empty tensor stands for an absent ``meta_t`` / ``live``)."""
+        meta_t = self.meta_t if self.meta_t is not None else torch.empty(0, dtype=self.meta.dtype)
+        live = self.live if self.live is not None else torch.empty(0, dtype=torch.bool)
+        return (self.packed, self.meta, meta_t, live)
+
+    @classmethod
+    def from_state_tensors(cls, tensors: tuple, shape: tuple) -> "Sparse24Tensor":
+        packed, meta, *rest = tensors
+        meta_t = rest[0] if rest and rest[0].numel() else None
+        live = rest[1] if len(rest) > 1 and rest[1].numel() else None
+        return cls(packed, meta, shape, meta_t, live)
+
     # -- helpers ------------------------------------------------------------------------
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "Sparse24Tensor":
         """Move/cast the storage (the mask is unchanged)."""

@@ -194,5 +194,16 @@ class GroupedNMTensor(_Base):
                 and (other.n, other.m) == (self.n, self.m)
                 and torch.equal(other.indices, self.indices) and torch.equal(other.perm, self.perm))
 
+    # -- saving: torch.save / torch.load(weights_only=True) ---------------------
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        """``(vals, indices, perm, [n, m])``: plain tensors that ``from_state_tensors`` rebuilds it from."""
+        return (self._vals, self.indices, self.perm, torch.tensor([self.n, self.m], dtype=torch.int64))
+
+    @classmethod
+    def from_state_tensors(cls, tensors: tuple, shape: tuple) -> "GroupedNMTensor":
+        vals, indices, perm, params = tensors
+        n, m = (int(v) for v in params.tolist())
+        return cls(vals, indices, perm, shape, n, m)
+
     def __repr__(self) -> str:
         return f"GroupedNMTensor(shape={tuple(self._shape)}, n={self.n}, m={self.m}, dtype={self.dtype}, nnz={self.nnz})"

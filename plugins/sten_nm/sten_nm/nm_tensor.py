@@ -212,6 +212,22 @@ class NMTensor(_Base):
             and (other.indices is self.indices or torch.equal(other.indices, self.indices))
         )
 
+    # -- saving: torch.save / torch.load(weights_only=True) ---------------------
+    def state_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(values, indices, [n, m, dim])``: plain tensors that ``from_state_tensors`` rebuilds it from.
+
+        >>> t = NMTensor.from_dense(torch.tensor([[1., -4., 2., 3.]]))
+        >>> NMTensor.from_state_tensors(t.state_tensors(), t.shape).same_pattern(t)
+        True
+        """
+        return (self._values, self.indices, torch.tensor([self.n, self.m, self.dim], dtype=torch.int64))
+
+    @classmethod
+    def from_state_tensors(cls, tensors: tuple, shape: tuple) -> "NMTensor":
+        values, indices, params = tensors
+        n, m, dim = (int(v) for v in params.tolist())
+        return cls(values, indices, shape, n, m, dim)
+
     def __repr__(self) -> str:
         return (f"NMTensor(shape={tuple(self._shape)}, n={self.n}, m={self.m}, dim={self.dim}, "
                 f"dtype={self.dtype}, nnz={self.nnz})")

@@ -161,6 +161,17 @@ class ScipyCompressed(Layout):
         """``(indptr, indices)`` as torch tensors sharing memory with scipy's."""
         return torch.from_numpy(self.data.indptr), torch.from_numpy(self.data.indices)
 
+    # -- saving: torch.save / torch.load(weights_only=True) ---------------------
+    def state_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(indptr, indices, values)``: plain tensors that ``from_state_tensors`` rebuilds it from."""
+        indptr, indices = self.index_arrays()
+        return (indptr, indices, self.values())
+
+    @classmethod
+    def from_state_tensors(cls, tensors: tuple, shape: tuple) -> "ScipyCompressed":
+        indptr, indices, values = tensors
+        return cls(cls.array_type((values.numpy(), indices.numpy(), indptr.numpy()), shape=tuple(shape)))
+
     # -- pickling (torch tensors only, so torch.save keeps the state compact) ----
     def __getstate__(self) -> dict:
         indptr, indices = self.index_arrays()

@@ -1,0 +1,49 @@
+"""Checkpoints of every built-in layout and the example plugin's through the
+default ``torch.load`` (``weights_only=True``), with the conformance kit's
+``check_checkpoint``; a layout that cannot be loaded that way is named."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import sten_core as sten
+from fake_layouts import DenseCopyLayout
+from sten_core.testing import check_checkpoint
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sten_example_plugin"
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor, sten.CooTensor, sten.DenseTensor])
+def test_builtin_layouts(layout):
+    check_checkpoint(layout, dtypes=(torch.float32, torch.float64, torch.bfloat16))
+
+
+def test_example_plugin_layout(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    from sten_example_plugin import BitmaskTensor, plugin
+
+    assert sten.plugins.register_plugin(plugin, name="example")
+    try:
+        check_checkpoint(BitmaskTensor, dtypes=(torch.float32, torch.float64))
+    finally:
+        sten.plugins.unregister_plugin("example")
+        for name in [m for m in sys.modules if m.startswith("sten_example_plugin")]:
+            del sys.modules[name]
+
+
+class NoStateLayout(DenseCopyLayout):
+    """Registered, but without state_tensors / from_state_tensors."""
+
+
+def test_layout_without_state_tensors_is_named():
+    sten.registry.register_layout(NoStateLayout)
+    try:
+        with pytest.raises(AssertionError, match="NoStateLayout.*state_tensors.*from_state_tensors"):
+            check_checkpoint(NoStateLayout)
+    finally:
+        sten.registry.layouts.pop("NoStateLayout")
+        sten.registry._owners.pop(("layouts", "NoStateLayout"))

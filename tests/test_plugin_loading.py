@@ -1,0 +1,212 @@
+"""Plugin loading edge cases (issue #13): concurrent first use, strict mode with
+several plugins, misspelled hooks, a failing ``sten_plugin_info``, two layouts
+with one class name, and ``STEN_PLUGINS`` naming a plugin that is not installed.
+
+Installed entry points are replaced by fake ones (objects with ``name`` and
+``load()``); every test restores the real plugins afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import io
+import json
+import threading
+import time
+import types
+import warnings
+
+import pytest
+import torch
+
+import sten_core as sten
+from fake_layouts import DenseCopyLayout
+from sten_core import cli
+from sten_core.plugins import PluginLoadError, PluginLoadWarning
+
+
+class FakeEntryPoint:
+    def __init__(self, name: str, load):
+        self.name = name
+        self._load = load
+
+    def load(self):
+        return self._load()
+
+
+def layout_class(name: str, module: str) -> type:
+    """A fresh ``DenseCopyLayout`` subclass named ``name`` in module ``module``."""
+    return type(name, (DenseCopyLayout,), {"__module__": module, "__qualname__": name})
+
+
+def plugin_module(name: str, layouts=(), info=None, extra_hooks=None) -> types.ModuleType:
+    module = types.ModuleType(name)
+
+    @sten.hookimpl
+    def sten_register(registry):
+        for cls in layouts:
+            registry.register_layout(cls)
+
+    module.sten_register = sten_register
+    if info is not None:
+        module.sten_plugin_info = sten.hookimpl(info)
+    for hook_name, fn in (extra_hooks or {}).items():
+        setattr(module, hook_name, sten.hookimpl(fn))
+    return module
+
+
+@contextlib.contextmanager
+def installed(monkeypatch, entry_points, **env):
+    """Reload plugins as if only ``entry_points`` were installed, with ``env``."""
+    with monkeypatch.context() as m:
+        for var in ("STEN_PLUGINS", "STEN_DISABLE_PLUGINS", "STEN_STRICT_PLUGINS"):
+            m.delenv(var, raising=False)
+        for var, value in env.items():
+            m.setenv(var, value)
+        m.setattr(importlib.metadata, "entry_points", lambda group=None: list(entry_points))
+        sten.plugins.reset()
+        try:
+            yield
+        finally:
+            sten.plugins.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PluginLoadWarning)
+        sten.plugins.ensure_loaded()  # the real plugins again
+
+
+def test_second_thread_waits_until_loading_has_finished(monkeypatch):
+    started, release = threading.Event(), threading.Event()
+    Slow = layout_class("SlowLayout", "slow_pkg.layouts")
+
+    def slow_load():
+        started.set()
+        release.wait(10)
+        return plugin_module("slow", layouts=[Slow])
+
+    seen: dict = {}
+    with installed(monkeypatch, [FakeEntryPoint("slow", slow_load)]):
+        loader = threading.Thread(target=sten.plugins.ensure_loaded)
+        loader.start()
+        assert started.wait(10)
+
+        def user():
+            sten.plugins.ensure_loaded()
+            seen["layouts"] = set(sten.registry.layouts)
+
+        other = threading.Thread(target=user)
+        other.start()
+        time.sleep(0.3)  # the other thread asks while the slow plugin still loads
+        assert "layouts" not in seen, "ensure_loaded returned while another thread was still loading"
+        release.set()
+        loader.join(10)
+        other.join(10)
+        assert "SlowLayout" in seen["layouts"] and "CsrTensor" in seen["layouts"]
+
+
+def test_strict_mode_loads_the_other_plugins_then_raises(monkeypatch):
+    Good = layout_class("AfterBrokenLayout", "good_pkg.layouts")
+
+    def broken_load():
+        raise ImportError("no module named broken_dep")
+
+    eps = [FakeEntryPoint("broken", broken_load), FakeEntryPoint("good", lambda: plugin_module("good", [Good]))]
+    with installed(monkeypatch, eps, STEN_STRICT_PLUGINS="1"):
+        with pytest.raises(PluginLoadError, match="broken.*broken_dep"):
+            sten.plugins.ensure_loaded()
+        assert sten.registry.layout("AfterBrokenLayout") is Good, "the plugin after the broken one was loaded"
+        assert "broken" in sten.plugins.failed
+        sten.plugins.ensure_loaded()  # loaded: no second error, nothing reloaded
+        names = {row["name"]: row for row in sten.plugins.plugin_report()}
+        assert names["good"]["available"] and not names["broken"]["available"]
+
+
+def test_misspelled_hook_fails_to_load_naming_the_hook(monkeypatch):
+    module = types.ModuleType("typo")
+
+    @sten.hookimpl
+    def sten_regster(registry):  # the typo
+        raise AssertionError("never called")
+
+    module.sten_regster = sten_regster
+    try:
+        with pytest.warns(PluginLoadWarning, match="sten_regster.*did you mean 'sten_register'"):
+            assert not sten.plugins.register_plugin(module, name="typo")
+        assert not sten.plugins.get_plugin_manager().has_plugin("typo")
+        assert "sten_regster" in sten.plugins.failed["typo"]
+    finally:
+        sten.plugins.unregister_plugin("typo")
+        sten.plugins.failed.pop("typo", None)
+
+
+def _raising_info():
+    raise RuntimeError("driver query failed")
+
+
+def test_failing_plugin_info_is_reported_not_raised(monkeypatch, capsys):
+    Probe = layout_class("ProbeLayout", "probe_pkg.layouts")
+    eps = [FakeEntryPoint("probe", lambda: plugin_module("probe", [Probe], info=_raising_info))]
+    with installed(monkeypatch, eps):
+        rows = {row["name"]: row for row in sten.plugins.plugin_report()}
+        assert rows["probe"]["available"] is False
+        assert "sten_plugin_info() raised RuntimeError: driver query failed" in rows["probe"]["reason"]
+        assert rows["probe"]["layouts"] == ["ProbeLayout"]
+        assert cli.main(["plugins"]) == 0  # `sten plugins`
+        printed = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+        assert printed["probe"]["available"] is False
+        # `sten bench` asks the same report for each layout's availability
+        from sten_core.bench.layouts import _owner_info
+
+        assert _owner_info()["ProbeLayout"][1] is False
+
+
+def test_two_plugins_with_one_layout_class_name(monkeypatch, tmp_path):
+    First = layout_class("TwinLayout", "first_pkg.layouts")
+    Second = layout_class("TwinLayout", "second_pkg.layouts")
+    First.state_tensors = lambda self: (self.data,)
+    First.from_state_tensors = classmethod(lambda cls, tensors, shape: cls(tensors[0]))
+    eps = [FakeEntryPoint("first", lambda: plugin_module("first", [First])),
+           FakeEntryPoint("second", lambda: plugin_module("second", [Second]))]
+    with installed(monkeypatch, eps):
+        with pytest.warns(PluginLoadWarning) as record:
+            sten.plugins.ensure_loaded()
+        message = " ".join(str(w.message) for w in record)
+        assert "'second'" in message and "TwinLayout" in message
+        assert "first_pkg.layouts.TwinLayout" in message and "second_pkg.layouts.TwinLayout" in message
+        assert sten.registry.layout("TwinLayout") is First, "the first registration is not overwritten"
+        # a checkpoint of the first plugin's layout loads as that layout
+        w = sten.SparseTensorWrapper(First.from_dense(torch.arange(6.0).view(2, 3)))
+        buf = io.BytesIO()
+        torch.save({"w": w}, buf)
+        buf.seek(0)
+        back = torch.load(buf, weights_only=True)["w"]
+        assert type(back.wrapped_tensor) is First and torch.equal(back.to_dense(), w.to_dense())
+
+
+def test_registering_one_class_twice_is_fine():
+    Same = layout_class("SameTwiceLayout", "same_pkg.layouts")
+    try:
+        sten.registry.register_layout(Same)
+        sten.registry.register_layout(Same)
+        assert sten.registry.layout("SameTwiceLayout") is Same
+        Other = layout_class("SameTwiceLayout", "other_pkg.layouts")
+        with pytest.raises(ValueError, match="name='<package>.SameTwiceLayout'"):
+            sten.registry.register_layout(Other)
+        sten.registry.register_layout(Other, name="other_pkg.SameTwiceLayout")
+        assert sten.registry.layout("other_pkg.SameTwiceLayout") is Other
+    finally:
+        for name in ("SameTwiceLayout", "other_pkg.SameTwiceLayout"):
+            sten.registry.layouts.pop(name, None)
+            sten.registry._owners.pop(("layouts", name), None)
+
+
+def test_unknown_name_in_sten_plugins_is_reported(monkeypatch):
+    Known = layout_class("KnownLayout", "known_pkg.layouts")
+    eps = [FakeEntryPoint("known", lambda: plugin_module("known", [Known]))]
+    with installed(monkeypatch, eps, STEN_PLUGINS="nosuch"):
+        with pytest.warns(PluginLoadWarning, match="'nosuch'.*not installed.*installed plugins: builtin, known"):
+            sten.plugins.ensure_loaded()
+        assert "KnownLayout" not in sten.registry.layouts
+    with installed(monkeypatch, eps, STEN_PLUGINS="nosuch,known", STEN_STRICT_PLUGINS="1"):
+        with pytest.raises(PluginLoadError, match="'nosuch'"):
+            sten.plugins.ensure_loaded()
+        assert "KnownLayout" in sten.registry.layouts, "the valid name is still loaded"
