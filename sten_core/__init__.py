@@ -48,6 +48,7 @@ from .builder import SparsityBuilder
 from .schedule import GradualPruning, OneShot, PruneRegrow, SparsityScheduler
 from .scores import MovementSparsifier, ScoreSparsifier, TaylorSparsifier
 from .serialization import densify_state_dict, load_dense_state_dict
+from .pruning import SparseGPTSparsifier, WandaSparsifier, prune
 
 
 def register_fwd_op_impl(operator: Callable, inp: Any, out: Any = None) -> Callable:
@@ -117,4 +118,5 @@ __all__ = [
     "plugins", "random_mask_sparsify", "register_bwd_op_impl", "register_fwd_op_impl",
     "register_sparsifier_implementation", "registry", "scalar_mask_sparsify",
     "set_dispatch_failure", "sparsified_op", "sparsify", "densify_state_dict", "load_dense_state_dict",
+    "SparseGPTSparsifier", "WandaSparsifier", "prune",
 ]
