@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 EXAMPLE = ROOT / "examples" / "sten_example_plugin"
 PLUGIN_GUIDE = DOCS / "guides" / "write-a-plugin.md"
-RUNNABLE = ["getting-started.md", "guides/from-scratch.md", "guides/train.md", "guides/sparsify-existing.md", "training.md"]
+RUNNABLE = ["getting-started.md", "guides/from-scratch.md", "guides/train.md", "guides/sparsify-existing.md", "training.md", "pruning.md"]
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"$', re.M)
 
 
