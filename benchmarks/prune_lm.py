@@ -283,9 +283,11 @@ def machine() -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     lm, dg = result["lm"], result["digits"]
     base = lm["rows"][0]["perplexity"]
-    out = ["| method | pattern | held-out perplexity | increase | zero weights in pruned layers |", "|---|---|---|---|---|"]
+    out = ["| method | pattern | held-out perplexity | increase | zero weights in pruned layers | pruning time |",
+           "|---|---|---|---|---|---|"]
     for r in lm["rows"]:
-        out.append(f"| {r['method']} | {r['pattern']} | {r['perplexity']:.3f} | {r['perplexity'] / base - 1:+.1%} | {r['sparsity']:.3f} |")
+        out.append(f"| {r['method']} | {r['pattern']} | {r['perplexity']:.3f} | {r['perplexity'] / base - 1:+.1%} "
+                   f"| {r['sparsity']:.3f} | {r['prune_seconds']:.1f} s |")
     out += ["", "| method | pattern | test accuracy | zero weights |", "|---|---|---|---|"]
     for r in dg["rows"]:
         out.append(f"| {r['method']} | {r['pattern']} | {r['accuracy']:.4f} | {r['sparsity']:.3f} |")

@@ -463,7 +463,7 @@ def test_pruned_model_loads_and_trains_on_keeping_its_sparsity():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0], losses
     for name, keep in masks.items():
         w = fresh.get_parameter(name)
