@@ -377,6 +377,23 @@ def test_a_layer_called_twice_gets_both_calls():
     torch.testing.assert_close(model.fc.weight.detach(), expected)
 
 
+def test_batches_as_tuples_and_dicts_and_layers_called_by_keyword():
+    class KeywordCall(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(6, 4)
+
+        def forward(self, x, scale=1.0):
+            return self.fc(input=x * scale)
+
+    x = torch.randn(30, 6)
+    for batches, seen in (([(x, 2.0)], 2 * x), ([{"x": x, "scale": 3.0}], 3 * x), ([x], x)):
+        model = KeywordCall()
+        expected, _ = SparseGPTSparsifier(0.5).prune(model.fc.weight, hessian=input_hessian(seen))
+        sten.prune(model, batches, "sparsegpt", sparsity=0.5)
+        torch.testing.assert_close(model.fc.weight.detach(), expected)
+
+
 def test_prune_layers_selection_and_magnitude_needs_no_data():
     model = TinyMLP()
     w3 = model.fc3.weight.detach().clone()

@@ -108,6 +108,15 @@ def _run(model: torch.nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
+def _layer_input(name: str, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The input tensor of a ``Linear`` call (positional or ``input=``)."""
+    if args:
+        return args[0]
+    if "input" in kwargs:
+        return kwargs["input"]
+    raise ValueError(f"layer {name} was called without an input tensor")
+
+
 def forward_order(model: torch.nn.Module, batch: Any, layers: dict[str, torch.nn.Module]) -> tuple[list[list[str]], bool]:
     """Groups of layer names in the order the forward calls them (consecutive
     layers reading the same input tensor form one group), and whether every
@@ -115,7 +124,8 @@ def forward_order(model: torch.nn.Module, batch: Any, layers: dict[str, torch.nn
     calls: list[tuple[str, Any]] = []
     handles = []
     for name, mod in layers.items():
-        handles.append(mod.register_forward_pre_hook(lambda mod, args, name=name: calls.append((name, args[0]))))
+        handles.append(mod.register_forward_pre_hook(
+            lambda mod, args, kwargs, name=name: calls.append((name, _layer_input(name, args, kwargs))), with_kwargs=True))
     try:
         with torch.no_grad():
             _run(model, batch)
@@ -171,14 +181,14 @@ def _collect(model: torch.nn.Module, batches: Sequence[Any], group: list[str], l
     stats = {name: make(layers[name].in_features, layers[name].weight.device) for name in group}
     pending: set[str] = set()
 
-    def hook(mod: torch.nn.Module, args: tuple, name: str) -> None:
-        stats[name].update(args[0])
+    def hook(mod: torch.nn.Module, args: tuple, kwargs: dict, name: str) -> None:
+        stats[name].update(_layer_input(name, args, kwargs))
         pending.discard(name)
         if stop_early and not pending:
             raise _StopForward
 
-    handles = [layers[name].register_forward_pre_hook(lambda mod, args, name=name: hook(mod, args, name))
-               for name in group]
+    handles = [layers[name].register_forward_pre_hook(
+        lambda mod, args, kwargs, name=name: hook(mod, args, kwargs, name), with_kwargs=True) for name in group]
     try:
         with torch.no_grad():
             for batch in batches:
