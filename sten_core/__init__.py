@@ -49,6 +49,7 @@ from .schedule import GradualPruning, OneShot, PruneRegrow, SparsityScheduler
 from .scores import MovementSparsifier, ScoreSparsifier, TaylorSparsifier
 from .serialization import densify_state_dict, load_dense_state_dict
 from .summary import summary
+from .pruning import SparseGPTSparsifier, WandaSparsifier, prune
 
 
 def register_fwd_op_impl(operator: Callable, inp: Any, out: Any = None) -> Callable:
@@ -120,4 +121,5 @@ __all__ = [
     "register_sparsifier_implementation", "registry", "scalar_mask_sparsify",
     "set_dispatch_failure", "sparsified_op", "sparsify", "densify_state_dict", "load_dense_state_dict",
     "summary",
+    "SparseGPTSparsifier", "WandaSparsifier", "prune",
 ]
