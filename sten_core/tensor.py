@@ -300,6 +300,31 @@ def _to_dense_method(self: SparseTensorWrapper, *args: Any, **kwargs: Any) -> to
     return self.to_dense()
 
 
+def _get_data(self: SparseTensorWrapper) -> SparseTensorWrapper:
+    """``w.data``: the same values without history (an alias of the layout cell;
+    unlike ``detach()``, autograd does not see changes made through it)."""
+    return _alias(self)
+
+
+def _set_data(self: SparseTensorWrapper, value: torch.Tensor) -> None:
+    """``w.data = t``: a wrapper's layout, or a dense tensor stored in ``w``'s
+    format; shape, dtype and device follow the new value (``Module._apply``)."""
+    if isinstance(value, SparseTensorWrapper):
+        layout = value.wrapped_tensor
+    elif isinstance(value, torch.Tensor):
+        from .dispatch import convert
+
+        layout = convert(value.detach(), type(self.wrapped_tensor)).wrapped_tensor
+    else:
+        raise TypeError(f"data must be a tensor, got {type(value).__name__}")
+    shape, dtype, device = layout_metadata(layout)
+    if (shape, dtype, device) != (self.shape, self.dtype, self.device):
+        shell = SparseTensorWrapper(layout)
+        with torch._C.DisableTorchFunctionSubclass():
+            torch.Tensor.data.__set__(self, shell)  # the tensor's own metadata
+    self.wrapped_tensor = layout
+
+
 _T = torch.Tensor
 _PASSTHROUGH = {
     _T.requires_grad.__set__, _T.grad.__set__,
@@ -308,7 +333,7 @@ _PASSTHROUGH = {
     _T.register_hook, _T.register_post_accumulate_grad_hook, _T.backward, _T.__hash__,
     _T.__len__, _T.data_ptr, _T._is_view, _T.__setstate__, _T.dim_order, _T.is_inference,
     torch.is_complex, torch.is_floating_point, torch.numel, torch.is_tensor,
-    torch.autograd.backward, torch.autograd.grad,
+    torch.autograd.backward, torch.autograd.grad, torch._has_compatible_shallow_copy_type,
 }
 for _name in ("shape", "dtype", "device", "requires_grad", "grad", "grad_fn", "is_leaf", "layout",
               "ndim", "is_cuda", "is_sparse", "is_quantized", "is_meta", "_version", "is_nested",
@@ -318,6 +343,7 @@ for _name in ("shape", "dtype", "device", "requires_grad", "grad", "grad_fn", "i
     _prop = getattr(_T, _name, None)
     if _prop is not None and hasattr(_prop, "__get__"):
         _PASSTHROUGH.add(_prop.__get__)
-_SPECIAL = {_T.detach: _detach, _T.to_dense: _to_dense_method}
+_SPECIAL = {_T.detach: _detach, _T.to_dense: _to_dense_method, _T.data.__get__: _get_data,
+            _T.data.__set__: _set_data}
 _PASS = object()  # marks functions that run as on any tensor (metadata)
 _HANDLERS: dict = {**{f: _PASS for f in _PASSTHROUGH}, **_SPECIAL}

@@ -9,6 +9,7 @@ Example (in a plugin's tests):
     >>> check_layout(sten.CsrTensor)
     >>> check_linear(sten.CsrTensor)
     >>> check_checkpoint(sten.CsrTensor)
+    >>> check_to(sten.CsrTensor)
 """
 
 from __future__ import annotations
@@ -103,6 +104,48 @@ def check_checkpoint(layout_cls: type, *, shapes: Iterable[tuple] = ((16, 32), (
             _check_checkpoint(saved, other, case)
 
 
+def check_to(layout_cls: type, *, shapes: Iterable[tuple] = ((16, 32), (5, 8)),
+             dtypes: Iterable[torch.dtype] = (torch.float64, torch.float16, torch.bfloat16),
+             sparsifier: Any = None, device: str = "cpu", make: Callable[[torch.Tensor], Any] | None = None,
+             devices: Iterable[str] = ()) -> None:
+    """Moves keep the layout: ``w.to(dtype)``, ``Module.to(dtype)`` / ``.half()`` /
+    ``.double()`` and, for each of ``devices`` (e.g. ``("cuda",)``), ``w.to(device)``
+    give the same layout class with the new dtype/device, values equal to the dense
+    tensor moved the same way, and a module whose forward still runs.
+
+    A layout moves through its own ``to(device=None, dtype=None)``, or its
+    ``state_tensors()`` / ``from_state_tensors()``, or (dtype only) its stored
+    values; one that can do none fails here with what to implement.
+    """
+    plugins.ensure_loaded()
+    sparsifier = sparsifier or ScalarFractionSparsifier(0.5)
+    make = make or layout_cls.from_dense
+    for i, shape in enumerate(shapes):
+        dense = _sample(tuple(shape), torch.float32, sparsifier, device, seed=400 + i)
+        obj = make(dense)
+        dense = to_dense_tensor(obj)  # what the layout stores
+        targets = [{"dtype": d} for d in dtypes] + [{"device": torch.device(d)} for d in devices]
+        for target in targets:
+            case = f"{layout_cls.__name__} shape={tuple(shape)} to({target})"
+            moved = SparseTensorWrapper(obj).to(**target)
+            assert isinstance(moved, SparseTensorWrapper), f"{case}: returned a {type(moved).__name__}"
+            assert type(moved.wrapped_tensor) is layout_cls, f"{case}: became {type(moved.wrapped_tensor).__name__}"
+            want = dense.to(**target)
+            got_shape, got_dtype, got_device = layout_metadata(moved.wrapped_tensor)
+            assert (got_dtype, got_device) == (want.dtype, want.device), f"{case}: layout reports {got_dtype}, {got_device}"
+            assert (moved.dtype, moved.device) == (want.dtype, want.device), f"{case}: wrapper reports {moved.dtype}"
+            torch.testing.assert_close(to_dense_tensor(moved.wrapped_tensor).cpu(), want.cpu(), msg=f"{case}: values")
+        for dtype in (d for d in dtypes if d == torch.float64):
+            case = f"{layout_cls.__name__} shape={tuple(shape)} Module.to({dtype})"
+            module = _Holder(SparseParameterWrapper(make(dense)), torch.zeros(shape[0]))
+            module.to(dtype)
+            assert isinstance(module.weight, SparseParameterWrapper), f"{case}: the parameter was replaced"
+            assert type(module.weight.wrapped_tensor) is layout_cls, f"{case}: the layout changed"
+            assert module.weight.dtype == dtype and module.bias.dtype == dtype, f"{case}: {module.weight.dtype}"
+            x = torch.randn(3, shape[1], dtype=dtype, device=device)
+            torch.testing.assert_close(module(x), F.linear(x, dense.to(dtype)), msg=f"{case}: forward")
+
+
 class _Holder(torch.nn.Module):
     """A module with one weight (sparse or dense) and a dense bias."""
 
@@ -110,6 +153,9 @@ class _Holder(torch.nn.Module):
         super().__init__()
         self.weight = weight
         self.bias = torch.nn.Parameter(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 def _check_checkpoint(saved: Any, other: Any, case: str) -> None:

@@ -36,8 +36,7 @@ INPLACE = {
 ZERO_PRESERVING = {
     T.sqrt, torch.sqrt, T.neg, torch.neg, T.__neg__, T.abs, torch.abs, T.__abs__, T.sign, torch.sign,
     T.square, torch.square, T.clone, torch.clone, T.conj, torch.conj, T.mul, torch.mul, T.__mul__,
-    T.__rmul__, T.div, torch.div, T.__truediv__, torch.zeros_like, T.float, T.double, T.half,
-    T.bfloat16, T.to, T.type_as, T.contiguous,
+    T.__rmul__, T.div, torch.div, T.__truediv__, torch.zeros_like, T.type_as, T.contiguous,
 }
 SAME_PATTERN_ONLY = {T.add, torch.add, T.__add__, T.__radd__, T.sub, torch.sub, T.__sub__, T.maximum, torch.maximum}
 
@@ -65,13 +64,6 @@ def _operand(value: Any, layout: Any, dense_ok: bool) -> Any:
     return value
 
 
-def _changes_device(op: Any, args: tuple, kwargs: dict) -> bool:
-    if op not in (T.to,):
-        return False
-    values = list(args[1:]) + list(kwargs.values())
-    return any(isinstance(v, (str, torch.device)) or (isinstance(v, torch.Tensor)) for v in values)
-
-
 def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False) -> Callable:
     """An implementation on stored values; ``sparse_only``: every positional
     operand must be a wrapper of the same pattern (``a + 2`` is not zero-preserving)."""
@@ -83,7 +75,7 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False
         if op is T.copy_ and isinstance(args[1], SparseTensorWrapper):
             return _copy_from_sparse(self, args[1])
         try:
-            if not supports_values(layout) or _changes_device(op, args, kwargs):
+            if not supports_values(layout):
                 raise _NotOnValues
             if sparse_only and not all(isinstance(a, SparseTensorWrapper) for a in args[1:]):
                 raise _NotOnValues

@@ -10,7 +10,7 @@ from typing import Any
 
 
 from ..hookspecs import hookimpl
-from . import elementwise, ops, sparsifier_impls
+from . import elementwise, moves, ops, sparsifier_impls
 from .torch_layouts import TORCH_LAYOUTS, CooTensor, CscTensor, CsrTensor, DenseTensor
 
 
@@ -39,7 +39,7 @@ def sten_register(registry: Any) -> None:
 
 @hookimpl(trylast=True)
 def sten_resolve_op(key: Any) -> Any:
-    return elementwise.resolve(key) or sparsifier_impls.resolve(key)
+    return moves.resolve(key) or elementwise.resolve(key) or sparsifier_impls.resolve(key)
 
 
 @hookimpl

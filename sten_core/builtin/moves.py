@@ -1,0 +1,101 @@
+"""Moving a wrapper to another dtype or device, keeping its layout.
+
+``w.to(torch.float64)``, ``w.half()``, ``w.cuda()`` and so ``Module.to/half/
+double/cuda`` move a sparse parameter's stored tensors and keep its format.
+A layout moves by, in this order:
+
+1. its own ``to(device=None, dtype=None)`` method;
+2. its ``state_tensors()`` / ``from_state_tensors()``: floating-point parts take
+   the dtype, every part the device (index tensors keep their integer dtype);
+3. the stored-values protocol, for a dtype change on the same device.
+
+A layout that can do none of these raises a ``TypeError`` saying what to
+implement, instead of silently staying where it is.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(3)))
+    >>> h = w.half()
+    >>> type(h.wrapped_tensor).__name__, h.dtype
+    ('CsrTensor', torch.float16)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..layouts import layout_metadata, supports_values
+from ..registry import Entry, OpKey
+from ..tensor import SparseTensorWrapper
+
+T = torch.Tensor
+_FIXED_DTYPE = {T.half: torch.float16, T.float: torch.float32, T.double: torch.float64,
+                T.bfloat16: torch.bfloat16}
+MOVES = {T.to, T.cpu, T.cuda, *_FIXED_DTYPE}
+
+
+def target_of(op: Any, args: tuple, kwargs: dict) -> tuple[torch.device | None, torch.dtype | None]:
+    """The ``(device, dtype)`` a move call asks for (``None``: unchanged)."""
+    if op in _FIXED_DTYPE:
+        return None, _FIXED_DTYPE[op]
+    if op is T.cpu:
+        return torch.device("cpu"), None
+    if op is T.cuda:
+        device = args[1] if len(args) > 1 else kwargs.get("device")
+        if isinstance(device, int):
+            device = torch.device("cuda", device)
+        return torch.device(device if device is not None else "cuda"), None
+    rest = list(args[1:])
+    if rest and isinstance(rest[0], torch.Tensor):  # .to(other): other's device and dtype
+        other = rest.pop(0)
+        return other.device, other.dtype
+    kw = {k: v for k, v in kwargs.items() if k not in ("non_blocking", "copy", "memory_format")}
+    device, dtype, _non_blocking, _memory_format = torch._C._nn._parse_to(*rest, **kw)
+    return device, dtype
+
+
+def move_layout(layout: Any, device: torch.device | None, dtype: torch.dtype | None) -> Any:
+    """``layout`` with its stored tensors on ``device`` / in ``dtype``, same format."""
+    _shape, have_dtype, have_device = layout_metadata(layout)
+    if device is not None and torch.device(device) == have_device:
+        device = None
+    if dtype == have_dtype:
+        dtype = None
+    if device is None and dtype is None:
+        return layout
+    if callable(getattr(layout, "to", None)):
+        return layout.to(device=device, dtype=dtype)
+    if callable(getattr(layout, "state_tensors", None)) and callable(getattr(type(layout), "from_state_tensors", None)):
+        parts = tuple(
+            p.to(device=device, dtype=dtype if p.is_floating_point() or p.is_complex() else None)
+            for p in layout.state_tensors()
+        )
+        return type(layout).from_state_tensors(parts, tuple(layout.shape))
+    if device is None and supports_values(layout):
+        return layout.with_values(layout.values().to(dtype))
+    raise TypeError(
+        f"{type(layout).__name__} cannot move to device={device}, dtype={dtype}: implement "
+        f"to(device=None, dtype=None), or state_tensors()/from_state_tensors(), on the layout"
+    )
+
+
+def _move(ctx: Any, inputs: list, output_sparsifiers: list) -> Any:
+    args, kwargs = ctx.call_args
+    self = args[0]
+    device, dtype = target_of(ctx.op, args, kwargs)
+    layout = self.wrapped_tensor
+    moved = move_layout(layout, device, dtype)
+    if moved is layout and not kwargs.get("copy", False):
+        return inputs[0]  # as torch: a no-op move returns the tensor itself (an alias here)
+    return SparseTensorWrapper(moved, False, self.grad_fmt)
+
+
+def resolve(key: OpKey) -> Entry | None:
+    """The ``sten_resolve_op`` part: moves of a wrapper, without an explicit output format."""
+    if key.direction != "fwd" or key.op not in MOVES or key.out is not None:
+        return None
+    if not key.inp or key.inp[0] in (None, torch.Tensor):
+        return None
+    return Entry(_move, len(key.inp))
