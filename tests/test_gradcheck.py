@@ -64,6 +64,8 @@ def operand_shapes(name: str, inp: tuple) -> list | None:
         return [(3, 8), (6, 8), (6,)][: len(inp)]
     if name in ("mm", "matmul", "__matmul__"):
         return [(6, 8), (8, 4)]
+    if name == "addmm":  # bias, x, W [in, out] (GPT-2's Conv1D)
+        return [(4,), (6, 8), (8, 4)]
     if name in ELEMENTWISE:
         return [(6, 8), (6, 8)][: len(inp)]
     if name in ("sum", "t", "transpose", "__get__"):  # __get__: the .T / .mT properties

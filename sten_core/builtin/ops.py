@@ -1,6 +1,6 @@
 """Operator implementations for the torch-native layouts.
 
-``F.linear`` / ``torch.mm`` / ``torch.matmul`` with a COO, CSR or CSC operand
+``F.linear`` / ``torch.mm`` / ``torch.matmul`` / ``torch.addmm`` (GPT-2's ``Conv1D``) with a COO, CSR or CSC operand
 (forward and backward, the weight gradient dense or at the kept positions
 only), and ``torch.add`` of two sparse tensors (union of nonzeros).
 
@@ -164,6 +164,55 @@ def mm_dense_sparse_bwd(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) 
     return grad_a, grad_b
 
 
+def _scalars(ctx: Any) -> tuple[Any, Any]:
+    """``addmm``'s ``(beta, alpha)`` as the call gave them."""
+    args, kwargs = ctx.call_args
+    return kwargs.get("beta", 1), kwargs.get("alpha", 1)
+
+
+def addmm_dense_sparse_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    """``beta * bias + alpha * (x @ W)`` with a sparse W [in, out] (GPT-2's ``Conv1D``)."""
+    bias, x, w = inputs[:3]
+    beta, alpha = _scalars(ctx)
+    bias, x = _amp(bias, x)
+    if x.dim() != 2 or w.dim() != 2:
+        raise RuntimeError(f"torch.addmm: expected 2-D matrices, got {x.dim()}-D and {w.dim()}-D tensors")
+    ctx.save_for_backward(x, w, bias)
+    y = _sparse_times(_sparse(w, x.dtype).t(), x.t()).t()
+    if alpha != 1:
+        y = y * alpha
+    return y + (bias if beta == 1 else beta * bias)
+
+
+def addmm_dense_sparse_bwd(sparse_weight_grad: bool) -> Callable:
+    def impl(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+        x, w, bias = ctx.saved_tensors
+        (g,) = grad_outputs
+        beta, alpha = _scalars(ctx)
+        needs = ctx.needs_input_grad + (True,) * 3
+        grad_bias = None
+        if needs[0]:
+            grad_bias = g * beta
+            while grad_bias.dim() > bias.dim():
+                grad_bias = grad_bias.sum(0)
+            for d, size in enumerate(bias.shape):
+                if size == 1 and grad_bias.shape[d] != 1:
+                    grad_bias = grad_bias.sum(d, keepdim=True)
+        grad_x = _sparse_times(_sparse(w, g.dtype), g.t()).t() * alpha if needs[1] else None
+        grad_w = None
+        if needs[2]:
+            x2 = x.to(g.dtype)
+            if sparse_weight_grad:
+                layout = w.wrapped_tensor
+                values = _sampled(layout, x2.t().contiguous(), g.contiguous()) * alpha
+                grad_w = SparseTensorWrapper(layout.with_values(values.to(layout.dtype)))
+            else:
+                grad_w = x2.t() @ g * alpha
+        return grad_bias, grad_x, grad_w
+
+    return impl
+
+
 def _alpha(ctx: Any) -> Any:
     """``torch.add``'s ``alpha`` as the call gave it (its pattern lists two inputs)."""
     args, kwargs = ctx.call_args
@@ -194,6 +243,10 @@ def register(registry: Any) -> None:
             registry.register_bwd_op_impl(op, (T,), (keep, keep), (L, T), mm_sparse_dense_bwd)
             registry.register_fwd_op_impl(op, (T, L), [keep], mm_dense_sparse_fwd)
             registry.register_bwd_op_impl(op, (T,), (keep, keep), (T, L), mm_dense_sparse_bwd)
+        registry.register_fwd_op_impl(torch.addmm, (T, T, L), [keep], addmm_dense_sparse_fwd)
+        registry.register_bwd_op_impl(torch.addmm, (T,), (keep, keep, keep), (T, T, L), addmm_dense_sparse_bwd(False))
+        registry.register_bwd_op_impl(torch.addmm, (T,), (keep, keep, (KeepAll, L)), (T, T, L),
+                                      addmm_dense_sparse_bwd(True))
         for M in SPARSE_2D:
             registry.register_fwd_op_impl(torch.add, (L, M), [(KeepAll, CooTensor)], add_union_fwd)
             registry.register_bwd_op_impl(torch.add, (T,), (keep, keep), (L, M), add_union_bwd)
