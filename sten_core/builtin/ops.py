@@ -125,6 +125,48 @@ def _check_mm(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> None:
         raise RuntimeError(f"torch.mm: expected 2-D matrices, got {a.dim()}-D and {b.dim()}-D tensors")
 
 
+def _coo(w: SparseTensorWrapper, dtype: torch.dtype) -> torch.Tensor:
+    """A 2-D built-in layout's data as a coalesced torch COO tensor of ``dtype``."""
+    data = w.wrapped_tensor.data
+    data = data if data.layout is torch.sparse_coo else data.to_sparse_coo()
+    return data.to(dtype).coalesce()
+
+
+def linear_sparse_sparse_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    """``F.linear`` with a sparse input [B, K] and a sparse weight [N, K] (paper A.1):
+    one sparse-sparse product, dense [B, N] output."""
+    x, w, bias = (list(inputs) + [None])[:3]
+    (bias,) = _amp(bias)
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else w.dtype
+    y = torch.sparse.mm(_coo(x, dtype), _coo(w, dtype).t().coalesce()).to_dense()
+    if bias is not None:
+        y = y + bias
+    ctx.save_for_backward(x, w)
+    return y
+
+
+def linear_sparse_sparse_bwd(sparse_weight_grad: bool) -> Callable:
+    def impl(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+        x, w = ctx.saved_tensors
+        (g,) = grad_outputs
+        g = densify_any(g)
+        needs = ctx.needs_input_grad + (True,) * 3
+        grad_x = torch.sparse.mm(_coo(w, g.dtype).t().coalesce(), g.t()).t() if needs[0] else None
+        grad_w = None
+        if needs[1]:
+            x_dense = densify_any(x).to(g.dtype)
+            grad_w = _weight_grad(w, g, x_dense, sparse_weight_grad)
+        grad_b = g.sum(0) if len(ctx.inputs) > 2 and ctx.inputs[2] is not None and needs[2] else None
+        return grad_x, grad_w, grad_b
+
+    return impl
+
+
+def densify_any(value: Any) -> torch.Tensor:
+    """A wrapper's dense tensor; plain tensors as they are."""
+    return value.to_dense() if isinstance(value, SparseTensorWrapper) else value
+
+
 def mm_sparse_dense_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
     """sparse [M, K] @ dense [K], [K, N] or [..., K, N]."""
     a, b = inputs[:2]
@@ -243,6 +285,13 @@ def register(registry: Any) -> None:
             registry.register_bwd_op_impl(op, (T,), (keep, keep), (L, T), mm_sparse_dense_bwd)
             registry.register_fwd_op_impl(op, (T, L), [keep], mm_dense_sparse_fwd)
             registry.register_bwd_op_impl(op, (T,), (keep, keep), (T, L), mm_dense_sparse_bwd)
+        for X in SPARSE_2D:  # a sparse input times a sparse weight (paper A.1)
+            for inp in ((X, L, T), (X, L)):
+                registry.register_fwd_op_impl(F.linear, inp, [keep], linear_sparse_sparse_fwd)
+                registry.register_bwd_op_impl(F.linear, (T,), (keep, keep, keep)[: len(inp)], inp,
+                                              linear_sparse_sparse_bwd(False))
+                registry.register_bwd_op_impl(F.linear, (T,), (keep, (KeepAll, L), keep)[: len(inp)], inp,
+                                              linear_sparse_sparse_bwd(True))
         registry.register_fwd_op_impl(torch.addmm, (T, T, L), [keep], addmm_dense_sparse_fwd)
         registry.register_bwd_op_impl(torch.addmm, (T,), (keep, keep, keep), (T, T, L), addmm_dense_sparse_bwd(False))
         registry.register_bwd_op_impl(torch.addmm, (T,), (keep, keep, (KeepAll, L)), (T, T, L),
