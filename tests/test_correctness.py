@@ -415,20 +415,21 @@ def test_node_frees_its_inputs_after_backward():
 # the paper's A.1 combination: a sparse input times a sparse weight ------------------------------
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_coo_input_csr_weight(bias):
+@pytest.mark.parametrize("lead", [(6,), (2, 3)], ids=["2d", "3d"])
+def test_linear_coo_input_csr_weight(bias, lead):
     torch.manual_seed(5)
-    x_dense = torch.randn(6, 8) * (torch.rand(6, 8) > 0.5)
+    x_dense = torch.randn(*lead, 8) * (torch.rand(*lead, 8) > 0.5)
     w_dense = torch.randn(4, 8) * (torch.rand(4, 8) > 0.5)
     b = torch.randn(4, requires_grad=True) if bias else None
     x = sten.SparseTensorWrapper(sten.CooTensor.from_dense(x_dense), requires_grad=True)
     w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(w_dense))
     with _raise_mode():
         y = F.linear(x, w, b)
-        y.backward(torch.ones(6, 4))
+        y.backward(torch.ones(*lead, 4))
     rx, rw = x_dense.clone().requires_grad_(), w_dense.clone().requires_grad_()
     rb = b.detach().clone().requires_grad_() if bias else None
     ref = F.linear(rx, rw, rb)
-    ref.backward(torch.ones(6, 4))
+    ref.backward(torch.ones(*lead, 4))
     torch.testing.assert_close(y, ref)
     torch.testing.assert_close(dense_of(x.grad), rx.grad)
     torch.testing.assert_close(dense_of(w.grad), rw.grad)

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -132,17 +133,28 @@ def _coo(w: SparseTensorWrapper, dtype: torch.dtype) -> torch.Tensor:
     return data.to(dtype).coalesce()
 
 
+def _rows(coo: torch.Tensor) -> torch.Tensor:
+    """A COO tensor [..., K] as a 2-D one [prod(...), K] (leading dims flattened)."""
+    if coo.dim() == 2:
+        return coo
+    lead, k = coo.shape[:-1], coo.shape[-1]
+    index = coo.indices()
+    strides = torch.tensor([math.prod(lead[i + 1:]) for i in range(len(lead))], device=index.device)
+    rows = (index[:-1] * strides[:, None]).sum(0)
+    return torch.sparse_coo_tensor(torch.stack([rows, index[-1]]), coo.values(), (math.prod(lead), k)).coalesce()
+
+
 def linear_sparse_sparse_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
-    """``F.linear`` with a sparse input [B, K] and a sparse weight [N, K] (paper A.1):
-    one sparse-sparse product, dense [B, N] output."""
+    """``F.linear`` with a sparse input [..., K] and a sparse weight [N, K] (paper A.1):
+    one sparse-sparse product, dense [..., N] output."""
     x, w, bias = (list(inputs) + [None])[:3]
     (bias,) = _amp(bias)
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else w.dtype
-    y = torch.sparse.mm(_coo(x, dtype), _coo(w, dtype).t().coalesce()).to_dense()
+    y = torch.sparse.mm(_rows(_coo(x, dtype)), _coo(w, dtype).t().coalesce()).to_dense()
     if bias is not None:
         y = y + bias
     ctx.save_for_backward(x, w)
-    return y
+    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def linear_sparse_sparse_bwd(sparse_weight_grad: bool) -> Callable:
@@ -150,13 +162,14 @@ def linear_sparse_sparse_bwd(sparse_weight_grad: bool) -> Callable:
         x, w = ctx.saved_tensors
         (g,) = grad_outputs
         g = densify_any(g)
+        g2 = g.reshape(-1, g.shape[-1])
         needs = ctx.needs_input_grad + (True,) * 3
-        grad_x = torch.sparse.mm(_coo(w, g.dtype).t().coalesce(), g.t()).t() if needs[0] else None
+        grad_x = torch.sparse.mm(_coo(w, g.dtype).t().coalesce(), g2.t()).t().reshape(x.shape) if needs[0] else None
         grad_w = None
         if needs[1]:
-            x_dense = densify_any(x).to(g.dtype)
-            grad_w = _weight_grad(w, g, x_dense, sparse_weight_grad)
-        grad_b = g.sum(0) if len(ctx.inputs) > 2 and ctx.inputs[2] is not None and needs[2] else None
+            x_dense = densify_any(x).to(g.dtype).reshape(-1, x.shape[-1])
+            grad_w = _weight_grad(w, g2, x_dense, sparse_weight_grad)
+        grad_b = g2.sum(0) if len(ctx.inputs) > 2 and ctx.inputs[2] is not None and needs[2] else None
         return grad_x, grad_w, grad_b
 
     return impl
