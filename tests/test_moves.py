@@ -66,11 +66,27 @@ def test_data_is_an_alias_without_history():
 
 
 def test_to_float64_keeps_a_user_layout():
+    """The paper's minimal layout (from_dense / to_dense only) moves through dense."""
     w = sten.SparseTensorWrapper(DenseCopyLayout.from_dense(torch.eye(2)))
     with warnings.catch_warnings():
         warnings.simplefilter("error", sten.DispatchWarning)
-        with pytest.raises(TypeError, match="implement to\\(device=None, dtype=None\\)"):
-            w.to(torch.float64)  # no to(), no state tensors, no stored values: says what to add
+        d = w.to(torch.float64)
+    assert type(d.wrapped_tensor) is DenseCopyLayout and d.dtype == torch.float64
+    assert torch.equal(d.to_dense(), torch.eye(2, dtype=torch.float64))
+
+
+class ToDenseOnly(sten.Layout):
+    def __init__(self, data):
+        self.data = data
+
+    def to_dense(self):
+        return self.data
+
+
+def test_a_layout_that_cannot_move_says_what_to_implement():
+    w = sten.SparseTensorWrapper(ToDenseOnly(torch.eye(2)))
+    with pytest.raises(TypeError, match="implement to\\(device=None, dtype=None\\)"):
+        w.to(torch.float64)
 
 
 class MovableLayout(DenseCopyLayout):

@@ -7,7 +7,8 @@ A layout moves by, in this order:
 1. its own ``to(device=None, dtype=None)`` method;
 2. its ``state_tensors()`` / ``from_state_tensors()``: floating-point parts take
    the dtype, every part the device (index tensors keep their integer dtype);
-3. the stored-values protocol, for a dtype change on the same device.
+3. the stored-values protocol, for a dtype change on the same device;
+4. a round trip through dense with its ``from_dense`` (the paper's minimal layouts).
 
 A layout that can do none of these raises a ``TypeError`` saying what to
 implement, instead of silently staying where it is.
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..layouts import layout_metadata, supports_values
+from ..layouts import builds_from_dense, layout_metadata, supports_values, to_dense_tensor
 from ..registry import Entry, OpKey
 from ..tensor import SparseTensorWrapper
 
@@ -75,6 +76,8 @@ def move_layout(layout: Any, device: torch.device | None, dtype: torch.dtype | N
         return type(layout).from_state_tensors(parts, tuple(layout.shape))
     if device is None and supports_values(layout):
         return layout.with_values(layout.values().to(dtype))
+    if builds_from_dense(type(layout)):  # the paper's minimal layouts: a round trip through dense
+        return type(layout).from_dense(to_dense_tensor(layout).to(device=device, dtype=dtype))
     raise TypeError(
         f"{type(layout).__name__} cannot move to device={device}, dtype={dtype}: implement "
         f"to(device=None, dtype=None), or state_tensors()/from_state_tensors(), on the layout"
