@@ -17,7 +17,7 @@ import torch
 
 import sten_core
 
-from . import __version__, _kernel, ops
+from . import __version__, _kernel, addmm, ops
 from .grouped_tensor import GroupedNMTensor
 from .nm_tensor import NMTensor
 from .sparsifier import GroupedNMSparsifier, NMSparsifier, grouped_sparsify, nm_sparsify, per_block_sparsify
@@ -43,6 +43,7 @@ def sten_register(registry: Any) -> None:
         registry.register_conversion(src, dst, fn)
     ops.register(registry)
     ops.register_grouped(registry)
+    addmm.register(registry)
 
 
 @sten_core.hookimpl
