@@ -254,8 +254,8 @@ def format_report(report: Report) -> str:
 
 def example(size: str = "base", batch: int = 2, seq_len: int = 16) -> tuple[torch.nn.Module, tuple]:
     """The built-in example: a BERT encoder layer with CSR weights (90 %) and
-    its GELU output stored as COO (90 % random), feeding ``output.dense``:
-    ``F.linear`` on (COO, CSR) has no registered implementation, so it falls back.
+    its GELU output stored as COO (90 % random), feeding ``output.dense``
+    (``F.linear`` on a COO input and a CSR weight: the paper's A.1 combination).
 
     ``size`` is ``"base"`` (BERT-base) or ``"tiny"`` (hidden 64, for tests).
     """
