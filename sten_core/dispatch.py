@@ -29,6 +29,7 @@ from collections import deque
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import plugins
 from .registry import Entry, OpKey, registry, trim
@@ -638,7 +639,7 @@ class _Call:
     autograd node (``unique``); its gradients from all positions are summed."""
 
     __slots__ = ("op", "args", "kwargs", "bound", "positions", "key", "plan", "specs", "ctx", "unique",
-                 "n_unique", "slot_of", "grad_specs", "stashed", "converted")
+                 "n_unique", "slot_of", "grad_specs", "stashed", "converted", "where", "held")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, bound: list, positions: Any, key: OpKey,
                  plan: Plan, specs: CallSpecs | None):
@@ -691,9 +692,9 @@ class _Call:
             _notify("op", self.key, plan.kind, time.perf_counter() - started)
         return _finish(raw, self.specs, self.specs is not None and _is_inplace(op, self.kwargs), plan.fixes_inline)
 
-    def stash(self, fctx: Any) -> None:
+    def stash(self, fctx: Any, out: Any) -> None:
         """Hand what backward needs to autograd (``save_for_backward``) and drop
-        the node's own references to the call's tensors."""
+        the node's own references to the call's tensors (``out``: the forward's outputs)."""
         self.grad_specs = [_grad_spec(v) if _is_tensor(v) else None for v in self.bound]
         twins = {}
         ctx = self.ctx
@@ -708,9 +709,43 @@ class _Call:
             ctx.inputs = stash.take(ctx.inputs)
             ctx.call_args = stash.take(ctx.call_args)
             ctx.saved_tensors = stash.take(tuple(ctx.saved_tensors))
-        fctx.save_for_backward(*stash.tensors)
+        # plain tensors (activations) go to autograd: freed after backward, version-checked, seen
+        # by saved-tensor hooks; wrappers (weights, mostly) stay with the node, version-checked here
+        # (hooks such as save_on_cpu would turn them into dense copies); outputs always go to autograd
+        outputs = {id(o) for o in (out if isinstance(out, tuple) else (out,))}
+        self.where, saved, held = [], [], []
+        for t in stash.tensors:
+            if type(t) in _WRAPPER_TYPES and id(t) not in outputs:
+                with _NoTorchFunction():
+                    held.append((t, t._version))
+                self.where.append((True, len(held) - 1))
+            else:
+                saved.append(t)
+                self.where.append((False, len(saved) - 1))
+        self.held = held
+        fctx.save_for_backward(*saved)
         self.unique = None
+        self.converted = None
         self.stashed = True
+
+    def saved(self, from_autograd: tuple) -> tuple:
+        """The stashed tensors in stash order: autograd's, and the held wrappers
+        (raising, as autograd does, if one was changed in place since)."""
+        out = []
+        for is_held, j in self.where:
+            if not is_held:
+                out.append(from_autograd[j])
+                continue
+            wrapper, version = self.held[j]
+            with _NoTorchFunction():
+                now = wrapper._version
+            if now != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: [{type(wrapper).__name__} of {type(wrapper.wrapped_tensor).__name__}, "
+                    f"shape {tuple(wrapper.shape)}] is at version {now}; expected version {version} instead.")
+            out.append(wrapper)
+        return tuple(out)
 
     def unstash(self, saved: tuple) -> tuple:
         """The stashed trees filled from autograd's saved tensors; returns the
@@ -845,13 +880,14 @@ class _DispatchFunction(torch.autograd.Function):
         out = call.forward()
         if isinstance(out, tuple):
             fctx.mark_non_differentiable(*[o for o in out if isinstance(o, torch.Tensor) and not o.is_floating_point()])
-        call.stash(fctx)
+        call.stash(fctx, out)
         return out
 
     @staticmethod
+    @once_differentiable  # implementations see detached inputs: no double backward (raises, not wrong)
     def backward(fctx: Any, *grads: Any) -> Any:
         call = fctx.call
-        templates = call.unstash(fctx.saved_tensors)  # raises if an input changed in place since
+        templates = call.unstash(call.saved(fctx.saved_tensors))  # raises if an input changed in place since
         try:
             return (None, *call.backward(grads, fctx.needs_input_grad[1:]))
         finally:

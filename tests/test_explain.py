@@ -170,7 +170,7 @@ def test_backward_rows(example):
 
 
 def test_backward_fallback_row_names_the_bwd_decorator():
-    w, x = csr(), torch.randn(3, 8)
+    w = csr()
     owner = "test-explain-fwd-only"
     with sten.registry.owner(owner):
         @sten.register_fwd_op_impl(operator=torch.Tensor.sum, inp=(sten.CsrTensor,), out=None)
