@@ -3,6 +3,9 @@
 #include "nm_isa.h"
 
 typedef float vf __attribute__((vector_size(VW * 4)));
+/* Same vector, 4-byte alignment: loads and stores on caller memory (a tensor's data_ptr()
+ * may sit at any float offset, e.g. a view), so never an aligned-move fault there. */
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 
 #define NV 1
 #include "nm_body.h"

@@ -286,6 +286,11 @@ int nm_tgather_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, floa
 {
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->C == 0) return 0;
+    if (A->R == 0 || A->G * A->n == 0) {   /* empty contraction: X = bias (or 0) */
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t c = 0; c < A->C; c++) X[b * ldx + c] = bias ? bias[c] : 0.0f;
+        return 0;
+    }
     const int64_t R = A->R, C = A->C, gn = A->G * A->n;
     const nm_isa_table *T = table();
     int nvi; const int64_t bch = (int64_t)choose_nv(B, T->vw, &nvi) * T->vw;

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -76,6 +77,10 @@ def _load() -> ctypes.CDLL:
                  "nm_index_per_word"):
         getattr(lib, name).restype = ctypes.c_int
     _lib = lib
+    forced = os.environ.get("STEN_NM_ISA")
+    if forced and lib.nm_isa().decode() != forced:
+        warnings.warn(f"STEN_NM_ISA={forced!r} is not an instruction set this CPU runs "
+                      f"({', '.join(supported_isas())}); using {isa()!r}", RuntimeWarning, stacklevel=2)
     return lib
 
 
@@ -94,9 +99,25 @@ def isa() -> str:
 
 
 def set_isa(name: str) -> None:
-    """Force an instruction set (for tests and benchmarks)."""
+    """Force an instruction set (for tests and benchmarks); ``STEN_NM_ISA`` does it at load."""
     if _load().nm_set_isa(name.encode()) != 0:
-        raise ValueError(f"isa {name!r} is not supported on this machine")
+        raise ValueError(f"isa {name!r} is not supported on this machine (supported: {supported_isas()})")
+
+
+ISAS = ("generic", "avx2", "avx512")
+
+
+def supported_isas() -> list[str]:
+    """The instruction sets this CPU can run, portable first (the last is the default).
+
+    >>> supported_isas()[0]
+    'generic'
+    """
+    lib, current = _load(), isa()
+    try:
+        return [name for name in ISAS if lib.nm_set_isa(name.encode()) == 0]
+    finally:
+        lib.nm_set_isa(current.encode())
 
 
 def index_bits(m: int) -> int:

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -45,6 +46,11 @@ def _check_input(x: Any, name: str, k: int, what: str) -> torch.Tensor:
     if x.device.type != "cpu":
         raise ValueError(f"{name} must be on the CPU, got device {x.device}")
     return x
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as 2-D ``[batch, last]`` (also when ``last`` is 0, where ``reshape(-1, 0)`` fails)."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def _out_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
@@ -77,7 +83,7 @@ def _grad_values(W: NMTensor, x2: torch.Tensor, gy2: torch.Tensor, a_is_w: bool)
 
 def _apply(x: torch.Tensor, W: NMTensor, bias: Optional[torch.Tensor], a_is_w: bool, n_out: int) -> torch.Tensor:
     dtype = _out_dtype(x, W._values, bias)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = _rows(x)
     if dtype == torch.float64:  # keep double precision: dense reference path
         y2 = x2.double() @ (W.to_dense().double().t() if a_is_w == (W.dim == 1) else W.to_dense().double())
         y2 = y2 if bias is None else y2 + bias.double()
@@ -150,8 +156,8 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, sa
     a_is_w = (W.dim == 1) if linear else (W.dim == 0)
     gy = grad_outputs[0]
     n_out = gy.shape[-1]
-    gy2 = gy.reshape(-1, n_out)
-    x2 = x.reshape(-1, x.shape[-1])
+    gy2 = _rows(gy)
+    x2 = _rows(x)
     double = _out_dtype(x, W._values) == torch.float64
     gx = gw = gb = None
     if _needs(ctx, 0):
@@ -232,7 +238,7 @@ def grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = 
     if bias is not None:
         _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}")
     dtype = _out_dtype(x, W._vals, bias)
-    x2 = x.reshape(-1, K)
+    x2 = _rows(x)
     if dtype == torch.float64:
         y2 = F.linear(x2.double(), W.to_dense().double(), None if bias is None else bias.double())
     else:
@@ -259,8 +265,8 @@ def _grouped_backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple
         if sparse_grad and gw is not None:
             gw = SparseTensorWrapper(G.with_values(G.from_row_values(gw.wrapped_tensor.values())))
         return gx, gw, gb
-    gy2 = grad_outputs[0].reshape(-1, N)
-    x2 = x.reshape(-1, K)
+    gy2 = _rows(grad_outputs[0])
+    x2 = _rows(x)
     gx = gw = gb = None
     if _needs(ctx, 0):
         gx = _kernel.grouped_tgather(G.desc(), gy2).to(x.dtype).reshape(x.shape)
