@@ -1,4 +1,7 @@
 /* sten_nm driver: ISA selection, threading (OpenMP, else pthreads), packing, conversions. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE   /* dladdr */
+#endif
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -56,22 +59,7 @@ int nm_index_per_word(int32_t m) { return 32 / nm_index_bits(m); }
 /* ------------------------------------------------------------ threads ---- */
 typedef void (*task_fn)(void *arg, int tid, int nth);
 
-/* Run fn(arg, tid, nth) for tid in [0, nth). With OpenMP (the normal build), in the
- * process's OpenMP pool: PyTorch's CPU builds load libgomp, and an extension that needs
- * libgomp.so.1 shares that copy, so the kernels run on PyTorch's own worker threads
- * instead of competing with them while they spin after an operator. */
-#ifdef _OPENMP
-#include <omp.h>
-static void run_parallel(int nth, task_fn fn, void *arg)
-{
-    if (nth <= 1) { fn(arg, 0, 1); return; }
-#pragma omp parallel num_threads(nth)
-    {
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        for (int i = t; i < nth; i += T) fn(arg, i, nth);   /* all tasks, however many threads */
-    }
-}
-#else
+/* Threads of our own (the fallback): created per call, joined at its end. */
 typedef struct { task_fn fn; void *arg; int tid, nth; } task_t;
 
 static void *task_main(void *p)
@@ -81,9 +69,8 @@ static void *task_main(void *p)
     return NULL;
 }
 
-static void run_parallel(int nth, task_fn fn, void *arg)
+static void run_pthreads(int nth, task_fn fn, void *arg)
 {
-    if (nth <= 1) { fn(arg, 0, 1); return; }
     pthread_t th[256];
     task_t tasks[256];
     int started[256];
@@ -97,7 +84,65 @@ static void run_parallel(int nth, task_fn fn, void *arg)
     for (int i = 1; i < nth; i++)
         if (started[i]) pthread_join(th[i], NULL);
 }
+
+/* Run fn(arg, tid, nth) for tid in [0, nth). With OpenMP (the normal build), in the
+ * process's OpenMP pool: PyTorch's CPU builds load libgomp, and an extension that needs
+ * libgomp.so.1 shares that copy, so the kernels run on PyTorch's own worker threads
+ * instead of competing with them while they spin after an operator. Where the process has
+ * a second OpenMP runtime (a torch wheel with a renamed libgomp), the Python side switches
+ * to threads of our own (nm_set_threading("pthreads")): no second pool spinning. */
+#ifdef _OPENMP
+#include <dlfcn.h>
+#include <omp.h>
+static int g_use_omp = 1;
+
+static void run_parallel(int nth, task_fn fn, void *arg)
+{
+    if (nth <= 1) { fn(arg, 0, 1); return; }
+    if (!g_use_omp) { run_pthreads(nth, fn, arg); return; }
+#pragma omp parallel num_threads(nth)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        for (int i = t; i < nth; i += T) fn(arg, i, nth);   /* all tasks, however many threads */
+    }
+}
+
+const char *nm_openmp_library(void)
+{
+    Dl_info info;
+    if (dladdr((void *)&omp_get_thread_num, &info) && info.dli_fname) return info.dli_fname;
+    return "";
+}
+#else
+static const int g_use_omp = 0;
+
+static void run_parallel(int nth, task_fn fn, void *arg)
+{
+    if (nth <= 1) { fn(arg, 0, 1); return; }
+    run_pthreads(nth, fn, arg);
+}
+
+const char *nm_openmp_library(void) { return NULL; }
 #endif
+
+const char *nm_threading(void) { return g_use_omp ? "openmp" : "pthreads"; }
+
+int nm_set_threading(const char *name)
+{
+    if (strcmp(name, "pthreads") == 0) {
+#ifdef _OPENMP
+        g_use_omp = 0;
+#endif
+        return 0;
+    }
+    if (strcmp(name, "openmp") == 0) {
+#ifdef _OPENMP
+        g_use_omp = 1;
+        return 0;
+#endif
+    }
+    return -1;
+}
 
 static void split(int64_t total, int tid, int nth, int64_t *a, int64_t *b)
 {

@@ -75,6 +75,13 @@ const char *nm_isa(void);
 /* Force an ISA ("avx512", "avx2", "generic"); returns 0 on success, -1 if unsupported. */
 int nm_set_isa(const char *name);
 
+/* Threading: "openmp" (the process's OpenMP pool) or "pthreads" (threads per call). */
+const char *nm_threading(void);
+/* Pick "openmp" (only in an OpenMP build) or "pthreads"; 0 on success, -1 otherwise. */
+int nm_set_threading(const char *name);
+/* File of the OpenMP runtime the kernels call ("" if unknown), NULL without OpenMP. */
+const char *nm_openmp_library(void);
+
 int nm_index_bits(int32_t m);
 int nm_index_per_word(int32_t m);
 #endif

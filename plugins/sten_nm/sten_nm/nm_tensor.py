@@ -215,7 +215,7 @@ class NMTensor(_Base):
     def to_dense(self) -> torch.Tensor:
         """The dense tensor (zeros at the dropped positions)."""
         R, C = self._rc()
-        if self._values.dtype == torch.float32:
+        if self._values.dtype == torch.float32 and _kernel.available()[0]:
             a = _kernel.decompress(self.mat())
         else:
             G = -(-C // self.m)

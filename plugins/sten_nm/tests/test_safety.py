@@ -14,9 +14,9 @@ import torch.nn.functional as F
 import sten_core as sten
 from sten_nm import GroupedNMTensor, NMTensor, _kernel, grouped_linear, nm_linear
 
-from conftest import PATTERNS
+from conftest import KERNEL_OK, PATTERNS, requires_kernel
 
-pytestmark = pytest.mark.skipif(not _kernel.available()[0], reason=str(_kernel.available()[1]))
+pytestmark = requires_kernel
 
 
 def _run_isolated(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -211,7 +211,7 @@ def test_every_isa_the_cpu_has_is_supported_and_default():
     assert proc.returncode == 0 and proc.stdout.strip() == isas[-1], proc.stderr
 
 
-@pytest.mark.parametrize("name", _kernel.supported_isas() if _kernel.available()[0] else [])
+@pytest.mark.parametrize("name", _kernel.supported_isas() if KERNEL_OK else [])
 def test_isa_forced_by_environment(name):
     code = """
         import torch, torch.nn.functional as F
