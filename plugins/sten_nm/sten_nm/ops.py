@@ -81,7 +81,26 @@ def _grad_values(W: NMTensor, x2: torch.Tensor, gy2: torch.Tensor, a_is_w: bool)
     return _kernel.sddmm(mat, gy2, x2) if a_is_w else _kernel.sddmm(mat, x2, gy2)
 
 
+def _autocast_dtype(*ts: Optional[torch.Tensor]) -> Optional[torch.dtype]:
+    """CPU autocast's dtype when it is on and would cast these operands (``linear``, ``mm``
+    and ``matmul`` are on its lower-precision list; float64 operands are never cast)."""
+    if not torch.is_autocast_enabled("cpu"):
+        return None
+    if any(t is not None and t.dtype == torch.float64 for t in ts):
+        return None
+    return torch.get_autocast_dtype("cpu")
+
+
+def _cast(t: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+    return t if t is None or dtype is None or t.dtype == dtype else t.to(dtype)
+
+
 def _apply(x: torch.Tensor, W: NMTensor, bias: Optional[torch.Tensor], a_is_w: bool, n_out: int) -> torch.Tensor:
+    amp = _autocast_dtype(x, W._values, bias)
+    if amp is not None:  # as dense under autocast: operands rounded to amp, result in amp
+        x, bias = _cast(x, amp), _cast(bias, amp)
+        if W._values.dtype != amp:
+            W = W.with_values(W._values.to(amp))
     dtype = _out_dtype(x, W._values, bias)
     x2 = _rows(x)
     if dtype == torch.float64:  # keep double precision: dense reference path
@@ -237,6 +256,11 @@ def grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = 
     _check_input(x, "input", K, f"F.linear with a weight of shape {(N, K)}")
     if bias is not None:
         _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}")
+    amp = _autocast_dtype(x, W._vals, bias)
+    if amp is not None:  # as dense under autocast: operands rounded to amp, result in amp
+        x, bias = _cast(x, amp), _cast(bias, amp)
+        if W._vals.dtype != amp:
+            W = W.with_values(W._vals.to(amp))
     dtype = _out_dtype(x, W._vals, bias)
     x2 = _rows(x)
     if dtype == torch.float64:
