@@ -1,0 +1,185 @@
+"""``F.linear`` with a :class:`ColumnGroupedNMTensor` weight, forward and backward, in
+torch: one dense product per (row block, pattern) - the columns a pattern owns gathered
+from ``x`` times that pattern's ``[n, L]`` values - batched with ``torch.bmm`` over slabs
+of row blocks (the gathered ``x`` of a slab stays within ``SLAB_FLOATS``).
+
+* forward ``y = x Wᵀ``: ``y[:, q*m + pattern[p]] += x[:, columns[q, p]] @ values[q, p]ᵀ``;
+* input gradient ``gx = gy W``: ``gx[:, columns[q, p]] += gy[:, q*m + pattern[p]] @ values[q, p]``;
+* weight gradient at the kept positions: ``gy[:, q*m + pattern[p]]ᵀ @ x[:, columns[q, p]]``.
+
+Half-precision operands are computed in float32 (results in the operands' dtype); under
+CPU autocast the operands are rounded to its dtype first, as for dense.
+
+Example:
+    >>> import torch
+    >>> from sten_nm import ColumnGroupedNMTensor
+    >>> from sten_nm.column_grouped_ops import column_grouped_linear
+    >>> w = ColumnGroupedNMTensor.from_dense(torch.eye(4), n=1, m=2)
+    >>> column_grouped_linear(torch.arange(4.).reshape(1, 4), w).tolist()
+    [[0.0, 1.0, 2.0, 3.0]]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .column_grouped import ColumnGroupedNMTensor, patterns
+from .ops import _autocast_dtype, _cast, _check_input, _needs, _out_dtype, _rows
+
+SLAB_FLOATS = 1 << 24
+
+
+def _layout(w: Any) -> ColumnGroupedNMTensor:
+    W = getattr(w, "wrapped_tensor", w)
+    if not isinstance(W, ColumnGroupedNMTensor):
+        raise TypeError(f"weight must be a ColumnGroupedNMTensor, got {type(W).__name__}")
+    return W
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _slab(B: int, P: int, L: int, Nb: int) -> int:
+    """Row blocks per slab: the slab's gathered x (B x blocks x P x L) within SLAB_FLOATS."""
+    return max(1, min(Nb, SLAB_FLOATS // max(1, B * P * L)))
+
+
+def _padded_x(W: ColumnGroupedNMTensor, x2: torch.Tensor) -> torch.Tensor:
+    Kp = W.num_patterns * W._values.shape[3]
+    K = W.shape[1]
+    return x2 if Kp == K else F.pad(x2, (0, Kp - K))
+
+
+def _gathered(xp: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``x[:, cols]`` for cols ``[q, P, L]`` as ``[q*P, B, L]``."""
+    B = xp.shape[0]
+    q, P, L = cols.shape
+    return xp[:, cols.reshape(-1)].reshape(B, q * P, L).transpose(0, 1)
+
+
+def forward(W: ColumnGroupedNMTensor, x2: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``x2 @ Wᵀ`` (``[B, N]``) with ``values`` in the compute dtype."""
+    N, _ = W.shape
+    Nb, P, n, L = values.shape
+    B = x2.shape[0]
+    y = x2.new_zeros((B, Nb, W.m))
+    if B == 0 or Nb == 0 or L == 0:
+        return y.reshape(B, Nb * W.m)[:, :N]
+    xp, cols, pats = _padded_x(W, x2), W.columns.long(), patterns(n, W.m)
+    step = _slab(B, P, L, Nb)
+    for q0 in range(0, Nb, step):
+        q1 = min(Nb, q0 + step)
+        v = values[q0:q1].reshape((q1 - q0) * P, n, L)
+        yp = torch.bmm(_gathered(xp, cols[q0:q1]), v.transpose(1, 2))        # [q*P, B, n]
+        yp = yp.reshape(q1 - q0, P, B, n).permute(2, 0, 1, 3)                  # [B, q, P, n]
+        for p in range(P):   # each pattern's rows (distinct within a pattern)
+            y[:, q0:q1, pats[p]] += yp[:, :, p]
+    return y.reshape(B, Nb * W.m)[:, :N]
+
+
+def input_grad(W: ColumnGroupedNMTensor, gy2: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``gy2 @ W`` (``[B, K]``)."""
+    N, K = W.shape
+    Nb, P, n, L = values.shape
+    B = gy2.shape[0]
+    gx = gy2.new_zeros((B, P * L))
+    if B == 0 or Nb == 0 or L == 0:
+        return gx[:, :K]
+    gyb = F.pad(gy2, (0, Nb * W.m - N)).reshape(B, Nb, W.m)[:, :, patterns(n, W.m)]   # [B, Nb, P, n]
+    cols = W.columns.long()
+    step = _slab(B, P, L, Nb)
+    for q0 in range(0, Nb, step):
+        q1 = min(Nb, q0 + step)
+        g = gyb[:, q0:q1].reshape(B, (q1 - q0) * P, n).transpose(0, 1)          # [q*P, B, n]
+        part = torch.bmm(g, values[q0:q1].reshape((q1 - q0) * P, n, L))        # [q*P, B, L]
+        gx.index_add_(1, cols[q0:q1].reshape(-1), part.transpose(0, 1).reshape(B, -1))
+    return gx[:, :K]
+
+
+def values_grad(W: ColumnGroupedNMTensor, gy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """Gradient of the stored values: ``[Nb, P, n, L]``."""
+    N, _ = W.shape
+    Nb, P, n, L = W._values.shape
+    B = gy2.shape[0]
+    out = x2.new_zeros((Nb, P, n, L))
+    if B == 0 or Nb == 0 or L == 0:
+        return out
+    gyb = F.pad(gy2, (0, Nb * W.m - N)).reshape(B, Nb, W.m)[:, :, patterns(n, W.m)]
+    xp, cols = _padded_x(W, x2), W.columns.long()
+    step = _slab(B, P, L, Nb)
+    for q0 in range(0, Nb, step):
+        q1 = min(Nb, q0 + step)
+        g = gyb[:, q0:q1].reshape(B, (q1 - q0) * P, n).permute(1, 2, 0)         # [q*P, n, B]
+        out[q0:q1] = torch.bmm(g, _gathered(xp, cols[q0:q1])).reshape(q1 - q0, P, n, L)
+    return out
+
+
+def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a :class:`ColumnGroupedNMTensor` weight ``[N, K]``."""
+    W = _layout(weight)
+    N, K = W.shape
+    _check_input(x, "input", K, f"F.linear with a weight of shape {(N, K)}")
+    if bias is not None:
+        _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}")
+        if bias.dim() != 1:
+            raise ValueError(f"bias must be 1-D of size {N}, got shape {tuple(bias.shape)}")
+    amp = _autocast_dtype(x, W._values, bias)
+    x, bias = _cast(x, amp), _cast(bias, amp)
+    values = _cast(W._values, amp)
+    dtype = _out_dtype(x, values, bias)
+    c = _compute_dtype(dtype)
+    y2 = forward(W, _rows(x).to(c), values.to(c))
+    if bias is not None:
+        y2 = y2 + bias.to(c)
+    return y2.to(dtype).reshape(*x.shape[:-1], N)
+
+
+def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    x, w, bias = (list(inputs) + [None, None])[:3]
+    ctx.save_for_backward(x, w, bias)
+    return column_grouped_linear(x, w, bias)
+
+
+def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
+    from sten_core import SparseTensorWrapper
+
+    x, w, bias = ctx.saved_tensors
+    W = _layout(w)
+    c = _compute_dtype(_out_dtype(x, W._values))
+    gy2 = _rows(grad_outputs[0]).to(c)
+    x2 = _rows(x).to(c)
+    gx = gw = gb = None
+    if _needs(ctx, 0):
+        gx = input_grad(W, gy2, W._values.to(c)).to(x.dtype).reshape(x.shape)
+    if _needs(ctx, 1):
+        if sparse_grad:
+            gw = SparseTensorWrapper(W.with_values(values_grad(W, gy2, x2).to(W.dtype)))
+        else:
+            gw = (gy2.t() @ x2).to(W.dtype)
+    if bias is not None and _needs(ctx, 2):
+        gb = gy2.sum(0).to(bias.dtype)
+    return gx, gw, gb
+
+
+def linear_bwd_dense(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+    return _backward(ctx, grad_outputs, sparse_grad=False)
+
+
+def linear_bwd_sparse(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+    return _backward(ctx, grad_outputs, sparse_grad=True)
+
+
+def register(registry: Any) -> None:
+    """Register ``F.linear`` with a :class:`ColumnGroupedNMTensor` weight (forward and backward)."""
+    from sten_core import KeepAll
+
+    T = torch.Tensor
+    for inp in ((T, ColumnGroupedNMTensor, T), (T, ColumnGroupedNMTensor)):
+        registry.register_fwd_op_impl(F.linear, inp, [(KeepAll, T)], linear_fwd)
+        for wfmt, impl in ((T, linear_bwd_dense), (ColumnGroupedNMTensor, linear_bwd_sparse)):
+            grads = [(KeepAll, T), (KeepAll, wfmt)] + [(KeepAll, T)] * (len(inp) - 2)
+            registry.register_bwd_op_impl(F.linear, (T,), tuple(grads), inp, impl)
