@@ -757,6 +757,68 @@ int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int6
     return a.err;
 }
 
+/* -------------------------------------------------------- column-grouped -- */
+typedef struct {
+    const nm_colgrouped *W; const float *xp; int64_t Kp, nbc, B; float *Y; int64_t ldy;
+    const float *bias; int64_t bch; nm_cgg_fn fn; int err;
+} cgg_args;
+
+/* Each thread owns a range of row blocks; per batch chunk (its packed panel stays in L2
+ * while the thread's blocks run) the blocks' rows are accumulated in ytmp, then written. */
+static void cgg_task(void *p, int tid, int nth)
+{
+    cgg_args *a = (cgg_args *)p;
+    const nm_colgrouped *W = a->W;
+    int64_t q0, q1;
+    split(W->Nb, tid, nth, &q0, &q1);
+    if (q1 <= q0) return;
+    const int64_t qb = 8;   /* row blocks per pass: their accumulators stay in L1 */
+    float *ytmp = (float *)alloc64((size_t)(qb * W->m * a->bch) * sizeof(float));
+    if (!ytmp) { a->err = -3; return; }
+    for (int64_t bc = 0; bc < a->nbc; bc++) {
+        const float *panel = a->xp + bc * a->Kp * a->bch;
+        const int64_t bmax = a->B - bc * a->bch < a->bch ? a->B - bc * a->bch : a->bch;
+        for (int64_t qa = q0; qa < q1; qa += qb) {
+            const int64_t qe = qa + qb < q1 ? qa + qb : q1;
+            a->fn(W, panel, qa, qe, ytmp);
+            const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N;
+            for (int64_t b = 0; b < bmax; b++) {
+                float *yrow = a->Y + (bc * a->bch + b) * a->ldy;
+                for (int64_t r = r0; r < r1; r++)
+                    yrow[r] = ytmp[(r - r0) * a->bch + b] + (a->bias ? a->bias[r] : 0.0f);
+            }
+        }
+    }
+    free(ytmp);
+}
+
+int nm_colgrouped_gather_f32(const nm_colgrouped *W, int64_t B, const float *X, int64_t ldx,
+                             float *Y, int64_t ldy, const float *bias, int nthreads)
+{
+    if (!W || W->n < 1 || W->m < 2 || W->n >= W->m || W->P < 1 || W->N < 0 || W->K < 0 || B < 0 ||
+        W->Nb != (W->N + W->m - 1) / W->m || W->L < 0 || (int64_t)W->P * W->L < W->K)
+        return -1;
+    if (B == 0 || W->N == 0) return 0;
+    if (W->K == 0 || W->L == 0) {
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t r = 0; r < W->N; r++) Y[b * ldy + r] = bias ? bias[r] : 0.0f;
+        return 0;
+    }
+    for (int64_t i = 0; i < (int64_t)W->P * W->n; i++)
+        if (W->pats[i] < 0 || W->pats[i] >= W->m) return -1;
+    const nm_isa_table *T = table();
+    int nvi; const int64_t bch = (int64_t)choose_nv(B, T->vw, &nvi) * T->vw;
+    const int64_t Kp = (int64_t)W->P * W->L;
+    const int nth = clamp_threads(nthreads, 2.0 * B * W->Nb * W->n * Kp, W->Nb);
+    int64_t nbc;
+    float *xp = make_panel(X, ldx, B, W->K, Kp, bch, &nbc, nth);
+    if (!xp) return -3;
+    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, T->cgg[nvi], 0};
+    run_parallel(nth, cgg_task, &a);
+    free(xp);
+    return a.err;
+}
+
 /* ----------------------------------------------------------- conversions -- */
 typedef struct {
     int64_t R, C; int32_t n, m; const float *D; int64_t ldd; const uint8_t *mask;

@@ -37,6 +37,13 @@ class NMGrouped(ctypes.Structure):
     ]
 
 
+class NMColGrouped(ctypes.Structure):
+    _fields_ = [
+        ("N", _c_i64), ("K", _c_i64), ("n", _c_i32), ("m", _c_i32), ("P", _c_i32), ("pad_", _c_i32),
+        ("Nb", _c_i64), ("L", _c_i64), ("vals", _c_p), ("cols", _c_p), ("pats", _c_p),
+    ]
+
+
 GROUP_ROWS = 16  # NM_GR in csrc/nm_kernel.h
 
 _lib: Optional[ctypes.CDLL] = None
@@ -68,6 +75,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nm_grouped_gather_f32.argtypes = [PG, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
     lib.nm_grouped_sddmm_f32.argtypes = [PG, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
     lib.nm_grouped_tgather_f32.argtypes = [PG, _c_i64, _c_p, _c_i64, _c_p, _c_i64, ctypes.c_int]
+    lib.nm_colgrouped_gather_f32.argtypes = [ctypes.POINTER(NMColGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64,
+                                             _c_p, ctypes.c_int]
+    lib.nm_colgrouped_gather_f32.restype = ctypes.c_int
     for name in ("nm_isa", "nm_threading", "nm_openmp_library"):
         getattr(lib, name).restype = ctypes.c_char_p
     lib.nm_set_isa.argtypes = [ctypes.c_char_p]
@@ -330,3 +340,25 @@ def grouped_tgather(W: NMGrouped, dY: torch.Tensor, nthreads: Optional[int] = No
                                         dX.stride(0) if W.K else 1, _threads(nthreads))
     _check(rc, "nm_grouped_tgather")
     return dX
+
+
+def colgrouped(vals: torch.Tensor, cols: torch.Tensor, pats: torch.Tensor, N: int, K: int, n: int, m: int) -> NMColGrouped:
+    """C descriptor of a column-grouped n:m matrix (see ``ColumnGroupedNMTensor``): float32
+    contiguous ``vals [Nb, P, n, L]``, int32 ``cols [Nb, P, L]`` and ``pats [P, n]``."""
+    Nb, P, _, L = vals.shape
+    desc = NMColGrouped(N, K, n, m, P, 0, Nb, L, vals.data_ptr(), cols.data_ptr(), pats.data_ptr())
+    desc._keep = (vals, cols, pats)
+    return desc
+
+
+def colgrouped_gather(W: NMColGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                      nthreads: Optional[int] = None) -> torch.Tensor:
+    """``Y = X W^T (+ bias)`` for a column-grouped n:m ``W`` ``[N, K]``, X ``[B, K]``."""
+    X = _rowmajor(X)
+    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = _load().nm_colgrouped_gather_f32(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(),
+                                          Y.stride(0) if W.N else 1, b.data_ptr() if b is not None else None,
+                                          _threads(nthreads))
+    _check(rc, "nm_colgrouped_gather")
+    return Y

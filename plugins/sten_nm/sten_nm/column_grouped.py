@@ -340,6 +340,15 @@ class ColumnGroupedNMTensor(_Base):
         return (torch.arange(Nb)[:, None, None] * self.m + patterns(self.n, self.m)[None]).reshape(
             Nb, self.num_patterns, self.n, 1)
 
+    def desc(self) -> "Any":
+        """C descriptor of the float32 stored matrix (for ``sten_nm._kernel.colgrouped_gather``)."""
+        from . import _kernel
+
+        v = self._values if self._values.dtype == torch.float32 else self._values.float()
+        pats = patterns(self.n, self.m).to(torch.int32).contiguous()
+        N, K = self._shape
+        return _kernel.colgrouped(v.contiguous(), self.columns, pats, N, K, self.n, self.m)
+
     # -- conversions -----------------------------------------------------------
     def to_dense(self) -> torch.Tensor:
         N, K = self._shape

@@ -1,7 +1,12 @@
-"""``F.linear`` with a :class:`ColumnGroupedNMTensor` weight, forward and backward, in
-torch: one dense product per (row block, pattern) - the columns a pattern owns gathered
-from ``x`` times that pattern's ``[n, L]`` values - batched with ``torch.bmm`` over slabs
-of row blocks (the gathered ``x`` of a slab stays within ``SLAB_FLOATS``).
+"""``F.linear`` with a :class:`ColumnGroupedNMTensor` weight, forward and backward.
+
+The forward runs the C kernel (``nm_colgrouped_gather_f32``: per row block and pattern,
+each owned column's batch vector of ``x`` from a packed panel feeds ``n`` FMAs) where the
+extension is available and the compute dtype is float32. The torch reference (used for
+the backward, other dtypes and without the extension): one dense product per (row block,
+pattern) - the columns a pattern owns gathered from ``x`` times that pattern's ``[n, L]``
+values - batched with ``torch.bmm`` over slabs of row blocks (the gathered ``x`` of a slab
+stays within ``SLAB_FLOATS``).
 
 * forward ``y = x Wᵀ``: ``y[:, q*m + pattern[p]] += x[:, columns[q, p]] @ values[q, p]ᵀ``;
 * input gradient ``gx = gy W``: ``gx[:, columns[q, p]] += gy[:, q*m + pattern[p]] @ values[q, p]``;
@@ -26,6 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from . import _kernel
 from .column_grouped import ColumnGroupedNMTensor, patterns
 from .ops import _autocast_dtype, _cast, _check_input, _needs, _out_dtype, _rows
 
@@ -48,17 +54,21 @@ def _slab(B: int, P: int, L: int, Nb: int) -> int:
     return max(1, min(Nb, SLAB_FLOATS // max(1, B * P * L)))
 
 
-def _padded_x(W: ColumnGroupedNMTensor, x2: torch.Tensor) -> torch.Tensor:
+def _columns_major(W: ColumnGroupedNMTensor, x2: torch.Tensor) -> torch.Tensor:
+    """``x2ᵀ`` ``[Kp, B]``, zero rows for the padding columns: gathering a pattern's
+    columns is then a copy of whole rows."""
     Kp = W.num_patterns * W._values.shape[3]
-    K = W.shape[1]
-    return x2 if Kp == K else F.pad(x2, (0, Kp - K))
+    xt = x2.new_zeros((Kp, x2.shape[0]))
+    xt[: x2.shape[1]] = x2.t()
+    return xt
 
 
-def _gathered(xp: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """``x[:, cols]`` for cols ``[q, P, L]`` as ``[q*P, B, L]``."""
-    B = xp.shape[0]
-    q, P, L = cols.shape
-    return xp[:, cols.reshape(-1)].reshape(B, q * P, L).transpose(0, 1)
+def _row_blocks_major(W: ColumnGroupedNMTensor, gy2: torch.Tensor) -> torch.Tensor:
+    """``gy2ᵀ`` as ``[Nb, m, B]`` (zero padding rows)."""
+    Nb = W._values.shape[0]
+    gyt = gy2.new_zeros((Nb * W.m, gy2.shape[0]))
+    gyt[: gy2.shape[1]] = gy2.t()
+    return gyt.reshape(Nb, W.m, gy2.shape[0])
 
 
 def forward(W: ColumnGroupedNMTensor, x2: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -66,19 +76,16 @@ def forward(W: ColumnGroupedNMTensor, x2: torch.Tensor, values: torch.Tensor) ->
     N, _ = W.shape
     Nb, P, n, L = values.shape
     B = x2.shape[0]
-    y = x2.new_zeros((B, Nb, W.m))
-    if B == 0 or Nb == 0 or L == 0:
-        return y.reshape(B, Nb * W.m)[:, :N]
-    xp, cols, pats = _padded_x(W, x2), W.columns.long(), patterns(n, W.m)
-    step = _slab(B, P, L, Nb)
-    for q0 in range(0, Nb, step):
-        q1 = min(Nb, q0 + step)
-        v = values[q0:q1].reshape((q1 - q0) * P, n, L)
-        yp = torch.bmm(_gathered(xp, cols[q0:q1]), v.transpose(1, 2))        # [q*P, B, n]
-        yp = yp.reshape(q1 - q0, P, B, n).permute(2, 0, 1, 3)                  # [B, q, P, n]
-        for p in range(P):   # each pattern's rows (distinct within a pattern)
-            y[:, q0:q1, pats[p]] += yp[:, :, p]
-    return y.reshape(B, Nb * W.m)[:, :N]
+    yt = x2.new_zeros((Nb, W.m, B))
+    if B and Nb and L:
+        xt, cols, rows = _columns_major(W, x2), W.columns.long(), patterns(n, W.m).reshape(-1)
+        step = _slab(B, P, L, Nb)
+        for q0 in range(0, Nb, step):
+            q1 = min(Nb, q0 + step)
+            xg = xt.index_select(0, cols[q0:q1].reshape(-1)).reshape((q1 - q0) * P, L, B)
+            yp = torch.bmm(values[q0:q1].reshape((q1 - q0) * P, n, L), xg)        # [q*P, n, B]
+            yt[q0:q1].index_add_(1, rows, yp.reshape(q1 - q0, P * n, B))
+    return yt.reshape(Nb * W.m, B)[:N].t()
 
 
 def input_grad(W: ColumnGroupedNMTensor, gy2: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -86,35 +93,33 @@ def input_grad(W: ColumnGroupedNMTensor, gy2: torch.Tensor, values: torch.Tensor
     N, K = W.shape
     Nb, P, n, L = values.shape
     B = gy2.shape[0]
-    gx = gy2.new_zeros((B, P * L))
-    if B == 0 or Nb == 0 or L == 0:
-        return gx[:, :K]
-    gyb = F.pad(gy2, (0, Nb * W.m - N)).reshape(B, Nb, W.m)[:, :, patterns(n, W.m)]   # [B, Nb, P, n]
-    cols = W.columns.long()
-    step = _slab(B, P, L, Nb)
-    for q0 in range(0, Nb, step):
-        q1 = min(Nb, q0 + step)
-        g = gyb[:, q0:q1].reshape(B, (q1 - q0) * P, n).transpose(0, 1)          # [q*P, B, n]
-        part = torch.bmm(g, values[q0:q1].reshape((q1 - q0) * P, n, L))        # [q*P, B, L]
-        gx.index_add_(1, cols[q0:q1].reshape(-1), part.transpose(0, 1).reshape(B, -1))
-    return gx[:, :K]
+    gxt = gy2.new_zeros((P * L, B))
+    if B and Nb and L:
+        gyb = _row_blocks_major(W, gy2)[:, patterns(n, W.m).reshape(-1)]         # [Nb, P*n, B]
+        cols = W.columns.long()
+        step = _slab(B, P, L, Nb)
+        for q0 in range(0, Nb, step):
+            q1 = min(Nb, q0 + step)
+            v = values[q0:q1].reshape((q1 - q0) * P, n, L)
+            part = torch.bmm(v.transpose(1, 2), gyb[q0:q1].reshape((q1 - q0) * P, n, B))   # [q*P, L, B]
+            gxt.index_add_(0, cols[q0:q1].reshape(-1), part.reshape(-1, B))
+    return gxt[:K].t()
 
 
 def values_grad(W: ColumnGroupedNMTensor, gy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """Gradient of the stored values: ``[Nb, P, n, L]``."""
-    N, _ = W.shape
     Nb, P, n, L = W._values.shape
     B = gy2.shape[0]
     out = x2.new_zeros((Nb, P, n, L))
-    if B == 0 or Nb == 0 or L == 0:
-        return out
-    gyb = F.pad(gy2, (0, Nb * W.m - N)).reshape(B, Nb, W.m)[:, :, patterns(n, W.m)]
-    xp, cols = _padded_x(W, x2), W.columns.long()
-    step = _slab(B, P, L, Nb)
-    for q0 in range(0, Nb, step):
-        q1 = min(Nb, q0 + step)
-        g = gyb[:, q0:q1].reshape(B, (q1 - q0) * P, n).permute(1, 2, 0)         # [q*P, n, B]
-        out[q0:q1] = torch.bmm(g, _gathered(xp, cols[q0:q1])).reshape(q1 - q0, P, n, L)
+    if B and Nb and L:
+        gyb = _row_blocks_major(W, gy2)[:, patterns(n, W.m).reshape(-1)]         # [Nb, P*n, B]
+        xt, cols = _columns_major(W, x2), W.columns.long()
+        step = _slab(B, P, L, Nb)
+        for q0 in range(0, Nb, step):
+            q1 = min(Nb, q0 + step)
+            xg = xt.index_select(0, cols[q0:q1].reshape(-1)).reshape((q1 - q0) * P, L, B)
+            g = gyb[q0:q1].reshape((q1 - q0) * P, n, B)
+            out[q0:q1] = torch.bmm(g, xg.transpose(1, 2)).reshape(q1 - q0, P, n, L)
     return out
 
 
@@ -132,9 +137,13 @@ def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Ten
     values = _cast(W._values, amp)
     dtype = _out_dtype(x, values, bias)
     c = _compute_dtype(dtype)
-    y2 = forward(W, _rows(x).to(c), values.to(c))
-    if bias is not None:
-        y2 = y2 + bias.to(c)
+    if c == torch.float32 and _kernel.available()[0]:   # the C kernel (float32 accumulation)
+        desc = W.desc() if values is W._values else W.with_values(values).desc()
+        y2 = _kernel.colgrouped_gather(desc, _rows(x), bias)
+    else:
+        y2 = forward(W, _rows(x).to(c), values.to(c))
+        if bias is not None:
+            y2 = y2 + bias.to(c)
     return y2.to(dtype).reshape(*x.shape[:-1], N)
 
 

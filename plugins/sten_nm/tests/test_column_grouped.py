@@ -14,6 +14,8 @@ import sten_core as sten
 from sten_nm import ColumnGroupedNMSparsifier, ColumnGroupedNMTensor, NMTensor, column_grouped_linear
 from sten_nm.column_grouped import assign_patterns, chunk_widths, default_g, patterns
 
+from conftest import requires_kernel
+
 CG_PATTERNS = [(1, 2), (2, 4), (1, 4), (3, 4), (1, 8), (2, 8), (1, 10)]
 
 
@@ -197,3 +199,39 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="input has shape"):
         column_grouped_linear(torch.randn(3, 23), t)
     assert ColumnGroupedNMTensor(t.values(), t.columns, t.shape, 2, 4, 2).same_pattern(t)
+
+
+@requires_kernel
+@pytest.mark.parametrize("n,m", CG_PATTERNS)
+@pytest.mark.parametrize("B", [1, 7, 64, 130])
+def test_c_forward_every_isa(isa, n, m, B):
+    """The C forward kernel against dense and the torch reference (odd N, K; padding)."""
+    from sten_nm import _kernel
+    from sten_nm import column_grouped_ops as cg
+
+    for N, K in ((19, 37), (40, 200)):
+        t = ColumnGroupedNMTensor.from_dense(torch.randn(N, K), n, m)
+        x, b = torch.randn(B, K), torch.randn(N)
+        y = _kernel.colgrouped_gather(t.desc(), x, b)
+        torch.testing.assert_close(y, F.linear(x, t.to_dense(), b), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y, cg.forward(t, x, t.values()) + b, rtol=1e-4, atol=1e-4)
+        for threads in (1, 3):
+            torch.testing.assert_close(_kernel.colgrouped_gather(t.desc(), x, nthreads=threads),
+                                       F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
+
+
+@requires_kernel
+def test_c_forward_values_at_odd_offset_and_empty():
+    from sten_nm import _kernel
+
+    t = ColumnGroupedNMTensor.from_dense(torch.randn(24, 48), 2, 4)
+    v = t.values()
+    flat = torch.empty(v.numel() + 1)
+    flat[1:] = v.flatten()
+    t2 = t.with_values(flat[1:].view_as(v))
+    x = torch.randn(9, 48)
+    torch.testing.assert_close(column_grouped_linear(x, t2), F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
+    for N, K in ((0, 8), (8, 0), (0, 0)):
+        e = ColumnGroupedNMTensor.from_dense(torch.randn(N, K), 2, 4)
+        b = torch.randn(N)
+        assert torch.equal(_kernel.colgrouped_gather(e.desc(), torch.randn(3, K), b), b.expand(3, N))
