@@ -141,9 +141,10 @@ def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Ten
         desc = W.desc() if values is W._values else W.with_values(values).desc()
         y2 = _kernel.colgrouped_gather(desc, _rows(x), bias)
     else:
-        y2 = forward(W, _rows(x).to(c), values.to(c))
-        if bias is not None:
-            y2 = y2 + bias.to(c)
+        with torch.autocast("cpu", enabled=False):   # operands already cast; compute in c
+            y2 = forward(W, _rows(x).to(c), values.to(c))
+            if bias is not None:
+                y2 = y2 + bias.to(c)
     return y2.to(dtype).reshape(*x.shape[:-1], N)
 
 
@@ -162,13 +163,14 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     gy2 = _rows(grad_outputs[0]).to(c)
     x2 = _rows(x).to(c)
     gx = gw = gb = None
-    if _needs(ctx, 0):
-        gx = input_grad(W, gy2, W._values.to(c)).to(x.dtype).reshape(x.shape)
-    if _needs(ctx, 1):
-        if sparse_grad:
-            gw = SparseTensorWrapper(W.with_values(values_grad(W, gy2, x2).to(W.dtype)))
-        else:
-            gw = (gy2.t() @ x2).to(W.dtype)
+    with torch.autocast("cpu", enabled=False):   # gradients in the compute dtype
+        if _needs(ctx, 0):
+            gx = input_grad(W, gy2, W._values.to(c)).to(x.dtype).reshape(x.shape)
+        if _needs(ctx, 1):
+            if sparse_grad:
+                gw = SparseTensorWrapper(W.with_values(values_grad(W, gy2, x2).to(W.dtype)))
+            else:
+                gw = (gy2.t() @ x2).to(W.dtype)
     if bias is not None and _needs(ctx, 2):
         gb = gy2.sum(0).to(bias.dtype)
     return gx, gw, gb

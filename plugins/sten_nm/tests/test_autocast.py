@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import sten_core as sten
-from sten_nm import GroupedNMTensor, NMTensor
+from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor
 
 from conftest import requires_kernel
 
@@ -15,7 +15,7 @@ pytestmark = requires_kernel
 
 def _pair(layout, dim, sparse_grad):
     w = torch.randn(24, 40)
-    t = layout.from_dense(w, 2, 4) if layout is GroupedNMTensor else layout.from_dense(w, 2, 4, dim=dim)
+    t = layout.from_dense(w, 2, 4) if layout is not NMTensor else layout.from_dense(w, 2, 4, dim=dim)
     fmt = (sten.KeepAll(), layout, sten.KeepAll(), layout) if sparse_grad else None
     return t, sten.SparseParameterWrapper(t, grad_fmt=fmt)
 
@@ -26,7 +26,8 @@ def _close(a, b):
     torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2 * scale)
 
 
-@pytest.mark.parametrize("layout,dim", [(NMTensor, 1), (NMTensor, 0), (GroupedNMTensor, 1)])
+@pytest.mark.parametrize("layout,dim", [(NMTensor, 1), (NMTensor, 0), (GroupedNMTensor, 1),
+                                        (ColumnGroupedNMTensor, 1)])
 @pytest.mark.parametrize("sparse_grad", [True, False])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_linear_under_bf16_autocast(layout, dim, sparse_grad, with_bias):
