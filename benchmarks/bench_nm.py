@@ -115,7 +115,7 @@ def main() -> None:
                              f"{t_paper.kept_magnitude_ratio(W):.3f} (g={t_paper.g}) |")
             kept_of = {"dense torch": 1.0, "NMTensor (exact n:m)": kept(t_exact.to_dense(), W),
                        "GroupedNMTensor": kept(t_group.to_dense(), W),
-                       "ColumnGroupedNMTensor (paper format, torch)": kept(t_paper.to_dense(), W)}
+                       "ColumnGroupedNMTensor (paper format)": kept(t_paper.to_dense(), W)}
             we = sten.SparseTensorWrapper(t_exact)
             wg = sten.SparseTensorWrapper(t_group)
             wp = sten.SparseTensorWrapper(t_paper)
@@ -123,7 +123,7 @@ def main() -> None:
                 "dense torch": lambda: F.linear(x, W),
                 "NMTensor (exact n:m)": lambda: F.linear(x, we),
                 "GroupedNMTensor": lambda: F.linear(x, wg),
-                "ColumnGroupedNMTensor (paper format, torch)": lambda: F.linear(x, wp),
+                "ColumnGroupedNMTensor (paper format)": lambda: F.linear(x, wp),
             }
             if (n, m) == (1, 10):
                 wd = t_exact.to_dense()
@@ -165,7 +165,7 @@ def main() -> None:
             "dense torch (gy@W, gy^T@x)": lambda: (gy @ W, gy.t() @ x),
             "NMTensor": lambda: nm_ops.linear_bwd_sparse(ctx_e, (gy,), [None, None]),
             "GroupedNMTensor": lambda: nm_ops.grouped_linear_bwd_sparse(ctx_g, (gy,), [None, None]),
-            "ColumnGroupedNMTensor (paper format, torch)": lambda: cg_ops.linear_bwd_sparse(ctx_p, (gy,), [None, None]),
+            "ColumnGroupedNMTensor (paper format, decompress + dense)": lambda: cg_ops.linear_bwd_sparse(ctx_p, (gy,), [None, None]),
         }
         res = compare(fns, rounds, reps)
         td = res["dense torch (gy@W, gy^T@x)"]
@@ -182,8 +182,10 @@ def main() -> None:
         Wd = torch.randn(N, K, requires_grad=True)
         fmt_e = (sten.KeepAll(), NMTensor, sten.KeepAll(), NMTensor)
         fmt_g = (sten.KeepAll(), GroupedNMTensor, sten.KeepAll(), GroupedNMTensor)
+        fmt_p = (sten.KeepAll(), ColumnGroupedNMTensor, sten.KeepAll(), ColumnGroupedNMTensor)
         we = sten.SparseParameterWrapper(NMTensor.from_dense(Wd.detach(), 1, 4), grad_fmt=fmt_e)
         wg = sten.SparseParameterWrapper(GroupedNMTensor.from_dense(Wd.detach(), 1, 4), grad_fmt=fmt_g)
+        wp = sten.SparseParameterWrapper(ColumnGroupedNMTensor.from_dense(Wd.detach(), 1, 4), grad_fmt=fmt_p)
 
         def step(w):
             def run():
@@ -191,7 +193,8 @@ def main() -> None:
                 x.grad = None
                 w.grad = None
             return run
-        res = compare({"dense torch": step(Wd), "NMTensor": step(we), "GroupedNMTensor": step(wg)}, rounds, reps)
+        res = compare({"dense torch": step(Wd), "NMTensor": step(we), "GroupedNMTensor": step(wg),
+                       "ColumnGroupedNMTensor (paper format)": step(wp)}, rounds, reps)
         td = res["dense torch"]
         for name, t in res.items():
             out(f"| {N}x{K} | {name} | {t * 1e3:.1f} | {td / t:.2f}x |")
