@@ -25,6 +25,7 @@ import sten_core as sten
 from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor, _kernel
 from sten_nm import column_grouped_ops as cg_ops
 from sten_nm import ops as nm_ops
+from sten_nm import tuning
 
 
 def cpu_model() -> str:
@@ -92,7 +93,8 @@ def main() -> None:
         f"(`torch.set_num_threads`), fp32, batch rows={B}, CPU {cpu_model()}, kernel ISA={_kernel.isa()} "
         f"({_kernel.threading_mode()[0]}), torch {torch.__version__} (CPU capability "
         f"{torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} CPUs, load average at start "
-        f"{os.getloadavg()[0]:.1f}. Times are medians over {rounds} interleaved rounds x {reps} repeats.")
+        f"{os.getloadavg()[0]:.1f}. Times are medians over {rounds} interleaved rounds x {reps} repeats. "
+        f"NMTensor's kernel-or-decompress choice (sten_nm.tuning): {'on' if tuning.enabled() else 'off (STEN_NM_TUNE=0)'}.")
     out()
     out("## Forward `F.linear(x, W)`")
     out()
@@ -220,6 +222,16 @@ def main() -> None:
     out("|---|---|---:|---:|")
     for line in kept_rows:
         out(line)
+
+    if tuning.enabled():
+        out()
+        out("## NMTensor: kernel or decompress + dense GEMM, as chosen on this machine (sten_nm.tuning)")
+        out()
+        out("| key | choice | kernel ms | dense ms |")
+        out("|---|---|---:|---:|")
+        for k, v in sorted(tuning.choices().items()):
+            if f"threads={args.threads}" in k:
+                out(f"| {k} | {v['choice']} | {v['ms'].get('kernel', '')} | {v['ms'].get('dense', '')} |")
 
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

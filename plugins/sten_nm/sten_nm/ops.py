@@ -19,12 +19,12 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from . import _kernel
+from . import _kernel, tuning
 from ._checks import FLOAT_DTYPES
 from .nm_tensor import NMTensor
 
@@ -107,8 +107,25 @@ def _apply(x: torch.Tensor, W: NMTensor, bias: Optional[torch.Tensor], a_is_w: b
         y2 = x2.double() @ (W.to_dense().double().t() if a_is_w == (W.dim == 1) else W.to_dense().double())
         y2 = y2 if bias is None else y2 + bias.double()
     else:
-        y2 = _x_at(W, x2, bias, a_is_w)
+        def dense() -> torch.Tensor:   # decompress into a scratch buffer + dense GEMM
+            D = W.fp32().to_dense()
+            y = x2.float() @ (D.t() if a_is_w == (W.dim == 1) else D)
+            return y if bias is None else y + bias.float()
+
+        y2 = _tuned("fwd", W, x2.shape[0], a_is_w, lambda: _x_at(W, x2, bias, a_is_w), dense)
     return y2.to(dtype).reshape(*x.shape[:-1], n_out)
+
+
+def _tuned(op: str, W: NMTensor, B: int, a_is_w: bool, kernel: Callable[[], torch.Tensor],
+           dense: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Run the faster of the sparse kernel and decompress + dense GEMM for this (op, shape,
+    pattern, batch bucket, threads, ISA): timed once, cached on disk (:mod:`sten_nm.tuning`)."""
+    if not tuning.enabled() or B == 0:
+        return kernel()
+    R, C = W._rc()
+    k = tuning.key(op, R, C, W.n, W.m, a_is_w, B, "float32", torch.get_num_threads(), _kernel.isa())
+    choice = tuning.choose(k, {tuning.KERNEL: kernel, tuning.DENSE: dense})
+    return kernel() if choice == tuning.KERNEL else dense()
 
 
 def nm_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -184,7 +201,11 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, sa
             dense = W.to_dense().double()
             g = gy2.double() @ (dense if linear else dense.t())
         else:
-            g = _gy_w(W, gy2, a_is_w)
+            def dense() -> torch.Tensor:
+                D = W.fp32().to_dense()
+                return gy2.float() @ (D if linear else D.t())
+
+            g = _tuned("bwd_x", W, gy2.shape[0], a_is_w, lambda: _gy_w(W, gy2, a_is_w), dense)
         gx = g.to(x.dtype).reshape(x.shape)
     if _needs(ctx, 1):
         if sparse_grad:

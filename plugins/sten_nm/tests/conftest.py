@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+# The kernel tests must run the kernels: the per-machine choice of "decompress + dense GEMM"
+# (sten_nm.tuning) is off here; tests/test_tuning.py turns it on with a private cache.
+os.environ["STEN_NM_TUNE"] = "0"
 
 from sten_nm import _kernel
 
