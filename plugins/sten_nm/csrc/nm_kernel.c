@@ -760,7 +760,7 @@ int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int6
 /* -------------------------------------------------------- column-grouped -- */
 typedef struct {
     const nm_colgrouped *W; const float *xp; int64_t Kp, nbc, B; float *Y; int64_t ldy;
-    const float *bias; int64_t bch; nm_cgg_fn fn; int err;
+    const float *bias; int64_t bch, kt; nm_cgg_fn fn; int err;
 } cgg_args;
 
 /* Each thread owns a range of row blocks; per batch chunk (its packed panel stays in L2
@@ -780,7 +780,8 @@ static void cgg_task(void *p, int tid, int nth)
         const int64_t bmax = a->B - bc * a->bch < a->bch ? a->B - bc * a->bch : a->bch;
         for (int64_t qa = q0; qa < q1; qa += qb) {
             const int64_t qe = qa + qb < q1 ? qa + qb : q1;
-            a->fn(W, panel, qa, qe, ytmp);
+            for (int64_t t0 = 0; t0 < W->L; t0 += a->kt)
+                a->fn(W, panel, qa, qe, t0, t0 + a->kt < W->L ? t0 + a->kt : W->L, ytmp, t0 == 0);
             const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N;
             for (int64_t b = 0; b < bmax; b++) {
                 float *yrow = a->Y + (bc * a->bch + b) * a->ldy;
@@ -813,7 +814,15 @@ int nm_colgrouped_gather_f32(const nm_colgrouped *W, int64_t B, const float *X, 
     int64_t nbc;
     float *xp = make_panel(X, ldx, B, W->K, Kp, bch, &nbc, nth);
     if (!xp) return -3;
-    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, T->cgg[nvi], 0};
+    /* slots per pass: all by default; STEN_NM_CG_BLOCK_BYTES keeps a pass's x columns (P * kt
+     * columns of bch floats) within that many bytes (measured slower here: 1:10's narrow
+     * passes cost more than the L1 reuse gains) */
+    int64_t kt = W->L;
+    if (getenv("STEN_NM_CG_BLOCK_BYTES")) {
+        kt = env_int("STEN_NM_CG_BLOCK_BYTES", 32 * 1024) / ((int64_t)W->P * bch * 4);
+        if (kt < 1) kt = 1;
+    }
+    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, T->cgg[nvi], 0};
     run_parallel(nth, cgg_task, &a);
     free(xp);
     return a.err;

@@ -204,11 +204,14 @@ def test_bad_arguments():
 @requires_kernel
 @pytest.mark.parametrize("n,m", CG_PATTERNS)
 @pytest.mark.parametrize("B", [1, 7, 64, 130])
-def test_c_forward_every_isa(isa, n, m, B):
+@pytest.mark.parametrize("blocked", [False, True])
+def test_c_forward_every_isa(isa, n, m, B, blocked, monkeypatch):
     """The C forward kernel against dense and the torch reference (odd N, K; padding)."""
     from sten_nm import _kernel
     from sten_nm import column_grouped_ops as cg
 
+    if blocked:   # passes of one slot each
+        monkeypatch.setenv("STEN_NM_CG_BLOCK_BYTES", "1")
     for N, K in ((19, 37), (40, 200)):
         t = ColumnGroupedNMTensor.from_dense(torch.randn(N, K), n, m)
         x, b = torch.randn(B, K), torch.randn(N)
