@@ -349,6 +349,52 @@ class ColumnGroupedNMTensor(_Base):
         N, K = self._shape
         return _kernel.colgrouped(v.contiguous(), self.columns, pats, N, K, self.n, self.m)
 
+    def _nm_pattern(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This pattern as an exact n:m matrix ``A = Wᵀ`` ``[K, N]`` (groups of ``m`` along N:
+        ``NMTensor(dim=0)``'s storage): its packed ``indices`` and ``perm`` ``[K, Nb*n]``, the
+        index in ``values().flatten()`` of every slot of A. Computed once per pattern (shared
+        by ``with_values``)."""
+        cached = getattr(self, "_nm_cache", None)
+        if cached is not None and cached[0] is self.columns:
+            return cached[1], cached[2]
+        from ._portable import pack_offsets
+
+        N, K = self._shape
+        Nb, P, n, L = self._values.shape
+        pats = patterns(n, self.m)
+        q = torch.arange(Nb)[:, None, None, None]
+        p = torch.arange(P)[None, :, None, None]
+        j = torch.arange(n)[None, None, :, None]
+        t = torch.arange(L)[None, None, None, :]
+        col = self.columns.long()[:, :, None, :].expand(Nb, P, n, L)
+        flat = ((q * P + p) * n + j) * L + t                                   # [Nb, P, n, L]
+        slot = (q * n + j).expand(Nb, P, n, L)
+        off = pats[None, :, :, None].expand(Nb, P, n, L)
+        keep = col < K
+        perm = torch.zeros((K, Nb * n), dtype=torch.int64)
+        offs = torch.zeros((K, Nb * n), dtype=torch.int64)
+        perm[col[keep], slot[keep]] = flat.expand(Nb, P, n, L)[keep]
+        offs[col[keep], slot[keep]] = off[keep]
+        indices = pack_offsets(offs, self.m)
+        self._nm_cache = (self.columns, indices, perm)
+        return indices, perm
+
+    def to_nm(self) -> "Any":
+        """The same matrix as an exact :class:`NMTensor` with ``dim=0`` (lossless)."""
+        from .nm_tensor import NMTensor
+
+        indices, perm = self._nm_pattern()
+        vals = self._values.reshape(-1)[perm] if perm.numel() else self._values.new_zeros(perm.shape)
+        return NMTensor._trusted(vals, indices, self._shape, self.n, self.m, dim=0)
+
+    def values_from_nm(self, nm_values: torch.Tensor) -> torch.Tensor:
+        """``NMTensor(dim=0)``-ordered values (``[K, Nb*n]``, e.g. a gradient) in this layout's order."""
+        _, perm = self._nm_pattern()
+        out = nm_values.new_zeros(self._values.numel())
+        if perm.numel():
+            out[perm.reshape(-1)] = nm_values.reshape(-1)
+        return out.reshape(self._values.shape)
+
     # -- conversions -----------------------------------------------------------
     def to_dense(self) -> torch.Tensor:
         N, K = self._shape
@@ -375,8 +421,11 @@ class ColumnGroupedNMTensor(_Base):
     def with_values(self, values: torch.Tensor) -> "ColumnGroupedNMTensor":
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
-        return ColumnGroupedNMTensor._trusted(values.reshape(self._values.shape), self.columns, self._shape,
-                                              self.n, self.m, self.g)
+        t = ColumnGroupedNMTensor._trusted(values.reshape(self._values.shape), self.columns, self._shape,
+                                           self.n, self.m, self.g)
+        if getattr(self, "_nm_cache", None) is not None:
+            t._nm_cache = self._nm_cache   # same pattern
+        return t
 
     def gather(self, dense: torch.Tensor) -> torch.Tensor:
         """Values of ``dense`` (the logical shape) at the stored positions (0 in padding)."""

@@ -2,9 +2,10 @@
 
 The forward runs the C kernel (``nm_colgrouped_gather_f32``: per row block and pattern,
 each owned column's batch vector of ``x`` from a packed panel feeds ``n`` FMAs) where the
-extension is available and the compute dtype is float32. The backward decompresses the
-weight and runs dense GEMMs (input gradient; weight gradient gathered at the kept
-positions). The torch reference (the forward for other dtypes and without the extension;
+extension is available and the compute dtype is float32. The backward runs exact n:m's
+kernels on ``Wᵀ`` (the same matrix is n:m along N: ``to_nm()``, pattern cached): ``gather``
+for the input gradient and ``sddmm`` for the values' gradient; without the extension or in
+float64 it decompresses the weight and runs dense GEMMs. The torch reference (the forward for other dtypes and without the extension;
 ``input_grad`` / ``values_grad``, which the tests hold to dense): one dense product per (row block,
 pattern) - the columns a pattern owns gathered from ``x`` times that pattern's ``[n, L]``
 values - batched with ``torch.bmm`` over slabs of row blocks (the gathered ``x`` of a slab
@@ -165,14 +166,26 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     gy2 = _rows(grad_outputs[0]).to(c)
     x2 = _rows(x).to(c)
     gx = gw = gb = None
-    # Decompress + dense GEMMs: in torch much faster than the per-pattern products
-    # (input_grad / values_grad, the reference the tests hold them to); no C kernels yet.
-    with torch.autocast("cpu", enabled=False):   # gradients in the compute dtype
+    if c == torch.float32 and _kernel.available()[0]:
+        # the C kernels of exact n:m on the same matrix seen as A = Wᵀ (n:m along N, pattern
+        # converted once and cached): gx = gather(A, gy), values' gradient = sddmm(A, x, gy)
+        mat = W.to_nm().fp32().mat()
         if _needs(ctx, 0):
-            gx = (gy2 @ W.to_dense().to(c)).to(x.dtype).reshape(x.shape)
+            gx = _kernel.gather(mat, gy2).to(x.dtype).reshape(x.shape)
         if _needs(ctx, 1):
-            full = gy2.t() @ x2
-            gw = SparseTensorWrapper(W.with_values(W.gather(full).to(W.dtype))) if sparse_grad else full.to(W.dtype)
+            if sparse_grad:
+                gw = SparseTensorWrapper(W.with_values(W.values_from_nm(_kernel.sddmm(mat, x2, gy2)).to(W.dtype)))
+            else:
+                gw = (gy2.t() @ x2).to(W.dtype)
+    else:
+        # decompress + dense GEMMs: in torch much faster than the per-pattern products
+        # (input_grad / values_grad, the reference the tests hold both paths to)
+        with torch.autocast("cpu", enabled=False):   # gradients in the compute dtype
+            if _needs(ctx, 0):
+                gx = (gy2 @ W.to_dense().to(c)).to(x.dtype).reshape(x.shape)
+            if _needs(ctx, 1):
+                full = gy2.t() @ x2
+                gw = SparseTensorWrapper(W.with_values(W.gather(full).to(W.dtype))) if sparse_grad else full.to(W.dtype)
     if bias is not None and _needs(ctx, 2):
         gb = gy2.sum(0).to(bias.dtype)
     return gx, gw, gb

@@ -27,7 +27,7 @@ from .sparsifier import (ColumnGroupedNMSparsifier, GroupedNMSparsifier, NMSpars
 
 def _column_grouped_to_nm(t: ColumnGroupedNMTensor) -> NMTensor:
     """Lossless: every column keeps n of each block of m rows, as ``NMTensor(dim=0)``."""
-    return NMTensor.from_dense(t.to_dense(), t.n, t.m, dim=0, mask=t.mask())
+    return t.to_nm()
 
 
 def _conversions() -> list:

@@ -238,3 +238,34 @@ def test_c_forward_values_at_odd_offset_and_empty():
         e = ColumnGroupedNMTensor.from_dense(torch.randn(N, K), 2, 4)
         b = torch.randn(N)
         assert torch.equal(_kernel.colgrouped_gather(e.desc(), torch.randn(3, K), b), b.expand(3, N))
+
+
+@settings(max_examples=30, deadline=None)
+@given(N=st.integers(0, 21), K=st.integers(0, 45), nm=st.sampled_from(CG_PATTERNS), g=st.sampled_from([None, 1, 3]))
+def test_to_nm_is_lossless_and_values_map_back(N, K, nm, g):
+    n, m = nm
+    t = ColumnGroupedNMTensor.from_dense(torch.randn(N, K), n, m, g)
+    e = t.to_nm()
+    assert isinstance(e, NMTensor) and e.dim == 0 and (e.n, e.m) == (n, m)
+    assert torch.equal(e.to_dense(), t.to_dense())
+    assert torch.equal(t.values_from_nm(e.values()), t.values())
+    t2 = t.with_values(t.values() * 3)                  # pattern cache shared, values not
+    assert torch.equal(t2.to_nm().to_dense(), 3 * t.to_dense())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_backward_other_dtypes(dtype):
+    """float64 (decompress + dense path) and bf16 values (widened to fp32 kernels) against dense."""
+    t = ColumnGroupedNMTensor.from_dense(torch.randn(20, 36).to(dtype), 1, 4)
+    fmt = (sten.KeepAll(), ColumnGroupedNMTensor, sten.KeepAll(), ColumnGroupedNMTensor)
+    W = sten.SparseParameterWrapper(t, grad_fmt=fmt)
+    x = torch.randn(6, 36, dtype=dtype, requires_grad=True)
+    y = F.linear(x, W)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    xr, wr = x.detach().double().requires_grad_(), t.to_dense().double().requires_grad_()
+    F.linear(xr, wr).backward(gy.double())
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=3e-2, atol=3e-2)
+    assert x.grad.dtype == dtype and W.grad.wrapped_tensor.dtype == dtype
+    torch.testing.assert_close(x.grad.double(), xr.grad, **tol)
+    torch.testing.assert_close(W.grad.wrapped_tensor.to_dense().double(), wr.grad * t.mask(), **tol)
