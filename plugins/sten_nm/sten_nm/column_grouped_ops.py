@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from . import _kernel
+from . import _kernel, tuning
 from .column_grouped import ColumnGroupedNMTensor, patterns
 from .ops import _autocast_dtype, _cast, _check_input, _needs, _out_dtype, _rows
 
@@ -166,29 +166,49 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     gy2 = _rows(grad_outputs[0]).to(c)
     x2 = _rows(x).to(c)
     gx = gw = gb = None
-    if c == torch.float32 and _kernel.available()[0]:
-        # the C kernels of exact n:m on the same matrix seen as A = Wᵀ (n:m along N, pattern
+    need_x, need_w = _needs(ctx, 0), _needs(ctx, 1)
+
+    def kernels() -> tuple:
+        # exact n:m's C kernels on the same matrix seen as A = Wᵀ (n:m along N, pattern
         # converted once and cached): gx = gather(A, gy), values' gradient = sddmm(A, x, gy)
         mat = W.to_nm().fp32().mat()
-        if _needs(ctx, 0):
-            gx = _kernel.gather(mat, gy2).to(x.dtype).reshape(x.shape)
-        if _needs(ctx, 1):
-            if sparse_grad:
-                gw = SparseTensorWrapper(W.with_values(W.values_from_nm(_kernel.sddmm(mat, x2, gy2)).to(W.dtype)))
-            else:
-                gw = (gy2.t() @ x2).to(W.dtype)
+        gx = _kernel.gather(mat, gy2) if need_x else None
+        gv = W.values_from_nm(_kernel.sddmm(mat, x2, gy2)) if need_w and sparse_grad else None
+        return gx, gv
+
+    def dense() -> tuple:
+        # decompress + dense GEMMs (in torch much faster than the per-pattern products,
+        # input_grad / values_grad, the reference the tests hold both paths to)
+        with torch.autocast("cpu", enabled=False):
+            gx = gy2 @ W.to_dense().to(c) if need_x else None
+            gv = W.gather(gy2.t() @ x2) if need_w and sparse_grad else None
+        return gx, gv
+
+    if c == torch.float32 and _kernel.available()[0]:
+        g, gv = _tuned_backward(W, gy2.shape[0], kernels, dense)
     else:
-        # decompress + dense GEMMs: in torch much faster than the per-pattern products
-        # (input_grad / values_grad, the reference the tests hold both paths to)
-        with torch.autocast("cpu", enabled=False):   # gradients in the compute dtype
-            if _needs(ctx, 0):
-                gx = (gy2 @ W.to_dense().to(c)).to(x.dtype).reshape(x.shape)
-            if _needs(ctx, 1):
-                full = gy2.t() @ x2
-                gw = SparseTensorWrapper(W.with_values(W.gather(full).to(W.dtype))) if sparse_grad else full.to(W.dtype)
+        g, gv = dense()
+    if need_x:
+        gx = g.to(x.dtype).reshape(x.shape)
+    if need_w:
+        if sparse_grad:
+            gw = SparseTensorWrapper(W.with_values(gv.to(W.dtype)))
+        else:
+            with torch.autocast("cpu", enabled=False):
+                gw = (gy2.t() @ x2).to(W.dtype)
     if bias is not None and _needs(ctx, 2):
         gb = gy2.sum(0).to(bias.dtype)
     return gx, gw, gb
+
+
+def _tuned_backward(W: ColumnGroupedNMTensor, B: int, kernels: Any, dense: Any) -> tuple:
+    """The faster of the two backward paths on this machine (timed once, cached on disk,
+    ``STEN_NM_TUNE=0``: always the kernels); see :mod:`sten_nm.tuning`."""
+    if not tuning.enabled() or B == 0:
+        return kernels()
+    N, K = W.shape
+    k = tuning.key("cg_bwd", N, K, W.n, W.m, True, B, "float32", torch.get_num_threads(), _kernel.isa())
+    return kernels() if tuning.choose(k, {tuning.KERNEL: kernels, tuning.DENSE: dense}) == tuning.KERNEL else dense()
 
 
 def linear_bwd_dense(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:

@@ -96,3 +96,34 @@ def test_unreadable_cache_is_ignored(tune):
 
 def test_batch_bucket():
     assert [tuning.batch_bucket(b) for b in (0, 1, 2, 3, 1000, 1024, 1025)] == [1, 1, 2, 4, 1024, 1024, 2048]
+
+
+@pytest.mark.parametrize("choice", ["kernel", "dense"])
+@pytest.mark.parametrize("sparse_grad", [True, False])
+def test_paper_format_backward_both_choices_equal_dense(tune, choice, sparse_grad, monkeypatch):
+    from sten_nm import ColumnGroupedNMTensor
+
+    monkeypatch.setattr(tuning, "choose", lambda k, cands, reps=3: choice)
+    t = ColumnGroupedNMTensor.from_dense(torch.randn(22, 40), 2, 4)
+    fmt = (sten.KeepAll(), ColumnGroupedNMTensor, sten.KeepAll(), ColumnGroupedNMTensor) if sparse_grad else None
+    W = sten.SparseParameterWrapper(t, grad_fmt=fmt)
+    x = torch.randn(7, 40, requires_grad=True)
+    y = F.linear(x, W)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    xr, wr = x.detach().requires_grad_(), t.to_dense().requires_grad_()
+    F.linear(xr, wr).backward(gy)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-4)
+    gw = W.grad.wrapped_tensor.to_dense() if sparse_grad else W.grad
+    torch.testing.assert_close(gw, wr.grad * t.mask() if sparse_grad else wr.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_paper_format_backward_choice_is_cached(tune):
+    from sten_nm import ColumnGroupedNMTensor
+
+    t = ColumnGroupedNMTensor.from_dense(torch.randn(22, 40), 2, 4)
+    W = sten.SparseParameterWrapper(t, grad_fmt=(sten.KeepAll(), ColumnGroupedNMTensor, sten.KeepAll(),
+                                                 ColumnGroupedNMTensor))
+    x = torch.randn(7, 40, requires_grad=True)
+    F.linear(x, W).sum().backward()
+    assert [k for k in tuning.choices() if k.startswith("cg_bwd R=22 C=40 2:4")]
