@@ -340,11 +340,13 @@ class ColumnGroupedNMTensor(_Base):
         return (torch.arange(Nb)[:, None, None] * self.m + patterns(self.n, self.m)[None]).reshape(
             Nb, self.num_patterns, self.n, 1)
 
-    def desc(self) -> "Any":
-        """C descriptor of the float32 stored matrix (for ``sten_nm._kernel.colgrouped_gather``)."""
+    def desc(self, round_to: Optional[torch.dtype] = None) -> "Any":
+        """C descriptor of the float32 stored matrix (for ``sten_nm._kernel.colgrouped_gather``;
+        values converted once and cached, rounded through ``round_to`` first when given)."""
         from . import _kernel
+        from ._fp32 import fp32_values
 
-        v = self._values if self._values.dtype == torch.float32 else self._values.float()
+        v = fp32_values(self, self._values, round_to)
         pats = patterns(self.n, self.m).to(torch.int32).contiguous()
         N, K = self._shape
         return _kernel.colgrouped(v.contiguous(), self.columns, pats, N, K, self.n, self.m)

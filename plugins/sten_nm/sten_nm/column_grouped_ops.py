@@ -137,13 +137,12 @@ def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Ten
             raise ValueError(f"bias must be 1-D of size {N}, got shape {tuple(bias.shape)}")
     amp = _autocast_dtype(x, W._values, bias)
     x, bias = _cast(x, amp), _cast(bias, amp)
-    values = _cast(W._values, amp)
-    dtype = _out_dtype(x, values, bias)
+    dtype = amp if amp is not None else _out_dtype(x, W._values, bias)
     c = _compute_dtype(dtype)
     if c == torch.float32 and _kernel.available()[0]:   # the C kernel (float32 accumulation)
-        desc = W.desc() if values is W._values else W.with_values(values).desc()
-        y2 = _kernel.colgrouped_gather(desc, _rows(x), bias)
+        y2 = _kernel.colgrouped_gather(W.desc(amp), _rows(x), bias)
     else:
+        values = _cast(W._values, amp)
         with torch.autocast("cpu", enabled=False):   # operands already cast; compute in c
             y2 = forward(W, _rows(x).to(c), values.to(c))
             if bias is not None:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from . import _kernel
+from ._fp32 import fp32_values
 from ._checks import FLOAT_DTYPES, check_float_tensor, check_nm
 from .nm_tensor import NMTensor, check_offsets
 
@@ -156,8 +157,10 @@ class GroupedNMTensor(_Base):
     def nbytes(self) -> int:
         return self._vals.numel() * self._vals.element_size() + self.indices.numel() * 4 + self.perm.numel() * 4
 
-    def desc(self) -> "_kernel.NMGrouped":
-        v = self._vals if self._vals.dtype == torch.float32 else self._vals.float()
+    def desc(self, round_to: "torch.dtype | None" = None) -> "_kernel.NMGrouped":
+        """C descriptor of the float32 values (converted once, cached; rounded through
+        ``round_to`` first when given)."""
+        v = fp32_values(self, self._vals, round_to)
         N, K = self._shape
         return _kernel.grouped(v, self.indices, self.perm, N, K, self.n, self.m)
 

@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 
 from . import _kernel
+from ._fp32 import fp32_values
 from ._checks import FLOAT_DTYPES, check_dim, check_float_tensor, check_nm
 
 try:  # the core's base class; the layout also works without it
@@ -186,11 +187,13 @@ class NMTensor(_Base):
         R, C = self._rc()
         return _kernel.mat(self._values, self.indices, R, C, self.n, self.m)
 
-    def fp32(self) -> "NMTensor":
-        """This tensor with float32 values (itself when it already is)."""
-        if self._values.dtype == torch.float32:
+    def fp32(self, round_to: Optional[torch.dtype] = None) -> "NMTensor":
+        """This tensor with float32 values (itself when it already is), rounded through
+        ``round_to`` first when given (CPU autocast); the conversion is cached."""
+        v = fp32_values(self, self._values, round_to)
+        if v is self._values:
             return self
-        return NMTensor._trusted(self._values.float(), self.indices, self._shape, self.n, self.m, self.dim)
+        return NMTensor._trusted(v, self.indices, self._shape, self.n, self.m, self.dim)
 
     # -- dense conversion --------------------------------------------------------
     @staticmethod

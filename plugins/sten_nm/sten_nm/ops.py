@@ -62,9 +62,10 @@ def _out_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
 
 
 # -- the three products on 2-D operands (A is the stored matrix) -------------------
-def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: bool) -> torch.Tensor:
+def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: bool,
+          round_to: Optional[torch.dtype] = None) -> torch.Tensor:
     """``x2 @ Weff^T (+ bias)`` in float32."""
-    A = W.fp32()
+    A = W.fp32(round_to)
     mat = A.mat()
     return _kernel.gather(mat, x2, bias) if a_is_w else _kernel.tgather(mat, x2, bias)
 
@@ -97,22 +98,21 @@ def _cast(t: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[t
 
 def _apply(x: torch.Tensor, W: NMTensor, bias: Optional[torch.Tensor], a_is_w: bool, n_out: int) -> torch.Tensor:
     amp = _autocast_dtype(x, W._values, bias)
-    if amp is not None:  # as dense under autocast: operands rounded to amp, result in amp
-        x, bias = _cast(x, amp), _cast(bias, amp)
-        if W._values.dtype != amp:
-            W = W.with_values(W._values.to(amp))
     dtype = _out_dtype(x, W._values, bias)
+    if amp is not None:  # as dense under autocast: operands rounded to amp, result in amp
+        x, bias, dtype = _cast(x, amp), _cast(bias, amp), amp
     x2 = _rows(x)
     if dtype == torch.float64:  # keep double precision: dense reference path
         y2 = x2.double() @ (W.to_dense().double().t() if a_is_w == (W.dim == 1) else W.to_dense().double())
         y2 = y2 if bias is None else y2 + bias.double()
     else:
         def dense() -> torch.Tensor:   # decompress into a scratch buffer + dense GEMM
-            D = W.fp32().to_dense()
-            y = x2.float() @ (D.t() if a_is_w == (W.dim == 1) else D)
-            return y if bias is None else y + bias.float()
+            D = W.fp32(amp).to_dense()
+            with torch.autocast("cpu", enabled=False):
+                y = x2.float() @ (D.t() if a_is_w == (W.dim == 1) else D)
+                return y if bias is None else y + bias.float()
 
-        y2 = _tuned("fwd", W, x2.shape[0], a_is_w, lambda: _x_at(W, x2, bias, a_is_w), dense)
+        y2 = _tuned("fwd", W, x2.shape[0], a_is_w, lambda: _x_at(W, x2, bias, a_is_w, amp), dense)
     return y2.to(dtype).reshape(*x.shape[:-1], n_out)
 
 
@@ -278,16 +278,14 @@ def grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = 
     if bias is not None:
         _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}")
     amp = _autocast_dtype(x, W._vals, bias)
-    if amp is not None:  # as dense under autocast: operands rounded to amp, result in amp
-        x, bias = _cast(x, amp), _cast(bias, amp)
-        if W._vals.dtype != amp:
-            W = W.with_values(W._vals.to(amp))
     dtype = _out_dtype(x, W._vals, bias)
+    if amp is not None:  # as dense under autocast: operands rounded to amp, result in amp
+        x, bias, dtype = _cast(x, amp), _cast(bias, amp), amp
     x2 = _rows(x)
     if dtype == torch.float64:
         y2 = F.linear(x2.double(), W.to_dense().double(), None if bias is None else bias.double())
     else:
-        y2 = _kernel.grouped_gather(W.desc(), x2, bias)
+        y2 = _kernel.grouped_gather(W.desc(amp), x2, bias)
     return y2.to(dtype).reshape(*x.shape[:-1], N)
 
 

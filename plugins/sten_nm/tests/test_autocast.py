@@ -71,3 +71,24 @@ def test_autocast_off_and_float64_unchanged():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = F.linear(x.double(), sten.SparseTensorWrapper(td))
         assert y.dtype == F.linear(x.double(), td.to_dense()).dtype == torch.float64
+
+
+@pytest.mark.parametrize("layout", [NMTensor, GroupedNMTensor, ColumnGroupedNMTensor])
+def test_cached_fp32_weights_follow_in_place_updates(layout):
+    """bf16 weights are widened once and cached: an in-place update (an optimizer step) or
+    autocast rounding of updated fp32 weights must be seen by the next product."""
+    from sten_nm import column_grouped_linear, grouped_linear, nm_linear
+
+    f = {NMTensor: nm_linear, GroupedNMTensor: grouped_linear, ColumnGroupedNMTensor: column_grouped_linear}[layout]
+    x = torch.randn(5, 40)
+    for dtype in (torch.bfloat16, torch.float32):
+        t = layout.from_dense(torch.randn(24, 40), 2, 4)
+        t = t.with_values(t.values().to(dtype))
+        xs = x.to(dtype)
+        f(xs, t)
+        t.values().mul_(2)                      # in place: same storage, new version
+        _close(f(xs, t), F.linear(xs, t.to_dense()))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            f(x, t)
+            t.values().add_(1)
+            _close(f(x, t), F.linear(x, t.to_dense()))
