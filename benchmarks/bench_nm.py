@@ -22,8 +22,27 @@ import torch
 import torch.nn.functional as F
 
 import sten_core as sten
-from sten_nm import GroupedNMTensor, NMTensor, _kernel
+from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor, _kernel
+from sten_nm import column_grouped_ops as cg_ops
 from sten_nm import ops as nm_ops
+from sten_nm import tuning
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def kept(layout_dense: torch.Tensor, W: torch.Tensor) -> float:
+    """Σ|W| kept by a layout, relative to Σ|W| of the dense weight."""
+    return float(layout_dense.abs().sum() / W.abs().sum())
 
 
 def timeit(fn: Callable[[], object], reps: int) -> float:
@@ -71,16 +90,21 @@ def main() -> None:
     out("# sten_nm benchmark")
     out()
     out(f"Command: `python benchmarks/bench_nm.py{' --quick' if args.quick else ''}`; threads={args.threads} "
-        f"(`torch.set_num_threads`), fp32, batch rows={B}, ISA={_kernel.isa()}, torch {torch.__version__}, "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average at start "
-        f"{os.getloadavg()[0]:.1f}. Times are medians over {rounds} interleaved rounds x {reps} repeats.")
+        f"(`torch.set_num_threads`), fp32, batch rows={B}, CPU {cpu_model()}, kernel ISA={_kernel.isa()} "
+        f"({_kernel.threading_mode()[0]}), torch {torch.__version__} (CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} CPUs, load average at start "
+        f"{os.getloadavg()[0]:.1f}. Times are medians over {rounds} interleaved rounds x {reps} repeats. "
+        f"NMTensor's kernel-or-decompress choice (sten_nm.tuning): {'on' if tuning.enabled() else 'off (STEN_NM_TUNE=0)'}.")
     out()
     out("## Forward `F.linear(x, W)`")
     out()
-    out("| W shape | pattern | layout | time ms | speed-up vs dense | GFLOP/s dense-eq | GFLOP/s effective |")
-    out("|---|---|---|---:|---:|---:|---:|")
+    out("Σ|W| kept: the weight magnitude each layout keeps, relative to dense (exact n:m along K for")
+    out("NMTensor, along N for the paper format; the last table gives the ratios to exact n:m).")
+    out()
+    out("| W shape | pattern | layout | time ms | speed-up vs dense | GFLOP/s dense-eq | GFLOP/s effective | Σ\\|W\\| kept |")
+    out("|---|---|---|---:|---:|---:|---:|---:|")
     patterns = [(2, 4), (1, 4), (2, 8), (1, 10)]
-    kept: list[str] = []
+    kept_rows: list[str] = []
     for N, K in [(3072, 768), (768, 3072)]:
         x = torch.randn(B, K)
         W = torch.randn(N, K)
@@ -88,13 +112,20 @@ def main() -> None:
         for n, m in patterns:
             t_exact = NMTensor.from_dense(W, n, m)
             t_group = GroupedNMTensor.from_dense(W, n, m)
-            kept.append(f"| {N}x{K} | {n}:{m} | {t_group.kept_magnitude_ratio(W):.3f} |")
+            t_paper = ColumnGroupedNMTensor.from_dense(W, n, m)
+            kept_rows.append(f"| {N}x{K} | {n}:{m} | {t_group.kept_magnitude_ratio(W):.3f} | "
+                             f"{t_paper.kept_magnitude_ratio(W):.3f} (g={t_paper.g}) |")
+            kept_of = {"dense torch": 1.0, "NMTensor (exact n:m)": kept(t_exact.to_dense(), W),
+                       "GroupedNMTensor": kept(t_group.to_dense(), W),
+                       "ColumnGroupedNMTensor (paper format)": kept(t_paper.to_dense(), W)}
             we = sten.SparseTensorWrapper(t_exact)
             wg = sten.SparseTensorWrapper(t_group)
+            wp = sten.SparseTensorWrapper(t_paper)
             fns = {
                 "dense torch": lambda: F.linear(x, W),
                 "NMTensor (exact n:m)": lambda: F.linear(x, we),
                 "GroupedNMTensor": lambda: F.linear(x, wg),
+                "ColumnGroupedNMTensor (paper format)": lambda: F.linear(x, wp),
             }
             if (n, m) == (1, 10):
                 wd = t_exact.to_dense()
@@ -107,13 +138,15 @@ def main() -> None:
             td = res["dense torch"]
             for name, t in res.items():
                 eff = flops * n / m if name != "dense torch" else flops
-                out(f"| {N}x{K} | {n}:{m} | {name} | {t * 1e3:.1f} | {td / t:.2f}x | {flops / t / 1e9:.1f} | {eff / t / 1e9:.1f} |")
+                k = f"{kept_of[name]:.3f}" if name in kept_of else f"{kept_of['NMTensor (exact n:m)']:.3f}"
+                out(f"| {N}x{K} | {n}:{m} | {name} | {t * 1e3:.1f} | {td / t:.2f}x | {flops / t / 1e9:.1f} | "
+                    f"{eff / t / 1e9:.1f} | {k} |")
             if (n, m) == (1, 10):
                 r = res
                 out(f"| {N}x{K} | 1:10 | NMTensor vs COO / CSR | | {r['torch.sparse COO'] / r['NMTensor (exact n:m)']:.1f}x / "
-                    f"{r['torch.sparse CSR'] / r['NMTensor (exact n:m)']:.1f}x | | |")
+                    f"{r['torch.sparse CSR'] / r['NMTensor (exact n:m)']:.1f}x | | | |")
                 out(f"| {N}x{K} | 1:10 | Grouped vs COO / CSR | | {r['torch.sparse COO'] / r['GroupedNMTensor']:.1f}x / "
-                    f"{r['torch.sparse CSR'] / r['GroupedNMTensor']:.1f}x | | |")
+                    f"{r['torch.sparse CSR'] / r['GroupedNMTensor']:.1f}x | | | |")
 
     out()
     out("## Backward of `F.linear` at 75 % (1:4): grad x and grad W (W's only at the kept positions)")
@@ -126,12 +159,15 @@ def main() -> None:
         gy = torch.randn(B, N)
         t_exact = NMTensor.from_dense(W, 1, 4)
         t_group = GroupedNMTensor.from_dense(W, 1, 4)
+        t_paper = ColumnGroupedNMTensor.from_dense(W, 1, 4)
         ctx_e = _Ctx((x, sten.SparseTensorWrapper(t_exact), None))
         ctx_g = _Ctx((x, sten.SparseTensorWrapper(t_group), None))
+        ctx_p = _Ctx((x, sten.SparseTensorWrapper(t_paper), None))
         fns = {
             "dense torch (gy@W, gy^T@x)": lambda: (gy @ W, gy.t() @ x),
             "NMTensor": lambda: nm_ops.linear_bwd_sparse(ctx_e, (gy,), [None, None]),
             "GroupedNMTensor": lambda: nm_ops.grouped_linear_bwd_sparse(ctx_g, (gy,), [None, None]),
+            "ColumnGroupedNMTensor (paper format, decompress + dense)": lambda: cg_ops.linear_bwd_sparse(ctx_p, (gy,), [None, None]),
         }
         res = compare(fns, rounds, reps)
         td = res["dense torch (gy@W, gy^T@x)"]
@@ -148,8 +184,10 @@ def main() -> None:
         Wd = torch.randn(N, K, requires_grad=True)
         fmt_e = (sten.KeepAll(), NMTensor, sten.KeepAll(), NMTensor)
         fmt_g = (sten.KeepAll(), GroupedNMTensor, sten.KeepAll(), GroupedNMTensor)
+        fmt_p = (sten.KeepAll(), ColumnGroupedNMTensor, sten.KeepAll(), ColumnGroupedNMTensor)
         we = sten.SparseParameterWrapper(NMTensor.from_dense(Wd.detach(), 1, 4), grad_fmt=fmt_e)
         wg = sten.SparseParameterWrapper(GroupedNMTensor.from_dense(Wd.detach(), 1, 4), grad_fmt=fmt_g)
+        wp = sten.SparseParameterWrapper(ColumnGroupedNMTensor.from_dense(Wd.detach(), 1, 4), grad_fmt=fmt_p)
 
         def step(w):
             def run():
@@ -157,7 +195,8 @@ def main() -> None:
                 x.grad = None
                 w.grad = None
             return run
-        res = compare({"dense torch": step(Wd), "NMTensor": step(we), "GroupedNMTensor": step(wg)}, rounds, reps)
+        res = compare({"dense torch": step(Wd), "NMTensor": step(we), "GroupedNMTensor": step(wg),
+                       "ColumnGroupedNMTensor (paper format)": step(wp)}, rounds, reps)
         td = res["dense torch"]
         for name, t in res.items():
             out(f"| {N}x{K} | {name} | {t * 1e3:.1f} | {td / t:.2f}x |")
@@ -165,21 +204,34 @@ def main() -> None:
     out()
     out("## Dense -> n:m conversion of a 3072x768 weight")
     out()
-    out("| pattern | NMTensor.from_dense ms | GroupedNMTensor.from_dense ms (greedy grouping) |")
-    out("|---|---:|---:|")
+    out("| pattern | NMTensor.from_dense ms | GroupedNMTensor.from_dense ms (greedy grouping) | "
+        "ColumnGroupedNMTensor.from_dense ms (balanced assignment) |")
+    out("|---|---:|---:|---:|")
     W = torch.randn(3072, 768)
     for n, m in [(2, 4), (1, 10)]:
         res = compare({"e": lambda: NMTensor.from_dense(W, n, m),
-                       "g": lambda: GroupedNMTensor.from_dense(W, n, m)}, rounds, 3)
-        out(f"| {n}:{m} | {res['e'] * 1e3:.1f} | {res['g'] * 1e3:.1f} |")
+                       "g": lambda: GroupedNMTensor.from_dense(W, n, m),
+                       "p": lambda: ColumnGroupedNMTensor.from_dense(W, n, m)}, 1, 1)
+        out(f"| {n}:{m} | {res['e'] * 1e3:.1f} | {res['g'] * 1e3:.1f} | {res['p'] * 1e3:.1f} |")
 
     out()
-    out("## Grouped n:m: fraction of the weight magnitude kept, relative to exact n:m (random normal weights)")
+    out("## Grouped layouts: fraction of the weight magnitude kept, relative to exact n:m (random normal weights)")
     out()
-    out("| W shape | pattern | kept |w| grouped / exact |")
-    out("|---|---|---:|")
-    for line in kept:
+    out("| W shape | pattern | GroupedNMTensor (16 rows share a pattern) / exact n:m along K | "
+        "ColumnGroupedNMTensor (paper format) / exact n:m along N |")
+    out("|---|---|---:|---:|")
+    for line in kept_rows:
         out(line)
+
+    if tuning.enabled():
+        out()
+        out("## NMTensor: kernel or decompress + dense GEMM, as chosen on this machine (sten_nm.tuning)")
+        out()
+        out("| key | choice | kernel ms | dense ms |")
+        out("|---|---|---:|---:|")
+        for k, v in sorted(tuning.choices().items()):
+            if f"threads={args.threads}" in k:
+                out(f"| {k} | {v['choice']} | {v['ms'].get('kernel', '')} | {v['ms'].get('dense', '')} |")
 
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

@@ -193,6 +193,8 @@ static void FN(cgather)(const int64_t *rowptr, const int32_t *toff, const float 
     }
 }
 
+#include "nm_colgrouped.h"
+
 #undef BCHN
 #undef FN
 #undef NMCAT3

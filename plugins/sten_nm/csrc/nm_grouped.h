@@ -32,7 +32,7 @@ static void NMG_CAT(ggather, SUF)(const nm_grouped *W, const int32_t *offs, cons
                     acc[i][u] = first ? (vf){0} : *(const vf *)(t + i * ldt + u * VW);
             for (int64_t e = 0; e < ne; e++) {
                 vf w[NVR];
-                for (int u = 0; u < NVR; u++) w[u] = *(const vf *)(wv + e * NM_GR + u * VW);
+                for (int u = 0; u < NVR; u++) w[u] = *(const vfu *)(wv + e * NM_GR + u * VW);
                 const float *xe = xk + (oq[e] - cb);
 #pragma GCC unroll 6
                 for (int i = 0; i < NM_MB; i++) {
@@ -61,7 +61,7 @@ static void NMG_CAT(gsddmm, SUF)(const float *gq, const float *xt, int64_t ldb, 
         vf acc[NM_MB][NVR];
         for (int s = 0; s < NM_MB; s++)
             for (int u = 0; u < NVR; u++)
-                acc[s][u] = (first || s >= ns) ? (vf){0} : *(const vf *)(out + (e0 + s) * NM_GR + u * VW);
+                acc[s][u] = (first || s >= ns) ? (vf){0} : *(const vfu *)(out + (e0 + s) * NM_GR + u * VW);
         for (int64_t b = 0; b < kb; b++) {
             vf g[NVR];
             for (int u = 0; u < NVR; u++) g[u] = *(const vf *)(gq + b * NM_GR + u * VW);
@@ -73,7 +73,7 @@ static void NMG_CAT(gsddmm, SUF)(const float *gq, const float *xt, int64_t ldb, 
             }
         }
         for (int s = 0; s < ns; s++)
-            for (int u = 0; u < NVR; u++) *(vf *)(out + (e0 + s) * NM_GR + u * VW) = acc[s][u];
+            for (int u = 0; u < NVR; u++) *(vfu *)(out + (e0 + s) * NM_GR + u * VW) = acc[s][u];
     }
 }
 

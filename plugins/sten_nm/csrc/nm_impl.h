@@ -3,6 +3,9 @@
 #include "nm_isa.h"
 
 typedef float vf __attribute__((vector_size(VW * 4)));
+/* Same vector, 4-byte alignment: loads and stores on caller memory (a tensor's data_ptr()
+ * may sit at any float offset, e.g. a view), so never an aligned-move fault there. */
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 
 #define NV 1
 #include "nm_body.h"
@@ -29,4 +32,4 @@ typedef float vf __attribute__((vector_size(VW * 4)));
 #define NMT_CAT2(a, b) NMT_CAT2_(a, b)
 const nm_isa_table TABLE = {NMT_STR(SUF), VW, NMT_ALL(gather), NMT_ALL(scatter), NMT_ALL(sddmm),
                             NMT_ALL(cgather), NMT_CAT2(ggather, SUF), NMT_CAT2(unperm, SUF),
-                            NMT_CAT2(gsddmm, SUF), NMT_CAT2(gtgather, SUF)};
+                            NMT_CAT2(gsddmm, SUF), NMT_ALL(cgg), NMT_CAT2(gtgather, SUF)};

@@ -61,6 +61,9 @@ typedef void (*nm_unperm_fn)(const float *t, const int32_t *inv, const float *bi
 typedef void (*nm_gtgather_fn)(const float *wv, const int32_t *cols, int64_t gn, const float *gyt,
                                float *gxt, int64_t ld, int64_t nb);
 
+typedef void (*nm_cgg_fn)(const nm_colgrouped *W, const float *panel, int64_t q0, int64_t q1,
+                          int64_t t0, int64_t t1, float *ytmp, int first);
+
 typedef struct {
     const char *name;
     int vw;                     /* floats per vector */
@@ -71,6 +74,7 @@ typedef struct {
     nm_ggather_fn ggather;      /* grouped n:m, 6 x 16 register block */
     nm_unperm_fn unperm;        /* grouped n:m: one output row back in the original order */
     nm_gsddmm_fn gsddmm;
+    nm_cgg_fn cgg[4];           /* column-grouped n:m forward, NV = 1, 2, 4, 8 */
     nm_gtgather_fn gtgather;    /* grouped n:m input gradient, 6 slots x 8 rows x 1 vector */        /* grouped n:m weight gradient, 6 slots x 16 rows */
 } nm_isa_table;
 

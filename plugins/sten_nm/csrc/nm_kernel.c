@@ -1,4 +1,7 @@
 /* sten_nm driver: ISA selection, threading (OpenMP, else pthreads), packing, conversions. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE   /* dladdr */
+#endif
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -56,22 +59,7 @@ int nm_index_per_word(int32_t m) { return 32 / nm_index_bits(m); }
 /* ------------------------------------------------------------ threads ---- */
 typedef void (*task_fn)(void *arg, int tid, int nth);
 
-/* Run fn(arg, tid, nth) for tid in [0, nth). With OpenMP (the normal build), in the
- * process's OpenMP pool: PyTorch's CPU builds load libgomp, and an extension that needs
- * libgomp.so.1 shares that copy, so the kernels run on PyTorch's own worker threads
- * instead of competing with them while they spin after an operator. */
-#ifdef _OPENMP
-#include <omp.h>
-static void run_parallel(int nth, task_fn fn, void *arg)
-{
-    if (nth <= 1) { fn(arg, 0, 1); return; }
-#pragma omp parallel num_threads(nth)
-    {
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        for (int i = t; i < nth; i += T) fn(arg, i, nth);   /* all tasks, however many threads */
-    }
-}
-#else
+/* Threads of our own (the fallback): created per call, joined at its end. */
 typedef struct { task_fn fn; void *arg; int tid, nth; } task_t;
 
 static void *task_main(void *p)
@@ -81,9 +69,8 @@ static void *task_main(void *p)
     return NULL;
 }
 
-static void run_parallel(int nth, task_fn fn, void *arg)
+static void run_pthreads(int nth, task_fn fn, void *arg)
 {
-    if (nth <= 1) { fn(arg, 0, 1); return; }
     pthread_t th[256];
     task_t tasks[256];
     int started[256];
@@ -97,7 +84,65 @@ static void run_parallel(int nth, task_fn fn, void *arg)
     for (int i = 1; i < nth; i++)
         if (started[i]) pthread_join(th[i], NULL);
 }
+
+/* Run fn(arg, tid, nth) for tid in [0, nth). With OpenMP (the normal build), in the
+ * process's OpenMP pool: PyTorch's CPU builds load libgomp, and an extension that needs
+ * libgomp.so.1 shares that copy, so the kernels run on PyTorch's own worker threads
+ * instead of competing with them while they spin after an operator. Where the process has
+ * a second OpenMP runtime (a torch wheel with a renamed libgomp), the Python side switches
+ * to threads of our own (nm_set_threading("pthreads")): no second pool spinning. */
+#ifdef _OPENMP
+#include <dlfcn.h>
+#include <omp.h>
+static int g_use_omp = 1;
+
+static void run_parallel(int nth, task_fn fn, void *arg)
+{
+    if (nth <= 1) { fn(arg, 0, 1); return; }
+    if (!g_use_omp) { run_pthreads(nth, fn, arg); return; }
+#pragma omp parallel num_threads(nth)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        for (int i = t; i < nth; i += T) fn(arg, i, nth);   /* all tasks, however many threads */
+    }
+}
+
+const char *nm_openmp_library(void)
+{
+    Dl_info info;
+    if (dladdr((void *)&omp_get_thread_num, &info) && info.dli_fname) return info.dli_fname;
+    return "";
+}
+#else
+static const int g_use_omp = 0;
+
+static void run_parallel(int nth, task_fn fn, void *arg)
+{
+    if (nth <= 1) { fn(arg, 0, 1); return; }
+    run_pthreads(nth, fn, arg);
+}
+
+const char *nm_openmp_library(void) { return NULL; }
 #endif
+
+const char *nm_threading(void) { return g_use_omp ? "openmp" : "pthreads"; }
+
+int nm_set_threading(const char *name)
+{
+    if (strcmp(name, "pthreads") == 0) {
+#ifdef _OPENMP
+        g_use_omp = 0;
+#endif
+        return 0;
+    }
+    if (strcmp(name, "openmp") == 0) {
+#ifdef _OPENMP
+        g_use_omp = 1;
+        return 0;
+#endif
+    }
+    return -1;
+}
 
 static void split(int64_t total, int tid, int nth, int64_t *a, int64_t *b)
 {
@@ -286,6 +331,11 @@ int nm_tgather_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, floa
 {
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->C == 0) return 0;
+    if (A->R == 0 || A->G * A->n == 0) {   /* empty contraction: X = bias (or 0) */
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t c = 0; c < A->C; c++) X[b * ldx + c] = bias ? bias[c] : 0.0f;
+        return 0;
+    }
     const int64_t R = A->R, C = A->C, gn = A->G * A->n;
     const nm_isa_table *T = table();
     int nvi; const int64_t bch = (int64_t)choose_nv(B, T->vw, &nvi) * T->vw;
@@ -704,6 +754,77 @@ int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int6
     gtgather_args a = {W, dY, ldg, dX, ldx, B, cols, rows, table()->gtgather, 0};
     run_parallel(nth, gtgather_task, &a);
     free(cols);
+    return a.err;
+}
+
+/* -------------------------------------------------------- column-grouped -- */
+typedef struct {
+    const nm_colgrouped *W; const float *xp; int64_t Kp, nbc, B; float *Y; int64_t ldy;
+    const float *bias; int64_t bch, kt; nm_cgg_fn fn; int err;
+} cgg_args;
+
+/* Each thread owns a range of row blocks; per batch chunk (its packed panel stays in L2
+ * while the thread's blocks run) the blocks' rows are accumulated in ytmp, then written. */
+static void cgg_task(void *p, int tid, int nth)
+{
+    cgg_args *a = (cgg_args *)p;
+    const nm_colgrouped *W = a->W;
+    int64_t q0, q1;
+    split(W->Nb, tid, nth, &q0, &q1);
+    if (q1 <= q0) return;
+    const int64_t qb = 8;   /* row blocks per pass: their accumulators stay in L1 */
+    float *ytmp = (float *)alloc64((size_t)(qb * W->m * a->bch) * sizeof(float));
+    if (!ytmp) { a->err = -3; return; }
+    for (int64_t bc = 0; bc < a->nbc; bc++) {
+        const float *panel = a->xp + bc * a->Kp * a->bch;
+        const int64_t bmax = a->B - bc * a->bch < a->bch ? a->B - bc * a->bch : a->bch;
+        for (int64_t qa = q0; qa < q1; qa += qb) {
+            const int64_t qe = qa + qb < q1 ? qa + qb : q1;
+            for (int64_t t0 = 0; t0 < W->L; t0 += a->kt)
+                a->fn(W, panel, qa, qe, t0, t0 + a->kt < W->L ? t0 + a->kt : W->L, ytmp, t0 == 0);
+            const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N;
+            for (int64_t b = 0; b < bmax; b++) {
+                float *yrow = a->Y + (bc * a->bch + b) * a->ldy;
+                for (int64_t r = r0; r < r1; r++)
+                    yrow[r] = ytmp[(r - r0) * a->bch + b] + (a->bias ? a->bias[r] : 0.0f);
+            }
+        }
+    }
+    free(ytmp);
+}
+
+int nm_colgrouped_gather_f32(const nm_colgrouped *W, int64_t B, const float *X, int64_t ldx,
+                             float *Y, int64_t ldy, const float *bias, int nthreads)
+{
+    if (!W || W->n < 1 || W->m < 2 || W->n >= W->m || W->P < 1 || W->N < 0 || W->K < 0 || B < 0 ||
+        W->Nb != (W->N + W->m - 1) / W->m || W->L < 0 || (int64_t)W->P * W->L < W->K)
+        return -1;
+    if (B == 0 || W->N == 0) return 0;
+    if (W->K == 0 || W->L == 0) {
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t r = 0; r < W->N; r++) Y[b * ldy + r] = bias ? bias[r] : 0.0f;
+        return 0;
+    }
+    for (int64_t i = 0; i < (int64_t)W->P * W->n; i++)
+        if (W->pats[i] < 0 || W->pats[i] >= W->m) return -1;
+    const nm_isa_table *T = table();
+    int nvi; const int64_t bch = (int64_t)choose_nv(B, T->vw, &nvi) * T->vw;
+    const int64_t Kp = (int64_t)W->P * W->L;
+    const int nth = clamp_threads(nthreads, 2.0 * B * W->Nb * W->n * Kp, W->Nb);
+    int64_t nbc;
+    float *xp = make_panel(X, ldx, B, W->K, Kp, bch, &nbc, nth);
+    if (!xp) return -3;
+    /* slots per pass: all by default; STEN_NM_CG_BLOCK_BYTES keeps a pass's x columns (P * kt
+     * columns of bch floats) within that many bytes (measured slower here: 1:10's narrow
+     * passes cost more than the L1 reuse gains) */
+    int64_t kt = W->L;
+    if (getenv("STEN_NM_CG_BLOCK_BYTES")) {
+        kt = env_int("STEN_NM_CG_BLOCK_BYTES", 32 * 1024) / ((int64_t)W->P * bch * 4);
+        if (kt < 1) kt = 1;
+    }
+    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, T->cgg[nvi], 0};
+    run_parallel(nth, cgg_task, &a);
+    free(xp);
     return a.err;
 }
 

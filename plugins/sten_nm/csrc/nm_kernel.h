@@ -49,6 +49,24 @@ int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_
 int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
                            float *dX, int64_t ldx, int nthreads);
 
+/* Column-grouped n:m (the STen paper's format): in each block of m rows of W[N][K], each
+ * column keeps the n rows of one of the P = C(m, n) patterns; pattern p of row block q owns
+ * L columns (the Python side checks that every column of a chunk has one owner).
+ *   vals[Nb][P][n][L]  kept values;  cols[Nb][P][L] their columns (< P*L; >= K: padding, 0)
+ *   pats[P][n]         row offsets of each pattern in its block */
+typedef struct {
+    int64_t N, K;
+    int32_t n, m, P, pad_;
+    int64_t Nb, L;
+    const float *vals;
+    const int32_t *cols;
+    const int32_t *pats;
+} nm_colgrouped;
+
+/* Y[b][r] = sum_k W[r][k] X[b][k] (+ bias[r]); X [B][K] (ldx), Y [B][N] (ldy). */
+int nm_colgrouped_gather_f32(const nm_colgrouped *W, int64_t B, const float *X, int64_t ldx,
+                             float *Y, int64_t ldy, const float *bias, int nthreads);
+
 /* Y[b][r] = sum_c A[r][c] X[b][c] (+ bias[r]); X is [B][C] (row stride ldx), Y [B][R] (ldy). */
 int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx,
                   float *Y, int64_t ldy, const float *bias, int nthreads);
@@ -74,6 +92,13 @@ int nm_decompress_f32(const nm_mat *A, float *D, int64_t ldd, int nthreads);
 const char *nm_isa(void);
 /* Force an ISA ("avx512", "avx2", "generic"); returns 0 on success, -1 if unsupported. */
 int nm_set_isa(const char *name);
+
+/* Threading: "openmp" (the process's OpenMP pool) or "pthreads" (threads per call). */
+const char *nm_threading(void);
+/* Pick "openmp" (only in an OpenMP build) or "pthreads"; 0 on success, -1 otherwise. */
+int nm_set_threading(const char *name);
+/* File of the OpenMP runtime the kernels call ("" if unknown), NULL without OpenMP. */
+const char *nm_openmp_library(void);
 
 int nm_index_bits(int32_t m);
 int nm_index_per_word(int32_t m);

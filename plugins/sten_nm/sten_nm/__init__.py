@@ -13,8 +13,11 @@ __version__ = "0.1.0"
 
 from .nm_tensor import NMTensor  # noqa: E402
 from .grouped_tensor import GroupedNMTensor  # noqa: E402
-from .sparsifier import GroupedNMSparsifier, NMSparsifier  # noqa: E402
+from .column_grouped import ColumnGroupedNMTensor  # noqa: E402
+from .sparsifier import ColumnGroupedNMSparsifier, GroupedNMSparsifier, NMSparsifier  # noqa: E402
 from .ops import grouped_linear, nm_linear, nm_matmul  # noqa: E402
+from .column_grouped_ops import column_grouped_linear  # noqa: E402
 
-__all__ = ["NMTensor", "GroupedNMTensor", "NMSparsifier", "GroupedNMSparsifier", "nm_linear",
-           "nm_matmul", "grouped_linear", "__version__"]
+__all__ = ["NMTensor", "GroupedNMTensor", "ColumnGroupedNMTensor", "NMSparsifier", "GroupedNMSparsifier",
+           "ColumnGroupedNMSparsifier", "nm_linear", "nm_matmul", "grouped_linear", "column_grouped_linear",
+           "__version__"]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import warnings
 from typing import Optional
 
 import torch
@@ -35,29 +37,34 @@ class NMGrouped(ctypes.Structure):
     ]
 
 
+class NMColGrouped(ctypes.Structure):
+    _fields_ = [
+        ("N", _c_i64), ("K", _c_i64), ("n", _c_i32), ("m", _c_i32), ("P", _c_i32), ("pad_", _c_i32),
+        ("Nb", _c_i64), ("L", _c_i64), ("vals", _c_p), ("cols", _c_p), ("pats", _c_p),
+    ]
+
+
 GROUP_ROWS = 16  # NM_GR in csrc/nm_kernel.h
 
 _lib: Optional[ctypes.CDLL] = None
 _error: Optional[str] = None
+_threading_note: Optional[str] = None
+
+_OPENMP_RUNTIME = re.compile(r"/lib(gomp|iomp5|omp)[^/]*\.so[^/]*$")
 
 
-def _load() -> ctypes.CDLL:
-    global _lib, _error
-    if _lib is not None:
-        return _lib
-    if _error is not None:
-        raise RuntimeError(_error)
-    try:
-        path = os.environ.get("STEN_NM_LIBRARY")  # e.g. the AddressSanitizer build (make asan)
-        if not path:
-            from . import _nmkernel  # the compiled extension (a normal CPython module)
+def _library_path() -> str:
+    """The kernel library: ``STEN_NM_LIBRARY`` (e.g. the ASan build), else the extension."""
+    path = os.environ.get("STEN_NM_LIBRARY")
+    if path:
+        return path
+    from . import _nmkernel  # the compiled extension (a normal CPython module)
 
-            path = _nmkernel.__file__
-        lib = ctypes.CDLL(path)
-    except Exception as exc:  # pragma: no cover - only without a build
-        _error = f"sten_nm C extension not available: {exc}"
-        raise RuntimeError(_error) from exc
-    P = ctypes.POINTER(NMMat)
+    return _nmkernel.__file__
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    P, PG = ctypes.POINTER(NMMat), ctypes.POINTER(NMGrouped)
     lib.nm_gather_f32.argtypes = [P, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
     lib.nm_scatter_f32.argtypes = [P, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
     lib.nm_tgather_f32.argtypes = [P, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
@@ -65,18 +72,75 @@ def _load() -> ctypes.CDLL:
     lib.nm_compress_f32.argtypes = [_c_i64, _c_i64, _c_i32, _c_i32, _c_p, _c_i64, _c_p, _c_p, ctypes.c_int]
     lib.nm_compress_mask_f32.argtypes = [_c_i64, _c_i64, _c_i32, _c_i32, _c_p, _c_i64, _c_p, _c_p, _c_p, ctypes.c_int]
     lib.nm_decompress_f32.argtypes = [P, _c_p, _c_i64, ctypes.c_int]
-    lib.nm_grouped_gather_f32.argtypes = [ctypes.POINTER(NMGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
-    lib.nm_grouped_sddmm_f32.argtypes = [ctypes.POINTER(NMGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
-    lib.nm_grouped_tgather_f32.argtypes = [ctypes.POINTER(NMGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64, ctypes.c_int]
-    lib.nm_isa.restype = ctypes.c_char_p
+    lib.nm_grouped_gather_f32.argtypes = [PG, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
+    lib.nm_grouped_sddmm_f32.argtypes = [PG, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
+    lib.nm_grouped_tgather_f32.argtypes = [PG, _c_i64, _c_p, _c_i64, _c_p, _c_i64, ctypes.c_int]
+    lib.nm_colgrouped_gather_f32.argtypes = [ctypes.POINTER(NMColGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64,
+                                             _c_p, ctypes.c_int]
+    lib.nm_colgrouped_gather_f32.restype = ctypes.c_int
+    for name in ("nm_isa", "nm_threading", "nm_openmp_library"):
+        getattr(lib, name).restype = ctypes.c_char_p
     lib.nm_set_isa.argtypes = [ctypes.c_char_p]
+    lib.nm_set_threading.argtypes = [ctypes.c_char_p]
     for name in ("nm_gather_f32", "nm_scatter_f32", "nm_tgather_f32", "nm_sddmm_f32", "nm_compress_f32",
-                 "nm_compress_mask_f32", "nm_decompress_f32", "nm_set_isa", "nm_grouped_gather_f32", "nm_grouped_sddmm_f32", "nm_grouped_tgather_f32",
-                 "nm_index_bits",
-                 "nm_index_per_word"):
+                 "nm_compress_mask_f32", "nm_decompress_f32", "nm_set_isa", "nm_set_threading",
+                 "nm_grouped_gather_f32", "nm_grouped_sddmm_f32", "nm_grouped_tgather_f32",
+                 "nm_index_bits", "nm_index_per_word"):
         getattr(lib, name).restype = ctypes.c_int
+
+
+def loaded_openmp_runtimes() -> list[str]:
+    """Files of the OpenMP runtimes mapped into this process (Linux; [] elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if ".so" in line}
+    except OSError:
+        return []
+    return sorted(os.path.realpath(p) for p in paths if _OPENMP_RUNTIME.search(p))
+
+
+def _pick_threading(lib: ctypes.CDLL, runtimes: Optional[list[str]] = None) -> Optional[str]:
+    """Run on PyTorch's OpenMP pool where the kernels share it; where the process holds
+    another OpenMP runtime too (a torch wheel with a renamed libgomp), a second pool would
+    spin beside torch's: use threads of our own, created per call. Returns the reason."""
+    ours = lib.nm_openmp_library()
+    if ours is None:
+        return "built without OpenMP: threads of its own (pthreads)"
+    ours_path = os.path.realpath(ours.decode()) if ours else ""
+    others = [p for p in (loaded_openmp_runtimes() if runtimes is None else runtimes) if p != ours_path]
+    if others:
+        lib.nm_set_threading(b"pthreads")
+        return (f"a second OpenMP runtime is loaded ({', '.join(others)}) beside the kernels' "
+                f"({ours_path or 'unknown'}): threads of its own (pthreads) instead of a second pool")
+    lib.nm_set_threading(b"openmp")
+    return None
+
+
+def _load() -> ctypes.CDLL:
+    global _lib, _error, _threading_note
+    if _lib is not None:
+        return _lib
+    if _error is not None:
+        raise RuntimeError(_error)
+    try:
+        lib = ctypes.CDLL(_library_path())
+        _declare(lib)
+    except Exception as exc:  # no build (no C compiler), a broken or foreign library
+        _error = f"sten_nm C extension not available: {type(exc).__name__}: {exc}"
+        raise RuntimeError(_error) from exc
+    _threading_note = _pick_threading(lib)
     _lib = lib
+    forced = os.environ.get("STEN_NM_ISA")
+    if forced and lib.nm_isa().decode() != forced:
+        warnings.warn(f"STEN_NM_ISA={forced!r} is not an instruction set this CPU runs "
+                      f"({', '.join(supported_isas())}); using {isa()!r}", RuntimeWarning, stacklevel=2)
     return lib
+
+
+def reset() -> None:
+    """Forget the loaded library and any load error (the next call loads again; for tests)."""
+    global _lib, _error, _threading_note
+    _lib, _error, _threading_note = None, None, None
 
 
 def available() -> tuple[bool, Optional[str]]:
@@ -88,15 +152,37 @@ def available() -> tuple[bool, Optional[str]]:
         return False, str(exc)
 
 
+def threading_mode() -> tuple[str, Optional[str]]:
+    """How the kernels run in parallel: ``("openmp" | "pthreads", why not OpenMP or None)``."""
+    lib = _load()
+    return lib.nm_threading().decode(), _threading_note
+
+
 def isa() -> str:
     """Instruction set picked at run time: ``"avx512"``, ``"avx2"`` or ``"generic"``."""
     return _load().nm_isa().decode()
 
 
 def set_isa(name: str) -> None:
-    """Force an instruction set (for tests and benchmarks)."""
+    """Force an instruction set (for tests and benchmarks); ``STEN_NM_ISA`` does it at load."""
     if _load().nm_set_isa(name.encode()) != 0:
-        raise ValueError(f"isa {name!r} is not supported on this machine")
+        raise ValueError(f"isa {name!r} is not supported on this machine (supported: {supported_isas()})")
+
+
+ISAS = ("generic", "avx2", "avx512")
+
+
+def supported_isas() -> list[str]:
+    """The instruction sets this CPU can run, portable first (the last is the default).
+
+    >>> supported_isas()[0]
+    'generic'
+    """
+    lib, current = _load(), isa()
+    try:
+        return [name for name in ISAS if lib.nm_set_isa(name.encode()) == 0]
+    finally:
+        lib.nm_set_isa(current.encode())
 
 
 def index_bits(m: int) -> int:
@@ -185,6 +271,10 @@ def sddmm(A: NMMat, Y: torch.Tensor, X: torch.Tensor, nthreads: Optional[int] = 
 def compress(D: torch.Tensor, n: int, m: int, mask: Optional[torch.Tensor] = None,
              nthreads: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Values ``[R, G*n]`` and packed indices ``[R, iw]`` (int32) of dense ``D [R, C]``."""
+    if not available()[0]:   # no C library: the same result in torch
+        from . import _portable
+
+        return _portable.compress(D, n, m, mask)
     D = _rowmajor(D)
     R, C = D.shape
     G = -(-C // m)
@@ -250,3 +340,25 @@ def grouped_tgather(W: NMGrouped, dY: torch.Tensor, nthreads: Optional[int] = No
                                         dX.stride(0) if W.K else 1, _threads(nthreads))
     _check(rc, "nm_grouped_tgather")
     return dX
+
+
+def colgrouped(vals: torch.Tensor, cols: torch.Tensor, pats: torch.Tensor, N: int, K: int, n: int, m: int) -> NMColGrouped:
+    """C descriptor of a column-grouped n:m matrix (see ``ColumnGroupedNMTensor``): float32
+    contiguous ``vals [Nb, P, n, L]``, int32 ``cols [Nb, P, L]`` and ``pats [P, n]``."""
+    Nb, P, _, L = vals.shape
+    desc = NMColGrouped(N, K, n, m, P, 0, Nb, L, vals.data_ptr(), cols.data_ptr(), pats.data_ptr())
+    desc._keep = (vals, cols, pats)
+    return desc
+
+
+def colgrouped_gather(W: NMColGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                      nthreads: Optional[int] = None) -> torch.Tensor:
+    """``Y = X W^T (+ bias)`` for a column-grouped n:m ``W`` ``[N, K]``, X ``[B, K]``."""
+    X = _rowmajor(X)
+    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = _load().nm_colgrouped_gather_f32(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(),
+                                          Y.stride(0) if W.N else 1, b.data_ptr() if b is not None else None,
+                                          _threads(nthreads))
+    _check(rc, "nm_colgrouped_gather")
+    return Y

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from . import _kernel
-from ._checks import check_float_tensor, check_nm
-from .nm_tensor import NMTensor
+from ._fp32 import fp32_values
+from ._checks import FLOAT_DTYPES, check_float_tensor, check_nm
+from .nm_tensor import NMTensor, check_offsets
 
 try:
     from sten_core.layouts import Layout as _Base
@@ -72,22 +73,42 @@ class GroupedNMTensor(_Base):
     """
 
     def __init__(self, vals: torch.Tensor, indices: torch.Tensor, perm: torch.Tensor, shape: Any, n: int, m: int):
+        self._setup(vals, indices, perm, shape, n, m)
+        N, K = self._shape
+        if not isinstance(perm, torch.Tensor) or perm.dtype != torch.int32 or tuple(perm.shape) != (self._Q * GR,):
+            raise ValueError(f"perm must be int32 of shape {(self._Q * GR,)}")
+        pad = self._Q * GR - N
+        if not torch.equal(perm.sort().values, torch.cat([torch.full((pad,), -1, dtype=torch.int32),
+                                                          torch.arange(N, dtype=torch.int32)])):
+            raise ValueError(f"perm must hold each row 0..{N - 1} once and -1 for the {pad} padding rows")
+        check_offsets(self.indices, self._Q, K, self.n, self.m)
+
+    def _setup(self, vals: torch.Tensor, indices: torch.Tensor, perm: torch.Tensor, shape: Any, n: int, m: int) -> None:
+        """Shape and dtype checks (not perm and the offsets: trusted producers skip those scans)."""
         self.n, self.m = check_nm(n, m)
         self._shape = torch.Size(shape)
+        if len(self._shape) != 2:
+            raise ValueError(f"shape must be 2-D, got {tuple(self._shape)}")
         N, K = self._shape
         G = -(-K // m)
-        Q = -(-N // GR)
+        self._Q = Q = -(-N // GR)
         per = _kernel.index_per_word(m)
+        if not isinstance(vals, torch.Tensor) or vals.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"vals must be a floating-point torch.Tensor, got {getattr(vals, 'dtype', type(vals).__name__)}")
         if tuple(vals.shape) != (Q, G * n, GR):
             raise ValueError(f"vals must have shape {(Q, G * n, GR)}, got {tuple(vals.shape)}")
-        if indices.dtype != torch.int32 or tuple(indices.shape) != (Q, -(-G * n // per)):
-            raise ValueError("indices have the wrong dtype or shape")
-        if perm.dtype != torch.int32 or tuple(perm.shape) != (Q * GR,):
-            raise ValueError("perm must be int32 of shape (Q*16,)")
-        if not torch.equal(perm.sort().values, torch.cat([torch.full((Q * GR - N,), -1, dtype=torch.int32),
-                                                          torch.arange(N, dtype=torch.int32)])):
-            raise ValueError(f"perm must hold each row 0..{N - 1} once and -1 for the {Q * GR - N} padding rows")
+        if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32 or tuple(indices.shape) != (Q, -(-G * n // per)):
+            raise ValueError(f"indices must be int32 of shape {(Q, -(-G * n // per))}, got "
+                             f"{getattr(indices, 'dtype', type(indices).__name__)} {tuple(getattr(indices, 'shape', ()))}")
         self._vals, self.indices, self.perm = vals.contiguous(), indices.contiguous(), perm.contiguous()
+
+    @classmethod
+    def _trusted(cls, vals: torch.Tensor, indices: torch.Tensor, perm: torch.Tensor, shape: Any, n: int,
+                 m: int) -> "GroupedNMTensor":
+        """Build from a pattern made by this package (``from_dense``, or an existing tensor's)."""
+        t = cls.__new__(cls)
+        t._setup(vals, indices, perm, shape, n, m)
+        return t
 
     @classmethod
     def from_dense(cls, tensor: torch.Tensor, n: int = 2, m: int = 4, group: bool = True) -> "GroupedNMTensor":
@@ -110,9 +131,9 @@ class GroupedNMTensor(_Base):
         _, idx = _kernel.compress(score, n, m)
         cols = NMTensor._cols(idx, K, n, m, Q)  # [Q, G*n]
         full = torch.nn.functional.pad(rows.to(w.dtype) if w.dtype != torch.float32 else rows, (0, int(cols.max()) + 1 - K if cols.numel() else 0))
-        gathered = torch.gather(full.reshape(Q, GR, -1), 2, cols[:, None, :].expand(Q, GR, cols.shape[1]))
+        gathered = torch.gather(full.reshape(Q, GR, full.shape[1]), 2, cols[:, None, :].expand(Q, GR, cols.shape[1]))
         vals = gathered.transpose(1, 2).contiguous()  # [Q, G*n, GR]
-        return cls(vals, idx, perm, tensor.shape, n, m)
+        return cls._trusted(vals, idx, perm, tensor.shape, n, m)
 
     # -- metadata ----------------------------------------------------------------
     @property
@@ -136,8 +157,10 @@ class GroupedNMTensor(_Base):
     def nbytes(self) -> int:
         return self._vals.numel() * self._vals.element_size() + self.indices.numel() * 4 + self.perm.numel() * 4
 
-    def desc(self) -> "_kernel.NMGrouped":
-        v = self._vals if self._vals.dtype == torch.float32 else self._vals.float()
+    def desc(self, round_to: "torch.dtype | None" = None) -> "_kernel.NMGrouped":
+        """C descriptor of the float32 values (converted once, cached; rounded through
+        ``round_to`` first when given)."""
+        v = fp32_values(self, self._vals, round_to)
         N, K = self._shape
         return _kernel.grouped(v, self.indices, self.perm, N, K, self.n, self.m)
 
@@ -145,7 +168,8 @@ class GroupedNMTensor(_Base):
     def _row_values(self) -> torch.Tensor:
         """``[N, G*n]`` values in the original row order."""
         N = self._shape[0]
-        flat = self._vals.transpose(1, 2).reshape(-1, self._vals.shape[1])  # [Q*GR, G*n]
+        Q, gn, _ = self._vals.shape
+        flat = self._vals.transpose(1, 2).reshape(Q * GR, gn)  # [Q*GR, G*n]
         out = flat.new_zeros((N, flat.shape[1]))
         keep = self.perm >= 0
         out[self.perm[keep].long()] = flat[keep]
@@ -158,7 +182,7 @@ class GroupedNMTensor(_Base):
         keep = self.perm >= 0
         idx = torch.empty((N, self.indices.shape[1]), dtype=torch.int32)
         idx[self.perm[keep].long()] = idx_rows[keep]
-        return NMTensor(self._row_values(), idx, self._shape, self.n, self.m, dim=1)
+        return NMTensor._trusted(self._row_values(), idx, self._shape, self.n, self.m, dim=1)
 
     def to_dense(self) -> torch.Tensor:
         return self.to_nm().to_dense()
@@ -176,7 +200,10 @@ class GroupedNMTensor(_Base):
         return self._vals
 
     def with_values(self, values: torch.Tensor) -> "GroupedNMTensor":
-        return GroupedNMTensor(values.reshape(self._vals.shape), self.indices, self.perm, self._shape, self.n, self.m)
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        return GroupedNMTensor._trusted(values.reshape(self._vals.shape), self.indices, self.perm, self._shape,
+                                        self.n, self.m)
 
     def from_row_values(self, row_values: torch.Tensor) -> torch.Tensor:
         """``[N, G*n]`` row-ordered values (e.g. a gradient) in this layout's order."""

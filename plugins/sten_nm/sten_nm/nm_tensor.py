@@ -32,12 +32,47 @@ from typing import Any, Optional
 import torch
 
 from . import _kernel
-from ._checks import check_dim, check_float_tensor, check_nm
+from ._fp32 import fp32_values
+from ._checks import FLOAT_DTYPES, check_dim, check_float_tensor, check_nm
 
 try:  # the core's base class; the layout also works without it
     from sten_core.layouts import Layout as _Base
 except Exception:  # pragma: no cover
     _Base = object  # type: ignore[misc,assignment]
+
+
+def group_offsets(indices: torch.Tensor, slots: int, m: int) -> torch.Tensor:
+    """Unpack ``indices`` ``[rows, words]`` into the in-group offsets ``[rows, slots]`` (int64).
+
+    >>> group_offsets(torch.tensor([[0b1101]], dtype=torch.int32), 2, 4).tolist()
+    [[1, 3]]
+    """
+    bits, per = _kernel.index_bits(m), _kernel.index_per_word(m)
+    e = torch.arange(slots)
+    words = indices.to(torch.int64) & 0xFFFFFFFF
+    return (words[:, e // per] >> (bits * (e % per))) & ((1 << bits) - 1)
+
+
+def check_offsets(indices: torch.Tensor, rows: int, C: int, n: int, m: int, name: str = "indices") -> None:
+    """Every group's ``n`` offsets lie in ``[0, m)`` and increase strictly (no duplicates).
+
+    Raises ValueError naming ``name``, the row and the group otherwise: the kernels
+    would read out of bounds, or disagree with ``to_dense()``.
+    """
+    G = -(-C // m)
+    if rows == 0 or G == 0:
+        return
+    offs = group_offsets(indices, G * n, m).reshape(rows, G, n)
+    bad = offs >= m
+    if bool(bad.any()):
+        r, g, j = (int(v) for v in torch.nonzero(bad)[0])
+        raise ValueError(f"{name}: offset {int(offs[r, g, j])} of row {r}, group {g} is not < m={m}")
+    if n > 1:
+        dup = offs[:, :, 1:] <= offs[:, :, :-1]
+        if bool(dup.any()):
+            r, g, _ = (int(v) for v in torch.nonzero(dup)[0])
+            raise ValueError(f"{name}: the offsets of row {r}, group {g} must increase strictly "
+                             f"(distinct positions in increasing order), got {offs[r, g].tolist()}")
 
 
 class NMTensor(_Base):
@@ -54,6 +89,12 @@ class NMTensor(_Base):
     """
 
     def __init__(self, values: torch.Tensor, indices: torch.Tensor, shape: Any, n: int, m: int, dim: int = 1):
+        self._setup(values, indices, shape, n, m, dim)
+        R, C = self._rc()
+        check_offsets(self.indices, R, C, self.n, self.m)
+
+    def _setup(self, values: torch.Tensor, indices: torch.Tensor, shape: Any, n: int, m: int, dim: int) -> None:
+        """Shape and dtype checks (not the offsets: trusted producers skip that scan)."""
         self.n, self.m = check_nm(n, m)
         self.dim = check_dim(dim)
         self._shape = torch.Size(shape)
@@ -62,12 +103,24 @@ class NMTensor(_Base):
         R, C = self._rc()
         G = -(-C // m)
         per = _kernel.index_per_word(m)
+        if not isinstance(values, torch.Tensor) or values.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"values must be a floating-point torch.Tensor, got {getattr(values, 'dtype', type(values).__name__)}")
+        if not isinstance(indices, torch.Tensor):
+            raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
         if tuple(values.shape) != (R, G * n):
             raise ValueError(f"values must have shape {(R, G * n)}, got {tuple(values.shape)}")
         if indices.dtype != torch.int32 or tuple(indices.shape) != (R, -(-G * n // per)):
             raise ValueError(f"indices must be int32 of shape {(R, -(-G * n // per))}, got {indices.dtype} {tuple(indices.shape)}")
         self._values = values.contiguous()
         self.indices = indices.contiguous()
+
+    @classmethod
+    def _trusted(cls, values: torch.Tensor, indices: torch.Tensor, shape: Any, n: int, m: int,
+                 dim: int = 1) -> "NMTensor":
+        """Build from indices made by this package (compress, or an existing tensor's)."""
+        t = cls.__new__(cls)
+        t._setup(values, indices, shape, n, m, dim)
+        return t
 
     # -- construction ----------------------------------------------------------
     @classmethod
@@ -99,7 +152,7 @@ class NMTensor(_Base):
             vals = cls._gather_cols(a.contiguous(), cols)
             if mask is not None:  # fill slots (not in the mask) hold 0
                 vals = vals * cls._gather_cols(mask.to(a.dtype).contiguous(), cols)
-        return cls(vals, idx, tensor.shape, n, m, dim)
+        return cls._trusted(vals, idx, tensor.shape, n, m, dim)
 
     # -- metadata ----------------------------------------------------------------
     def _rc(self) -> tuple[int, int]:
@@ -134,21 +187,20 @@ class NMTensor(_Base):
         R, C = self._rc()
         return _kernel.mat(self._values, self.indices, R, C, self.n, self.m)
 
-    def fp32(self) -> "NMTensor":
-        """This tensor with float32 values (itself when it already is)."""
-        if self._values.dtype == torch.float32:
+    def fp32(self, round_to: Optional[torch.dtype] = None) -> "NMTensor":
+        """This tensor with float32 values (itself when it already is), rounded through
+        ``round_to`` first when given (CPU autocast); the conversion is cached."""
+        v = fp32_values(self, self._values, round_to)
+        if v is self._values:
             return self
-        return NMTensor(self._values.float(), self.indices, self._shape, self.n, self.m, self.dim)
+        return NMTensor._trusted(v, self.indices, self._shape, self.n, self.m, self.dim)
 
     # -- dense conversion --------------------------------------------------------
     @staticmethod
     def _cols(indices: torch.Tensor, C: int, n: int, m: int, R: int) -> torch.Tensor:
         G = -(-C // m)
-        bits, per = _kernel.index_bits(m), _kernel.index_per_word(m)
         e = torch.arange(G * n)
-        words = indices.to(torch.int64) & 0xFFFFFFFF
-        offs = (words[:, e // per] >> (bits * (e % per))) & ((1 << bits) - 1)
-        return (e // n) * m + offs if R else torch.zeros((0, G * n), dtype=torch.int64)
+        return (e // n) * m + group_offsets(indices, G * n, m) if R else torch.zeros((0, G * n), dtype=torch.int64)
 
     def columns(self) -> torch.Tensor:
         """Column of ``A`` of every stored slot, ``[R, G*n]`` int64 (may be >= C in padding)."""
@@ -166,7 +218,7 @@ class NMTensor(_Base):
     def to_dense(self) -> torch.Tensor:
         """The dense tensor (zeros at the dropped positions)."""
         R, C = self._rc()
-        if self._values.dtype == torch.float32:
+        if self._values.dtype == torch.float32 and _kernel.available()[0]:
             a = _kernel.decompress(self.mat())
         else:
             G = -(-C // self.m)
@@ -195,7 +247,7 @@ class NMTensor(_Base):
         """Same pattern, new values (shape ``[R, G*n]``)."""
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
-        return NMTensor(values.reshape(self._values.shape), self.indices, self._shape, self.n, self.m, self.dim)
+        return NMTensor._trusted(values.reshape(self._values.shape), self.indices, self._shape, self.n, self.m, self.dim)
 
     def gather(self, dense: torch.Tensor) -> torch.Tensor:
         """Values of ``dense`` (the logical shape) at the stored positions (0 in padding)."""

@@ -18,12 +18,13 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from . import _kernel
+from . import _kernel, tuning
 from ._checks import FLOAT_DTYPES
 from .nm_tensor import NMTensor
 
@@ -47,6 +48,11 @@ def _check_input(x: Any, name: str, k: int, what: str) -> torch.Tensor:
     return x
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as 2-D ``[batch, last]`` (also when ``last`` is 0, where ``reshape(-1, 0)`` fails)."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
 def _out_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
     dtype = None
     for t in ts:
@@ -56,9 +62,10 @@ def _out_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
 
 
 # -- the three products on 2-D operands (A is the stored matrix) -------------------
-def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: bool) -> torch.Tensor:
+def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: bool,
+          round_to: Optional[torch.dtype] = None) -> torch.Tensor:
     """``x2 @ Weff^T (+ bias)`` in float32."""
-    A = W.fp32()
+    A = W.fp32(round_to)
     mat = A.mat()
     return _kernel.gather(mat, x2, bias) if a_is_w else _kernel.tgather(mat, x2, bias)
 
@@ -75,15 +82,50 @@ def _grad_values(W: NMTensor, x2: torch.Tensor, gy2: torch.Tensor, a_is_w: bool)
     return _kernel.sddmm(mat, gy2, x2) if a_is_w else _kernel.sddmm(mat, x2, gy2)
 
 
+def _autocast_dtype(*ts: Optional[torch.Tensor]) -> Optional[torch.dtype]:
+    """CPU autocast's dtype when it is on and would cast these operands (``linear``, ``mm``
+    and ``matmul`` are on its lower-precision list; float64 operands are never cast)."""
+    if not torch.is_autocast_enabled("cpu"):
+        return None
+    if any(t is not None and t.dtype == torch.float64 for t in ts):
+        return None
+    return torch.get_autocast_dtype("cpu")
+
+
+def _cast(t: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+    return t if t is None or dtype is None or t.dtype == dtype else t.to(dtype)
+
+
 def _apply(x: torch.Tensor, W: NMTensor, bias: Optional[torch.Tensor], a_is_w: bool, n_out: int) -> torch.Tensor:
+    amp = _autocast_dtype(x, W._values, bias)
     dtype = _out_dtype(x, W._values, bias)
-    x2 = x.reshape(-1, x.shape[-1])
+    if amp is not None:  # as dense under autocast: operands rounded to amp, result in amp
+        x, bias, dtype = _cast(x, amp), _cast(bias, amp), amp
+    x2 = _rows(x)
     if dtype == torch.float64:  # keep double precision: dense reference path
         y2 = x2.double() @ (W.to_dense().double().t() if a_is_w == (W.dim == 1) else W.to_dense().double())
         y2 = y2 if bias is None else y2 + bias.double()
     else:
-        y2 = _x_at(W, x2, bias, a_is_w)
+        def dense() -> torch.Tensor:   # decompress into a scratch buffer + dense GEMM
+            D = W.fp32(amp).to_dense()
+            with torch.autocast("cpu", enabled=False):
+                y = x2.float() @ (D.t() if a_is_w == (W.dim == 1) else D)
+                return y if bias is None else y + bias.float()
+
+        y2 = _tuned("fwd", W, x2.shape[0], a_is_w, lambda: _x_at(W, x2, bias, a_is_w, amp), dense)
     return y2.to(dtype).reshape(*x.shape[:-1], n_out)
+
+
+def _tuned(op: str, W: NMTensor, B: int, a_is_w: bool, kernel: Callable[[], torch.Tensor],
+           dense: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Run the faster of the sparse kernel and decompress + dense GEMM for this (op, shape,
+    pattern, batch bucket, threads, ISA): timed once, cached on disk (:mod:`sten_nm.tuning`)."""
+    if not tuning.enabled() or B == 0:
+        return kernel()
+    R, C = W._rc()
+    k = tuning.key(op, R, C, W.n, W.m, a_is_w, B, "float32", torch.get_num_threads(), _kernel.isa())
+    choice = tuning.choose(k, {tuning.KERNEL: kernel, tuning.DENSE: dense})
+    return kernel() if choice == tuning.KERNEL else dense()
 
 
 def nm_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -150,8 +192,8 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, sa
     a_is_w = (W.dim == 1) if linear else (W.dim == 0)
     gy = grad_outputs[0]
     n_out = gy.shape[-1]
-    gy2 = gy.reshape(-1, n_out)
-    x2 = x.reshape(-1, x.shape[-1])
+    gy2 = _rows(gy)
+    x2 = _rows(x)
     double = _out_dtype(x, W._values) == torch.float64
     gx = gw = gb = None
     if _needs(ctx, 0):
@@ -159,7 +201,11 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, sa
             dense = W.to_dense().double()
             g = gy2.double() @ (dense if linear else dense.t())
         else:
-            g = _gy_w(W, gy2, a_is_w)
+            def dense() -> torch.Tensor:
+                D = W.fp32().to_dense()
+                return gy2.float() @ (D if linear else D.t())
+
+            g = _tuned("bwd_x", W, gy2.shape[0], a_is_w, lambda: _gy_w(W, gy2, a_is_w), dense)
         gx = g.to(x.dtype).reshape(x.shape)
     if _needs(ctx, 1):
         if sparse_grad:
@@ -231,12 +277,15 @@ def grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = 
     _check_input(x, "input", K, f"F.linear with a weight of shape {(N, K)}")
     if bias is not None:
         _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}")
+    amp = _autocast_dtype(x, W._vals, bias)
     dtype = _out_dtype(x, W._vals, bias)
-    x2 = x.reshape(-1, K)
+    if amp is not None:  # as dense under autocast: operands rounded to amp, result in amp
+        x, bias, dtype = _cast(x, amp), _cast(bias, amp), amp
+    x2 = _rows(x)
     if dtype == torch.float64:
         y2 = F.linear(x2.double(), W.to_dense().double(), None if bias is None else bias.double())
     else:
-        y2 = _kernel.grouped_gather(W.desc(), x2, bias)
+        y2 = _kernel.grouped_gather(W.desc(amp), x2, bias)
     return y2.to(dtype).reshape(*x.shape[:-1], N)
 
 
@@ -259,8 +308,8 @@ def _grouped_backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple
         if sparse_grad and gw is not None:
             gw = SparseTensorWrapper(G.with_values(G.from_row_values(gw.wrapped_tensor.values())))
         return gx, gw, gb
-    gy2 = grad_outputs[0].reshape(-1, N)
-    x2 = x.reshape(-1, K)
+    gy2 = _rows(grad_outputs[0])
+    x2 = _rows(x)
     gx = gw = gb = None
     if _needs(ctx, 0):
         gx = _kernel.grouped_tgather(G.desc(), gy2).to(x.dtype).reshape(x.shape)

@@ -17,18 +17,27 @@ import torch
 
 import sten_core
 
-from . import __version__, _kernel, addmm, ops
+from . import __version__, _kernel, addmm, column_grouped_ops, ops
+from .column_grouped import ColumnGroupedNMTensor
 from .grouped_tensor import GroupedNMTensor
 from .nm_tensor import NMTensor
-from .sparsifier import GroupedNMSparsifier, NMSparsifier, grouped_sparsify, nm_sparsify, per_block_sparsify
+from .sparsifier import (ColumnGroupedNMSparsifier, GroupedNMSparsifier, NMSparsifier, column_grouped_sparsify,
+                         grouped_sparsify, nm_sparsify, per_block_sparsify)
+
+
+def _column_grouped_to_nm(t: ColumnGroupedNMTensor) -> NMTensor:
+    """Lossless: every column keeps n of each block of m rows, as ``NMTensor(dim=0)``."""
+    return t.to_nm()
 
 
 def _conversions() -> list:
     from sten_core import CooTensor, CscTensor, CsrTensor, DenseTensor
 
     out = [(src, cls, (lambda c: (lambda t: c.from_dense(t.to_dense())))(cls))
-           for src in (NMTensor, GroupedNMTensor) for cls in (DenseTensor, CooTensor, CsrTensor, CscTensor)]
+           for src in (NMTensor, GroupedNMTensor, ColumnGroupedNMTensor)
+           for cls in (DenseTensor, CooTensor, CsrTensor, CscTensor)]
     out.append((GroupedNMTensor, NMTensor, lambda t: t.to_nm()))  # lossless: same values
+    out.append((ColumnGroupedNMTensor, NMTensor, _column_grouped_to_nm))
     return out
 
 
@@ -36,14 +45,19 @@ def _conversions() -> list:
 def sten_register(registry: Any) -> None:
     registry.register_layout(NMTensor)
     registry.register_layout(GroupedNMTensor)
+    registry.register_layout(ColumnGroupedNMTensor)
     registry.register_sparsifier_implementation(GroupedNMSparsifier, torch.Tensor, GroupedNMTensor, grouped_sparsify)
+    registry.register_sparsifier_implementation(ColumnGroupedNMSparsifier, torch.Tensor, ColumnGroupedNMTensor,
+                                                column_grouped_sparsify)
     for sp, impl in ((NMSparsifier, nm_sparsify), (sten_core.PerBlockFractionSparsifier, per_block_sparsify)):
         registry.register_sparsifier_implementation(sp, torch.Tensor, NMTensor, impl)
     for src, dst, fn in _conversions():
         registry.register_conversion(src, dst, fn)
-    ops.register(registry)
-    ops.register_grouped(registry)
-    addmm.register(registry)
+    column_grouped_ops.register(registry)  # pure torch: with or without the C kernels
+    if _kernel.available()[0]:  # else the products take STen's dense fallback (DispatchWarning)
+        ops.register(registry)
+        ops.register_grouped(registry)
+        addmm.register(registry)
 
 
 @sten_core.hookimpl

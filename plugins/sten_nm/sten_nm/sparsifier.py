@@ -117,3 +117,44 @@ def grouped_sparsify(sparsifier: GroupedNMSparsifier, tensor: torch.Tensor, grad
 
     dense = _dense_of(tensor)
     return _wrap(GroupedNMTensor.from_dense(dense, sparsifier.n, sparsifier.m, sparsifier.group), dense, grad_fmt)
+
+
+class ColumnGroupedNMSparsifier(NMSparsifier):
+    """The paper's grouped n:m (:class:`~sten_nm.ColumnGroupedNMTensor`): ``n`` of every
+    ``m`` output rows per column, columns in chunks where each of the ``C(m, n)``
+    patterns owns ``g`` columns (greedy balanced assignment by magnitude).
+
+    >>> ColumnGroupedNMSparsifier(2, 4)
+    ColumnGroupedNMSparsifier(n=2, m=4, g=None)
+    """
+
+    def __init__(self, n: int, m: int, g: "int | None" = None):
+        from .column_grouped import check_patterns
+
+        super().__init__(n, m, 0)
+        check_patterns(self.n, self.m)
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise ValueError(f"g must be None (automatic) or an int >= 1, got {g!r}")
+        self.g = g
+
+    def mask(self, tensor: torch.Tensor) -> torch.Tensor:
+        from .column_grouped import ColumnGroupedNMTensor
+
+        return ColumnGroupedNMTensor.from_dense(tensor, self.n, self.m, self.g).mask()
+
+    def params(self) -> dict[str, Any]:
+        return {"n": self.n, "m": self.m, "g": self.g}
+
+    def __repr__(self) -> str:
+        return f"ColumnGroupedNMSparsifier(n={self.n}, m={self.m}, g={self.g})"
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.n, self.m, self.g))
+
+
+def column_grouped_sparsify(sparsifier: ColumnGroupedNMSparsifier, tensor: torch.Tensor, grad_fmt: Any = None) -> Any:
+    """Sparsifier implementation: dense tensor → wrapper of a ``ColumnGroupedNMTensor``."""
+    from .column_grouped import ColumnGroupedNMTensor
+
+    dense = _dense_of(tensor)
+    return _wrap(ColumnGroupedNMTensor.from_dense(dense, sparsifier.n, sparsifier.m, sparsifier.g), dense, grad_fmt)

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 import sten_core as sten
 from sten_nm import GroupedNMSparsifier, GroupedNMTensor, NMTensor, grouped_linear
 
-from conftest import PATTERNS
+from conftest import PATTERNS, requires_kernel
+
+pytestmark = requires_kernel
 
 
 @pytest.mark.parametrize("n,m", PATTERNS)

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 import sten_core as sten
 from sten_nm import NMTensor, nm_linear, nm_matmul
 
-from conftest import PATTERNS
+from conftest import PATTERNS, requires_kernel
+
+pytestmark = requires_kernel
 
 SPARSE_GRAD = (sten.KeepAll(), NMTensor, sten.KeepAll(), NMTensor)
 

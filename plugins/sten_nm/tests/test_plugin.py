@@ -6,12 +6,15 @@ import pytest
 import torch
 
 import sten_core as sten
-from sten_nm import NMSparsifier, NMTensor, plugin
+from sten_nm import NMSparsifier, NMTensor, _kernel, plugin
+
+from conftest import requires_kernel
 
 
 def test_plugin_info():
     info = plugin.sten_plugin_info()
-    assert info["name"] == "nm" and info["available"] and info["reason"] is None
+    ok, reason = _kernel.available()
+    assert info["name"] == "nm" and info["available"] is ok and info["reason"] == reason
 
 
 def test_entry_point():
@@ -41,6 +44,7 @@ def test_conversions(dst):
     assert torch.equal(out.to_dense(), t.to_dense())
 
 
+@requires_kernel
 def test_conformance_kit():
     testing = pytest.importorskip("sten_core.testing")
     sp = NMSparsifier(2, 4)  # from_dense defaults to 2:4

@@ -1,0 +1,449 @@
+"""``ColumnGroupedNMTensor``: the STen paper's grouped n:m format for an ``F.linear``
+weight ``W [N, K]`` (out, in).
+
+* n:m runs along the output (non-contraction) dimension: within each block of ``m``
+  output rows, every column keeps ``n`` of the ``m`` rows (the column's *pattern*, one
+  of the ``P = C(m, n)`` subsets, numbered in lexicographic order);
+* the columns are split into chunks of ``P * g``; inside a chunk each pattern owns
+  exactly ``g`` columns (the last chunk may be narrower: ``g_last = ceil(rest / P)``,
+  padded with zero columns). A greedy assignment by magnitude decides which column gets
+  which pattern (:func:`assign_patterns`).
+
+So a row block is ``P`` small dense products, one per pattern, with no data-dependent
+branches: ``y[:, block rows of p] += x[:, columns of p] @ V_p^T``.
+
+Storage (``Nb = ceil(N / m)`` row blocks, ``L`` columns per pattern and block):
+
+* ``values``  ``[Nb, P, n, L]`` (the weight's dtype): ``W[q*m + pattern[p][j], columns[q, p, t]]``;
+* ``columns`` ``[Nb, P, L]`` int32: the columns each pattern owns, chunk after chunk
+  (columns ``>= K`` are padding, value 0).
+
+Bytes: ``n/m`` of dense for the values plus one int32 per ``n`` values (1.5x of ``n/m``
+dense fp32 at 2:4, 2x at 1:m) - it trades index memory for branch-free products.
+
+Example:
+    >>> import torch
+    >>> from sten_nm import ColumnGroupedNMTensor
+    >>> t = ColumnGroupedNMTensor.from_dense(torch.randn(8, 24), n=2, m=4, g=2)
+    >>> bool(((t.to_dense() != 0).reshape(2, 4, 24).sum(1) == 2).all())
+    True
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Optional
+
+import torch
+
+from ._checks import FLOAT_DTYPES, check_float_tensor, check_nm
+
+try:
+    from sten_core.layouts import Layout as _Base
+except Exception:  # pragma: no cover
+    _Base = object  # type: ignore[misc,assignment]
+
+DEFAULT_G = (16, 8, 4, 2, 1)
+MAX_PATTERNS = 1024
+
+
+def patterns(n: int, m: int) -> torch.Tensor:
+    """The ``C(m, n)`` row subsets, ``[P, n]`` int64, lexicographic.
+
+    >>> patterns(1, 3).tolist()
+    [[0], [1], [2]]
+    """
+    return torch.tensor(list(itertools.combinations(range(m), n)), dtype=torch.int64).reshape(-1, n)
+
+
+def check_patterns(n: int, m: int) -> int:
+    """``P = C(m, n)``; ValueError when the format would need too many patterns."""
+    P = math.comb(m, n)
+    if P > MAX_PATTERNS:
+        raise ValueError(f"n={n}, m={m} has C(m, n) = {P} patterns (at most {MAX_PATTERNS} for "
+                         f"ColumnGroupedNMTensor); use NMTensor for such patterns")
+    return P
+
+
+def default_g(K: int, n: int, m: int) -> int:
+    """Columns per pattern and chunk: the largest of 16, 8, 4, 2, 1 whose chunk
+    (``C(m, n) * g`` columns) fits in ``K`` (1 when none does).
+
+    >>> default_g(768, 2, 4), default_g(768, 1, 10), default_g(40, 2, 4)
+    (16, 16, 4)
+    """
+    P = check_patterns(n, m)
+    return next((g for g in DEFAULT_G if P * g <= K), 1)
+
+
+def chunk_widths(K: int, P: int, g: int) -> list[int]:
+    """Columns per pattern in each chunk: ``g`` for full chunks, ``ceil(rest / P)`` last."""
+    full, rest = divmod(K, P * g)
+    return [g] * full + ([-(-rest // P)] if rest else [])
+
+
+def assign_patterns(score: torch.Tensor, g: int, max_swap_rounds: int = 64) -> torch.Tensor:
+    """Balanced pattern per column: ``score`` ``[T, C, P]`` (T independent chunks of
+    ``C = P * g`` columns; the kept magnitude of each column under each pattern) ->
+    ``[T, C]`` pattern indices, every pattern used exactly ``g`` times per chunk.
+
+    Greedy in rounds (:func:`_propose`), then pairwise swaps that raise the kept
+    magnitude (:func:`_improve_by_swaps`). A chunk whose columns already follow a balanced
+    assignment keeps it.
+
+    >>> assign_patterns(torch.tensor([[[1., 0.], [2., 0.]]]), 1).tolist()
+    [[1, 0]]
+    """
+    T, C, P = score.shape
+    if C != P * g:
+        raise ValueError(f"score must have P * g = {P * g} columns per chunk, got {C}")
+    return _improve_by_swaps(score, _propose(score, g), max_swap_rounds)
+
+
+def _propose(score: torch.Tensor, g: int) -> torch.Tensor:
+    """Each free column proposes its best pattern that has room; each pattern accepts its
+    highest-scoring proposers up to its room; repeat (at most P + 1 rounds)."""
+    T, C, P = score.shape
+    pattern = torch.full((T, C), -1, dtype=torch.int64)
+    room = torch.full((T, P), g, dtype=torch.int64)
+    position = torch.arange(C)
+    for _ in range(P + 1):
+        free = pattern < 0
+        if not bool(free.any()):
+            break
+        s = torch.where((room > 0)[:, None, :], score, -float("inf"))
+        best = s.argmax(2)                                                   # [T, C]
+        best_score = torch.where(free, s.gather(2, best[..., None])[..., 0], -float("inf"))
+        key = torch.where(free, best, P)                                     # taken columns last
+        by_score = torch.sort(best_score, dim=1, descending=True, stable=True).indices
+        order = by_score.gather(1, torch.sort(key.gather(1, by_score), dim=1, stable=True).indices)
+        pat = key.gather(1, order)                                           # grouped by proposal
+        rank = position[None] - torch.searchsorted(pat, pat)                 # place in its group
+        capped = pat.clamp(max=P - 1)
+        accept = (pat < P) & (rank < room.gather(1, capped))
+        t = torch.nonzero(accept)[:, 0]
+        pattern[t, order[accept]] = pat[accept]
+        room -= torch.zeros_like(room).scatter_add_(1, capped, accept.long())
+    return pattern
+
+
+def _improve_by_swaps(score: torch.Tensor, pattern: torch.Tensor, max_rounds: int) -> torch.Tensor:
+    """Per chunk and round, the best swap of two columns' patterns (column i from a to b,
+    column j from b to a) if it raises the kept magnitude; stops when none does."""
+    T, C, P = score.shape
+    active = torch.arange(T)
+    for _ in range(max_rounds):
+        if active.numel() == 0:
+            break
+        S, p = score[active], pattern[active]
+        D = S - S.gather(2, p[..., None])                         # gain of moving column i to b
+        M = torch.full((active.numel(), P, P), -float("inf")).scatter_reduce(
+            1, p[..., None].expand(-1, -1, P), D, reduce="amax")   # best column of a for b
+        best, ab = (M + M.transpose(1, 2)).reshape(active.numel(), P * P).max(1)
+        go = best > 1e-6 * S.amax((1, 2)).clamp_min(1e-30)
+        active, D, p, ab = active[go], D[go], p[go], ab[go]
+        if active.numel() == 0:
+            break
+        a, b = ab // P, ab % P
+        k = torch.arange(active.numel())
+        i = torch.where(p == a[:, None], D[k, :, b], -float("inf")).argmax(1)
+        j = torch.where(p == b[:, None], D[k, :, a], -float("inf")).argmax(1)
+        pattern[active, i] = b
+        pattern[active, j] = a
+    return pattern
+
+
+def _keep_all_where_possible(score: torch.Tensor, pattern: torch.Tensor, nonzero: torch.Tensor,
+                             masks: torch.Tensor, g: int) -> torch.Tensor:
+    """Where a chunk's columns have at most ``n`` nonzero rows each (it can be stored
+    without loss) but the magnitude assignment dropped some (ties between patterns, e.g.
+    zero padding rows), find a lossless balanced assignment by augmenting paths.
+
+    ``nonzero`` ``[T, C]`` and ``masks`` ``[P]`` are row bitmasks.
+    """
+    T, C, P = score.shape
+    kept = score.gather(2, pattern[..., None])[..., 0]
+    lossy = (kept < score.amax(2) - 1e-12 * score.amax(2).clamp_min(1)) | (
+        (nonzero[..., None] & ~masks[None, None]).ne(0).gather(2, pattern[..., None])[..., 0])
+    fits = (nonzero[..., None] & ~masks[None, None] == 0).any(2).all(1)    # every column has a pattern
+    for t in torch.nonzero(lossy.any(1) & fits).flatten().tolist():
+        allowed = [[p for p in range(P) if (int(nonzero[t, c]) & ~int(masks[p])) == 0] for c in range(C)]
+        owner: list[list[int]] = [[] for _ in range(P)]      # columns held by each pattern
+
+        def augment(c: int, seen: set) -> bool:
+            for p in allowed[c]:
+                if p in seen:
+                    continue
+                seen.add(p)
+                if len(owner[p]) < g:
+                    owner[p].append(c)
+                    return True
+                for other in list(owner[p]):
+                    owner[p].remove(other)
+                    owner[p].append(c)
+                    if augment(other, seen):
+                        return True
+                    owner[p].remove(c)
+                    owner[p].append(other)
+            return False
+
+        if all(augment(c, set()) for c in range(C)):
+            for p in range(P):
+                pattern[t, owner[p]] = p
+    return pattern
+
+
+class ColumnGroupedNMTensor(_Base):
+    """The paper's grouped n:m weight ``[out, in]`` (see the module docstring).
+
+    Args:
+        values: ``[Nb, P, n, L]`` kept values.
+        columns: ``[Nb, P, L]`` int32, the columns each pattern owns per row block.
+        shape: ``(N, K)``.
+        n, m: ``n`` of every ``m`` output rows kept, per column.
+        g: columns per pattern in a full chunk.
+
+    Build one with :meth:`from_dense`.
+    """
+
+    def __init__(self, values: torch.Tensor, columns: torch.Tensor, shape: Any, n: int, m: int, g: int):
+        self._setup(values, columns, shape, n, m, g)
+        self._check_columns()
+
+    def _setup(self, values: torch.Tensor, columns: torch.Tensor, shape: Any, n: int, m: int, g: int) -> None:
+        self.n, self.m = check_nm(n, m)
+        P = check_patterns(n, m)
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"g must be an int >= 1, got {g!r}")
+        self.g = g
+        self._shape = torch.Size(shape)
+        if len(self._shape) != 2:
+            raise ValueError(f"shape must be 2-D, got {tuple(self._shape)}")
+        N, K = self._shape
+        Nb, L = -(-N // m), sum(chunk_widths(K, P, g))
+        if not isinstance(values, torch.Tensor) or values.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"values must be a floating-point torch.Tensor, got {getattr(values, 'dtype', type(values).__name__)}")
+        if tuple(values.shape) != (Nb, P, n, L):
+            raise ValueError(f"values must have shape {(Nb, P, n, L)}, got {tuple(values.shape)}")
+        if not isinstance(columns, torch.Tensor) or columns.dtype != torch.int32 or tuple(columns.shape) != (Nb, P, L):
+            raise ValueError(f"columns must be int32 of shape {(Nb, P, L)}, got "
+                             f"{getattr(columns, 'dtype', type(columns).__name__)} {tuple(getattr(columns, 'shape', ()))}")
+        self._values, self.columns = values.contiguous(), columns.contiguous()
+
+    def _check_columns(self) -> None:
+        """Each chunk's columns are owned by exactly one pattern, ``width`` each."""
+        N, K = self._shape
+        P = math.comb(self.m, self.n)
+        Nb, _, L = self.columns.shape
+        if Nb == 0 or L == 0:
+            return
+        c = self.columns.long()
+        start_col, start_slot = 0, 0
+        for w in chunk_widths(K, P, self.g):
+            got = c[:, :, start_slot:start_slot + w].reshape(Nb, P * w).sort(dim=1).values
+            want = torch.arange(start_col, start_col + P * w).expand(Nb, P * w)
+            if not torch.equal(got, want):
+                q = int(torch.nonzero((got != want).any(1))[0])
+                raise ValueError(f"columns: row block {q} does not give each of the {P} patterns exactly {w} "
+                                 f"of columns {start_col}..{start_col + P * w - 1} (each column once)")
+            start_col, start_slot = start_col + P * w, start_slot + w
+
+    @classmethod
+    def _trusted(cls, values: torch.Tensor, columns: torch.Tensor, shape: Any, n: int, m: int,
+                 g: int) -> "ColumnGroupedNMTensor":
+        t = cls.__new__(cls)
+        t._setup(values, columns, shape, n, m, g)
+        return t
+
+    # -- construction ----------------------------------------------------------
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor, n: int = 2, m: int = 4, g: Optional[int] = None) -> "ColumnGroupedNMTensor":
+        """Magnitude selection: per row block and chunk, the greedy balanced assignment
+        of patterns to columns (:func:`assign_patterns`); ``g`` defaults to
+        :func:`default_g`.
+
+        >>> ColumnGroupedNMTensor.from_dense(torch.ones(4, 12), 2, 4).nnz
+        24
+        """
+        check_float_tensor(tensor, "tensor", ndim=2)
+        n, m = check_nm(n, m)
+        P = check_patterns(n, m)
+        N, K = tensor.shape
+        g = default_g(K, n, m) if g is None else g
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"g must be an int >= 1, got {g!r}")
+        widths = chunk_widths(K, P, g)
+        Nb, L = -(-N // m), sum(widths)
+        Kp = P * L
+        w = torch.zeros((Nb * m, Kp), dtype=tensor.dtype)
+        w[:N, :K] = tensor.detach()
+        pats = patterns(n, m)
+        onehot = torch.zeros((m, P))
+        onehot[pats, torch.arange(P)[:, None].expand(P, n)] = 1.0
+        mag = w.float().abs().nan_to_num(nan=float("inf")).reshape(Nb, m, Kp)
+        score = torch.einsum("qrk,rp->qkp", mag, onehot)       # [Nb, Kp, P] kept |w| per pattern
+        bit = 1 << torch.arange(m)
+        nz = ((w != 0).reshape(Nb, m, Kp).long() * bit[None, :, None]).sum(1)   # [Nb, Kp] nonzero rows
+        masks = (bit[pats]).sum(1)                                               # [P] rows of each pattern
+        columns = torch.empty((Nb, P, L), dtype=torch.int64)
+        for wd in sorted(set(widths), reverse=True):
+            idx = [i for i, x in enumerate(widths) if x == wd]
+            col0 = [sum(P * x for x in widths[:i]) for i in idx]
+            slot0 = [sum(widths[:i]) for i in idx]
+            cols = torch.tensor(col0)[:, None] + torch.arange(P * wd)          # [c, P*wd]
+            s = score[:, cols].reshape(-1, P * wd, P)                           # [Nb*c, P*wd, P]
+            pat = _keep_all_where_possible(s, assign_patterns(s, wd), nz[:, cols].reshape(-1, P * wd),
+                                           masks, wd).reshape(Nb, len(idx), P * wd)
+            # columns of each pattern, in increasing order: sort by (pattern, column)
+            key = pat * Kp + cols[None]
+            own = torch.sort(key, dim=2).values % Kp                           # [Nb, c, P*wd]
+            own = own.reshape(Nb, len(idx), P, wd)
+            for j, s0 in enumerate(slot0):
+                columns[:, :, s0:s0 + wd] = own[:, j]
+        rows = (torch.arange(Nb)[:, None, None] * m + pats[None]).reshape(Nb, P, n, 1)
+        values = w[rows, columns[:, :, None, :]]                                # [Nb, P, n, L]
+        return cls._trusted(values, columns.to(torch.int32), tensor.shape, n, m, g)
+
+    # -- metadata ----------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._values.device
+
+    @property
+    def num_patterns(self) -> int:
+        return math.comb(self.m, self.n)
+
+    @property
+    def nnz(self) -> int:
+        """Stored positions inside the logical shape (a padded last row block may keep
+        padding rows for some columns)."""
+        N, K = self._shape
+        inside = (self._rows() < N) & (self.columns.long()[:, :, None, :] < K)
+        return int(inside.sum())
+
+    @property
+    def nbytes(self) -> int:
+        return self._values.numel() * self._values.element_size() + self.columns.numel() * 4
+
+    def _rows(self) -> torch.Tensor:
+        """Row of every stored value, ``[Nb, P, n, 1]`` int64."""
+        Nb = self._values.shape[0]
+        return (torch.arange(Nb)[:, None, None] * self.m + patterns(self.n, self.m)[None]).reshape(
+            Nb, self.num_patterns, self.n, 1)
+
+    def desc(self, round_to: Optional[torch.dtype] = None) -> "Any":
+        """C descriptor of the float32 stored matrix (for ``sten_nm._kernel.colgrouped_gather``;
+        values converted once and cached, rounded through ``round_to`` first when given)."""
+        from . import _kernel
+        from ._fp32 import fp32_values
+
+        v = fp32_values(self, self._values, round_to)
+        pats = patterns(self.n, self.m).to(torch.int32).contiguous()
+        N, K = self._shape
+        return _kernel.colgrouped(v.contiguous(), self.columns, pats, N, K, self.n, self.m)
+
+    def _nm_pattern(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This pattern as an exact n:m matrix ``A = Wᵀ`` ``[K, N]`` (groups of ``m`` along N:
+        ``NMTensor(dim=0)``'s storage): its packed ``indices`` and ``perm`` ``[K, Nb*n]``, the
+        index in ``values().flatten()`` of every slot of A. Computed once per pattern (shared
+        by ``with_values``)."""
+        cached = getattr(self, "_nm_cache", None)
+        if cached is not None and cached[0] is self.columns:
+            return cached[1], cached[2]
+        from ._portable import pack_offsets
+
+        N, K = self._shape
+        Nb, P, n, L = self._values.shape
+        pats = patterns(n, self.m)
+        q = torch.arange(Nb)[:, None, None, None]
+        p = torch.arange(P)[None, :, None, None]
+        j = torch.arange(n)[None, None, :, None]
+        t = torch.arange(L)[None, None, None, :]
+        col = self.columns.long()[:, :, None, :].expand(Nb, P, n, L)
+        flat = ((q * P + p) * n + j) * L + t                                   # [Nb, P, n, L]
+        slot = (q * n + j).expand(Nb, P, n, L)
+        off = pats[None, :, :, None].expand(Nb, P, n, L)
+        keep = col < K
+        perm = torch.zeros((K, Nb * n), dtype=torch.int64)
+        offs = torch.zeros((K, Nb * n), dtype=torch.int64)
+        perm[col[keep], slot[keep]] = flat.expand(Nb, P, n, L)[keep]
+        offs[col[keep], slot[keep]] = off[keep]
+        indices = pack_offsets(offs, self.m)
+        self._nm_cache = (self.columns, indices, perm)
+        return indices, perm
+
+    def to_nm(self) -> "Any":
+        """The same matrix as an exact :class:`NMTensor` with ``dim=0`` (lossless)."""
+        from .nm_tensor import NMTensor
+
+        indices, perm = self._nm_pattern()
+        vals = self._values.reshape(-1)[perm] if perm.numel() else self._values.new_zeros(perm.shape)
+        return NMTensor._trusted(vals, indices, self._shape, self.n, self.m, dim=0)
+
+    def values_from_nm(self, nm_values: torch.Tensor) -> torch.Tensor:
+        """``NMTensor(dim=0)``-ordered values (``[K, Nb*n]``, e.g. a gradient) in this layout's order."""
+        _, perm = self._nm_pattern()
+        out = nm_values.new_zeros(self._values.numel())
+        if perm.numel():
+            out[perm.reshape(-1)] = nm_values.reshape(-1)
+        return out.reshape(self._values.shape)
+
+    # -- conversions -----------------------------------------------------------
+    def to_dense(self) -> torch.Tensor:
+        N, K = self._shape
+        Nb, P, n, L = self._values.shape
+        out = self._values.new_zeros((Nb * self.m, P * L))
+        if self._values.numel():
+            out[self._rows(), self.columns.long()[:, :, None, :]] = self._values
+        return out[:N, :K].contiguous()
+
+    def mask(self) -> torch.Tensor:
+        return self.with_values(torch.ones_like(self._values, dtype=torch.float32)).to_dense() != 0
+
+    def kept_magnitude_ratio(self, dense: torch.Tensor) -> float:
+        """Kept ``|w|`` of this pattern over the kept ``|w|`` of exact n:m along the rows."""
+        from .nm_tensor import NMTensor
+
+        exact = NMTensor.from_dense(dense, self.n, self.m, dim=0).to_dense().abs().sum()
+        return float(self.to_dense().abs().sum() / exact) if float(exact) else 1.0
+
+    # -- stored-values protocol --------------------------------------------------
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def with_values(self, values: torch.Tensor) -> "ColumnGroupedNMTensor":
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        t = ColumnGroupedNMTensor._trusted(values.reshape(self._values.shape), self.columns, self._shape,
+                                           self.n, self.m, self.g)
+        if getattr(self, "_nm_cache", None) is not None:
+            t._nm_cache = self._nm_cache   # same pattern
+        return t
+
+    def gather(self, dense: torch.Tensor) -> torch.Tensor:
+        """Values of ``dense`` (the logical shape) at the stored positions (0 in padding)."""
+        if not isinstance(dense, torch.Tensor) or dense.shape != self._shape:
+            raise ValueError(f"dense must be a tensor of shape {tuple(self._shape)}")
+        N, K = self._shape
+        Nb, P, n, L = self._values.shape
+        full = dense.new_zeros((Nb * self.m, P * L))
+        full[:N, :K] = dense
+        return full[self._rows(), self.columns.long()[:, :, None, :]]
+
+    def same_pattern(self, other: Any) -> bool:
+        return (isinstance(other, ColumnGroupedNMTensor) and other._shape == self._shape
+                and (other.n, other.m, other.g) == (self.n, self.m, self.g)
+                and (other.columns is self.columns or torch.equal(other.columns, self.columns)))
+
+    def __repr__(self) -> str:
+        return (f"ColumnGroupedNMTensor(shape={tuple(self._shape)}, n={self.n}, m={self.m}, g={self.g}, "
+                f"dtype={self.dtype}, nnz={self.nnz})")

@@ -1,0 +1,230 @@
+"""``F.linear`` with a :class:`ColumnGroupedNMTensor` weight, forward and backward.
+
+The forward runs the C kernel (``nm_colgrouped_gather_f32``: per row block and pattern,
+each owned column's batch vector of ``x`` from a packed panel feeds ``n`` FMAs) where the
+extension is available and the compute dtype is float32. The backward runs exact n:m's
+kernels on ``Wᵀ`` (the same matrix is n:m along N: ``to_nm()``, pattern cached): ``gather``
+for the input gradient and ``sddmm`` for the values' gradient; without the extension or in
+float64 it decompresses the weight and runs dense GEMMs. The torch reference (the forward for other dtypes and without the extension;
+``input_grad`` / ``values_grad``, which the tests hold to dense): one dense product per (row block,
+pattern) - the columns a pattern owns gathered from ``x`` times that pattern's ``[n, L]``
+values - batched with ``torch.bmm`` over slabs of row blocks (the gathered ``x`` of a slab
+stays within ``SLAB_FLOATS``).
+
+* forward ``y = x Wᵀ``: ``y[:, q*m + pattern[p]] += x[:, columns[q, p]] @ values[q, p]ᵀ``;
+* input gradient ``gx = gy W``: ``gx[:, columns[q, p]] += gy[:, q*m + pattern[p]] @ values[q, p]``;
+* weight gradient at the kept positions: ``gy[:, q*m + pattern[p]]ᵀ @ x[:, columns[q, p]]``.
+
+Half-precision operands are computed in float32 (results in the operands' dtype); under
+CPU autocast the operands are rounded to its dtype first, as for dense.
+
+Example:
+    >>> import torch
+    >>> from sten_nm import ColumnGroupedNMTensor
+    >>> from sten_nm.column_grouped_ops import column_grouped_linear
+    >>> w = ColumnGroupedNMTensor.from_dense(torch.eye(4), n=1, m=2)
+    >>> column_grouped_linear(torch.arange(4.).reshape(1, 4), w).tolist()
+    [[0.0, 1.0, 2.0, 3.0]]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import _kernel, tuning
+from .column_grouped import ColumnGroupedNMTensor, patterns
+from .ops import _autocast_dtype, _cast, _check_input, _needs, _out_dtype, _rows
+
+SLAB_FLOATS = 1 << 24
+
+
+def _layout(w: Any) -> ColumnGroupedNMTensor:
+    W = getattr(w, "wrapped_tensor", w)
+    if not isinstance(W, ColumnGroupedNMTensor):
+        raise TypeError(f"weight must be a ColumnGroupedNMTensor, got {type(W).__name__}")
+    return W
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _slab(B: int, P: int, L: int, Nb: int) -> int:
+    """Row blocks per slab: the slab's gathered x (B x blocks x P x L) within SLAB_FLOATS."""
+    return max(1, min(Nb, SLAB_FLOATS // max(1, B * P * L)))
+
+
+def _columns_major(W: ColumnGroupedNMTensor, x2: torch.Tensor) -> torch.Tensor:
+    """``x2ᵀ`` ``[Kp, B]``, zero rows for the padding columns: gathering a pattern's
+    columns is then a copy of whole rows."""
+    Kp = W.num_patterns * W._values.shape[3]
+    xt = x2.new_zeros((Kp, x2.shape[0]))
+    xt[: x2.shape[1]] = x2.t()
+    return xt
+
+
+def _row_blocks_major(W: ColumnGroupedNMTensor, gy2: torch.Tensor) -> torch.Tensor:
+    """``gy2ᵀ`` as ``[Nb, m, B]`` (zero padding rows)."""
+    Nb = W._values.shape[0]
+    gyt = gy2.new_zeros((Nb * W.m, gy2.shape[0]))
+    gyt[: gy2.shape[1]] = gy2.t()
+    return gyt.reshape(Nb, W.m, gy2.shape[0])
+
+
+def forward(W: ColumnGroupedNMTensor, x2: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``x2 @ Wᵀ`` (``[B, N]``) with ``values`` in the compute dtype."""
+    N, _ = W.shape
+    Nb, P, n, L = values.shape
+    B = x2.shape[0]
+    yt = x2.new_zeros((Nb, W.m, B))
+    if B and Nb and L:
+        xt, cols, rows = _columns_major(W, x2), W.columns.long(), patterns(n, W.m).reshape(-1)
+        step = _slab(B, P, L, Nb)
+        for q0 in range(0, Nb, step):
+            q1 = min(Nb, q0 + step)
+            xg = xt.index_select(0, cols[q0:q1].reshape(-1)).reshape((q1 - q0) * P, L, B)
+            yp = torch.bmm(values[q0:q1].reshape((q1 - q0) * P, n, L), xg)        # [q*P, n, B]
+            yt[q0:q1].index_add_(1, rows, yp.reshape(q1 - q0, P * n, B))
+    return yt.reshape(Nb * W.m, B)[:N].t()
+
+
+def input_grad(W: ColumnGroupedNMTensor, gy2: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``gy2 @ W`` (``[B, K]``)."""
+    N, K = W.shape
+    Nb, P, n, L = values.shape
+    B = gy2.shape[0]
+    gxt = gy2.new_zeros((P * L, B))
+    if B and Nb and L:
+        gyb = _row_blocks_major(W, gy2)[:, patterns(n, W.m).reshape(-1)]         # [Nb, P*n, B]
+        cols = W.columns.long()
+        step = _slab(B, P, L, Nb)
+        for q0 in range(0, Nb, step):
+            q1 = min(Nb, q0 + step)
+            v = values[q0:q1].reshape((q1 - q0) * P, n, L)
+            part = torch.bmm(v.transpose(1, 2), gyb[q0:q1].reshape((q1 - q0) * P, n, B))   # [q*P, L, B]
+            gxt.index_add_(0, cols[q0:q1].reshape(-1), part.reshape(-1, B))
+    return gxt[:K].t()
+
+
+def values_grad(W: ColumnGroupedNMTensor, gy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """Gradient of the stored values: ``[Nb, P, n, L]``."""
+    Nb, P, n, L = W._values.shape
+    B = gy2.shape[0]
+    out = x2.new_zeros((Nb, P, n, L))
+    if B and Nb and L:
+        gyb = _row_blocks_major(W, gy2)[:, patterns(n, W.m).reshape(-1)]         # [Nb, P*n, B]
+        xt, cols = _columns_major(W, x2), W.columns.long()
+        step = _slab(B, P, L, Nb)
+        for q0 in range(0, Nb, step):
+            q1 = min(Nb, q0 + step)
+            xg = xt.index_select(0, cols[q0:q1].reshape(-1)).reshape((q1 - q0) * P, L, B)
+            g = gyb[q0:q1].reshape((q1 - q0) * P, n, B)
+            out[q0:q1] = torch.bmm(g, xg.transpose(1, 2)).reshape(q1 - q0, P, n, L)
+    return out
+
+
+def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a :class:`ColumnGroupedNMTensor` weight ``[N, K]``."""
+    W = _layout(weight)
+    N, K = W.shape
+    _check_input(x, "input", K, f"F.linear with a weight of shape {(N, K)}")
+    if bias is not None:
+        _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}")
+        if bias.dim() != 1:
+            raise ValueError(f"bias must be 1-D of size {N}, got shape {tuple(bias.shape)}")
+    amp = _autocast_dtype(x, W._values, bias)
+    x, bias = _cast(x, amp), _cast(bias, amp)
+    dtype = amp if amp is not None else _out_dtype(x, W._values, bias)
+    c = _compute_dtype(dtype)
+    if c == torch.float32 and _kernel.available()[0]:   # the C kernel (float32 accumulation)
+        y2 = _kernel.colgrouped_gather(W.desc(amp), _rows(x), bias)
+    else:
+        values = _cast(W._values, amp)
+        with torch.autocast("cpu", enabled=False):   # operands already cast; compute in c
+            y2 = forward(W, _rows(x).to(c), values.to(c))
+            if bias is not None:
+                y2 = y2 + bias.to(c)
+    return y2.to(dtype).reshape(*x.shape[:-1], N)
+
+
+def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    x, w, bias = (list(inputs) + [None, None])[:3]
+    ctx.save_for_backward(x, w, bias)
+    return column_grouped_linear(x, w, bias)
+
+
+def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
+    from sten_core import SparseTensorWrapper
+
+    x, w, bias = ctx.saved_tensors
+    W = _layout(w)
+    c = _compute_dtype(_out_dtype(x, W._values))
+    gy2 = _rows(grad_outputs[0]).to(c)
+    x2 = _rows(x).to(c)
+    gx = gw = gb = None
+    need_x, need_w = _needs(ctx, 0), _needs(ctx, 1)
+
+    def kernels() -> tuple:
+        # exact n:m's C kernels on the same matrix seen as A = Wᵀ (n:m along N, pattern
+        # converted once and cached): gx = gather(A, gy), values' gradient = sddmm(A, x, gy)
+        mat = W.to_nm().fp32().mat()
+        gx = _kernel.gather(mat, gy2) if need_x else None
+        gv = W.values_from_nm(_kernel.sddmm(mat, x2, gy2)) if need_w and sparse_grad else None
+        return gx, gv
+
+    def dense() -> tuple:
+        # decompress + dense GEMMs (in torch much faster than the per-pattern products,
+        # input_grad / values_grad, the reference the tests hold both paths to)
+        with torch.autocast("cpu", enabled=False):
+            gx = gy2 @ W.to_dense().to(c) if need_x else None
+            gv = W.gather(gy2.t() @ x2) if need_w and sparse_grad else None
+        return gx, gv
+
+    if c == torch.float32 and _kernel.available()[0]:
+        g, gv = _tuned_backward(W, gy2.shape[0], kernels, dense)
+    else:
+        g, gv = dense()
+    if need_x:
+        gx = g.to(x.dtype).reshape(x.shape)
+    if need_w:
+        if sparse_grad:
+            gw = SparseTensorWrapper(W.with_values(gv.to(W.dtype)))
+        else:
+            with torch.autocast("cpu", enabled=False):
+                gw = (gy2.t() @ x2).to(W.dtype)
+    if bias is not None and _needs(ctx, 2):
+        gb = gy2.sum(0).to(bias.dtype)
+    return gx, gw, gb
+
+
+def _tuned_backward(W: ColumnGroupedNMTensor, B: int, kernels: Any, dense: Any) -> tuple:
+    """The faster of the two backward paths on this machine (timed once, cached on disk,
+    ``STEN_NM_TUNE=0``: always the kernels); see :mod:`sten_nm.tuning`."""
+    if not tuning.enabled() or B == 0:
+        return kernels()
+    N, K = W.shape
+    k = tuning.key("cg_bwd", N, K, W.n, W.m, True, B, "float32", torch.get_num_threads(), _kernel.isa())
+    return kernels() if tuning.choose(k, {tuning.KERNEL: kernels, tuning.DENSE: dense}) == tuning.KERNEL else dense()
+
+
+def linear_bwd_dense(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+    return _backward(ctx, grad_outputs, sparse_grad=False)
+
+
+def linear_bwd_sparse(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
+    return _backward(ctx, grad_outputs, sparse_grad=True)
+
+
+def register(registry: Any) -> None:
+    """Register ``F.linear`` with a :class:`ColumnGroupedNMTensor` weight (forward and backward)."""
+    from sten_core import KeepAll
+
+    T = torch.Tensor
+    for inp in ((T, ColumnGroupedNMTensor, T), (T, ColumnGroupedNMTensor)):
+        registry.register_fwd_op_impl(F.linear, inp, [(KeepAll, T)], linear_fwd)
+        for wfmt, impl in ((T, linear_bwd_dense), (ColumnGroupedNMTensor, linear_bwd_sparse)):
+            grads = [(KeepAll, T), (KeepAll, wfmt)] + [(KeepAll, T)] * (len(inp) - 2)
+            registry.register_bwd_op_impl(F.linear, (T,), tuple(grads), inp, impl)

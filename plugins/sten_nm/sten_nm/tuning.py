@@ -1,0 +1,121 @@
+"""Per-machine choice of the exact n:m product: the sparse kernel or "decompress the weight
+into a scratch buffer + dense GEMM", timed once per (op, shape, pattern, batch bucket,
+dtype, threads, ISA) and cached on disk, like FFTW's wisdom.
+
+* ``STEN_NM_TUNE=0`` turns tuning off (always the sparse kernel);
+* ``STEN_NM_TUNE_CACHE`` names the cache file (default ``~/.cache/sten_nm/tuning.json``);
+* :func:`choices` returns what was chosen (also ``python -m sten_nm.tuning``).
+
+Example:
+    >>> from sten_nm import tuning
+    >>> tuning.key("fwd", 3072, 768, 2, 4, True, 1000, "float32", 2, "avx2")
+    'fwd R=3072 C=768 2:4 a_is_w=1 B~1024 float32 threads=2 avx2'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+KERNEL, DENSE = "kernel", "dense"
+_memory: dict[str, dict] = {}
+_loaded_from: Optional[str] = None
+
+
+def enabled() -> bool:
+    """Tuning is on unless ``STEN_NM_TUNE`` is ``0`` (or ``off`` / ``false``)."""
+    return os.environ.get("STEN_NM_TUNE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def cache_path() -> str:
+    return os.environ.get("STEN_NM_TUNE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "sten_nm", "tuning.json")
+
+
+def batch_bucket(B: int) -> int:
+    """Batch rows rounded up to a power of two (one timing per bucket)."""
+    return 1 << max(0, (max(1, B) - 1).bit_length())
+
+
+def key(op: str, R: int, C: int, n: int, m: int, a_is_w: bool, B: int, dtype: str, threads: int, isa: str) -> str:
+    return (f"{op} R={R} C={C} {n}:{m} a_is_w={int(a_is_w)} B~{batch_bucket(B)} {dtype} "
+            f"threads={threads} {isa}")
+
+
+def _load() -> dict[str, dict]:
+    global _loaded_from
+    path = cache_path()
+    if _loaded_from != path:
+        _memory.clear()
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            if isinstance(data, dict):
+                _memory.update({k: v for k, v in data.items() if isinstance(v, dict) and v.get("choice") in (KERNEL, DENSE)})
+        except (OSError, ValueError):
+            pass
+        _loaded_from = path
+    return _memory
+
+
+def _save() -> None:
+    path = cache_path()
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(_memory, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the choice still holds for this process
+
+
+def _median_time(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def choose(k: str, candidates: dict[str, Callable[[], object]], reps: int = 3) -> str:
+    """The cached choice for ``k``, else time the candidates (interleaved) and cache the fastest."""
+    table = _load()
+    if k in table:
+        return table[k]["choice"]
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(2):
+        for name, fn in candidates.items():
+            times[name].append(_median_time(fn, reps))
+    med = {name: min(ts) for name, ts in times.items()}
+    best = min(med, key=med.get)
+    table[k] = {"choice": best, "ms": {name: round(t * 1e3, 3) for name, t in med.items()}}
+    _save()
+    return best
+
+
+def choices() -> dict[str, dict]:
+    """Every cached choice: ``{key: {"choice": "kernel" | "dense", "ms": {...}}}``."""
+    return dict(_load())
+
+
+def forget() -> None:
+    """Drop the cached choices (memory and file)."""
+    global _loaded_from
+    _memory.clear()
+    _loaded_from = cache_path()
+    try:
+        os.remove(cache_path())
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":  # python -m sten_nm.tuning: show the choices
+    json.dump({"enabled": enabled(), "cache": cache_path(), "choices": choices()}, sys.stdout, indent=1)
+    print()

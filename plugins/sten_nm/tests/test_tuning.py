@@ -1,0 +1,129 @@
+"""The per-machine choice between the exact n:m kernel and decompress + dense GEMM:
+timed once, cached on disk, visible, switchable off; both choices equal dense."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sten_core as sten
+from sten_nm import NMTensor, nm_linear, nm_matmul, tuning
+
+from conftest import requires_kernel
+
+pytestmark = requires_kernel
+
+
+@pytest.fixture
+def tune(monkeypatch, tmp_path):
+    monkeypatch.setenv("STEN_NM_TUNE", "1")
+    monkeypatch.setenv("STEN_NM_TUNE_CACHE", str(tmp_path / "tuning.json"))
+    tuning.forget()
+    yield tmp_path / "tuning.json"
+    tuning.forget()
+
+
+def test_choice_is_timed_once_cached_on_disk_and_visible(tune, monkeypatch):
+    t = NMTensor.from_dense(torch.randn(64, 96), 2, 4)
+    x = torch.randn(20, 96)
+    y = nm_linear(x, t)
+    torch.testing.assert_close(y, F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
+    ch = tuning.choices()
+    assert len(ch) == 1
+    (k, v), = ch.items()
+    assert k.startswith("fwd R=64 C=96 2:4 a_is_w=1 B~32 float32") and v["choice"] in ("kernel", "dense")
+    assert set(v["ms"]) == {"kernel", "dense"}
+    assert json.loads(tune.read_text())[k]["choice"] == v["choice"]
+    calls = []
+    monkeypatch.setattr(tuning, "_median_time", lambda fn, reps: calls.append(1) or 1.0)
+    nm_linear(torch.randn(31, 96), t)          # same bucket: no new timing
+    assert not calls
+    # a fresh process reads the choice from the cache file
+    out = subprocess.run([sys.executable, "-m", "sten_nm.tuning"], capture_output=True, text=True,
+                         env={**__import__("os").environ}, check=True).stdout
+    assert k in json.loads(out)["choices"]
+
+
+@pytest.mark.parametrize("choice", ["kernel", "dense"])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_both_choices_equal_dense(tune, choice, dim):
+    """Force each choice through the cache: F.linear, matmul and the input gradient agree with dense."""
+    w = torch.randn(30, 44)
+    t = NMTensor.from_dense(w, 1, 4, dim=dim)
+    forced = {tuning.KERNEL: 1.0, tuning.DENSE: 1.0}
+    forced[choice] = 0.0
+    orig = tuning.choose
+    tuning.choose = lambda k, cands, reps=3: min(forced, key=forced.get)
+    try:
+        x = torch.randn(9, 44, requires_grad=True)
+        W = sten.SparseParameterWrapper(t)
+        y = F.linear(x, W)
+        y.backward(torch.ones_like(y))
+        xr = x.detach().requires_grad_()
+        yr = F.linear(xr, t.to_dense())
+        yr.backward(torch.ones_like(yr))
+        torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-4)
+        s = NMTensor.from_dense(torch.randn(44, 30), 1, 4, dim=dim)
+        xs = torch.randn(5, 44)
+        torch.testing.assert_close(nm_matmul(xs, s), xs @ s.to_dense(), rtol=1e-4, atol=1e-4)
+        b = torch.randn(30)
+        torch.testing.assert_close(nm_linear(xs, t, b), F.linear(xs, t.to_dense(), b), rtol=1e-4, atol=1e-4)
+    finally:
+        tuning.choose = orig
+
+
+def test_tuning_off_means_kernel(monkeypatch, tmp_path):
+    monkeypatch.setenv("STEN_NM_TUNE", "0")
+    monkeypatch.setenv("STEN_NM_TUNE_CACHE", str(tmp_path / "t.json"))
+    tuning.forget()
+    t = NMTensor.from_dense(torch.randn(16, 32), 2, 4)
+    nm_linear(torch.randn(4, 32), t)
+    assert tuning.choices() == {} and not (tmp_path / "t.json").exists()
+
+
+def test_unreadable_cache_is_ignored(tune):
+    tune.write_text("not json")
+    tuning._loaded_from = None   # as in a fresh process
+    assert tuning.choices() == {}
+    t = NMTensor.from_dense(torch.randn(16, 32), 2, 4)
+    torch.testing.assert_close(nm_linear(torch.ones(2, 32), t), F.linear(torch.ones(2, 32), t.to_dense()))
+    assert len(tuning.choices()) == 1
+
+
+def test_batch_bucket():
+    assert [tuning.batch_bucket(b) for b in (0, 1, 2, 3, 1000, 1024, 1025)] == [1, 1, 2, 4, 1024, 1024, 2048]
+
+
+@pytest.mark.parametrize("choice", ["kernel", "dense"])
+@pytest.mark.parametrize("sparse_grad", [True, False])
+def test_paper_format_backward_both_choices_equal_dense(tune, choice, sparse_grad, monkeypatch):
+    from sten_nm import ColumnGroupedNMTensor
+
+    monkeypatch.setattr(tuning, "choose", lambda k, cands, reps=3: choice)
+    t = ColumnGroupedNMTensor.from_dense(torch.randn(22, 40), 2, 4)
+    fmt = (sten.KeepAll(), ColumnGroupedNMTensor, sten.KeepAll(), ColumnGroupedNMTensor) if sparse_grad else None
+    W = sten.SparseParameterWrapper(t, grad_fmt=fmt)
+    x = torch.randn(7, 40, requires_grad=True)
+    y = F.linear(x, W)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    xr, wr = x.detach().requires_grad_(), t.to_dense().requires_grad_()
+    F.linear(xr, wr).backward(gy)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-4)
+    gw = W.grad.wrapped_tensor.to_dense() if sparse_grad else W.grad
+    torch.testing.assert_close(gw, wr.grad * t.mask() if sparse_grad else wr.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_paper_format_backward_choice_is_cached(tune):
+    from sten_nm import ColumnGroupedNMTensor
+
+    t = ColumnGroupedNMTensor.from_dense(torch.randn(22, 40), 2, 4)
+    W = sten.SparseParameterWrapper(t, grad_fmt=(sten.KeepAll(), ColumnGroupedNMTensor, sten.KeepAll(),
+                                                 ColumnGroupedNMTensor))
+    x = torch.randn(7, 40, requires_grad=True)
+    F.linear(x, W).sum().backward()
+    assert [k for k in tuning.choices() if k.startswith("cg_bwd R=22 C=40 2:4")]
