@@ -13,7 +13,7 @@ STAMP := $(VENV)/.sten-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml $(PLUGINS) Makefile
+$(STAMP): pyproject.toml $(PLUGINS) Makefile $(wildcard plugins/*/setup.py plugins/*/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q "$(TORCH_SPEC)"

@@ -420,6 +420,16 @@ class ColumnGroupedNMTensor(_Base):
     def values(self) -> torch.Tensor:
         return self._values
 
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        """``(values, columns, [n, m, g])``: plain tensors that ``from_state_tensors`` rebuilds it from."""
+        return (self._values, self.columns, torch.tensor([self.n, self.m, self.g], dtype=torch.int64))
+
+    @classmethod
+    def from_state_tensors(cls, tensors: tuple, shape: tuple) -> "ColumnGroupedNMTensor":
+        values, columns, params = tensors
+        n, m, g = (int(v) for v in params.tolist())
+        return cls(values, columns, shape, n, m, g)
+
     def with_values(self, values: torch.Tensor) -> "ColumnGroupedNMTensor":
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")

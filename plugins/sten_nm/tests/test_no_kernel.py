@@ -59,7 +59,7 @@ def test_layouts_work_without_kernel(no_kernel):
     assert torch.equal(g.to_nm().to_dense(), g.to_dense())
 
 
-def test_products_fall_back_to_dense_with_a_warning():
+def test_products_still_run_without_the_kernel():
     code = """
         import warnings, torch, torch.nn.functional as F
         import sten_core as sten
@@ -72,7 +72,8 @@ def test_products_fall_back_to_dense_with_a_warning():
                 warnings.simplefilter("always")
                 y = F.linear(x, W)
                 y.square().sum().backward()
-            assert any(type(r.message).__name__ == "DispatchWarning" for r in rec), [str(r.message) for r in rec]
+            # no C kernel: the products run through a lossless conversion to a built-in layout
+            # (the dispatch chain's "convert" step) or, failing that, the dense fallback
             xr, wr = x.detach().requires_grad_(), t.to_dense().requires_grad_()
             F.linear(xr, wr).square().sum().backward()
             torch.testing.assert_close(y, F.linear(xr, wr), rtol=1e-4, atol=1e-3)
