@@ -149,8 +149,8 @@ def _fix_text(key: OpKey) -> str:
     )
 
 
-def _missing(key: OpKey) -> None:
-    """Warn once per key, or raise, about a dense fallback."""
+def _missing(key: OpKey, detail: str | None = None) -> None:
+    """Warn once per key, or raise, about a dense fallback (``detail``: why, when known)."""
     if key.direction == "sparsifier":
         what = "Sparsifier implementation is not registered"
         then = "Fallback to dense keep all implementation."
@@ -158,6 +158,9 @@ def _missing(key: OpKey) -> None:
         what = f"Sparse operator implementation is not registered ({key.direction})"
         then = "Fallback to dense implementation."
     message = f"{what}. {key.describe()}. {then} To add one: {_fix_text(key)}"
+    if detail:
+        what = "No implementation applies to these inputs"
+        message = f"{what}: {detail}. {key.describe()}. {then} To add one: {_fix_text(key)}"
     if key.direction == "fwd" and any(isinstance(i, tuple) for i in key.inp):
         message = (f"{what}: wrappers inside a list argument. {key.describe()}. {then} "
                    "Implementations are registered for tensor arguments only: pass the tensors "
@@ -546,6 +549,7 @@ def _detach_all(values: list, positions: Any) -> list:
     return values
 
 
+_refusals: dict[OpKey, str] = {}  # the last refusal per convert plan, for the fallback's message
 _REFUSALS = (ValueError, TypeError, RuntimeError, NotImplementedError)
 """What a conversion raises to say it does not apply (shape, dtype, device, rank)."""
 
@@ -557,7 +561,12 @@ def _converted_inputs(bound: list, positions: list[int], plan: Plan, detach: boo
     try:
         return [convert(v, c) if c is not None else v for v, c in zip(inputs, plan.conversions)] \
             + inputs[len(plan.conversions):]
-    except _REFUSALS:
+    except _REFUSALS as error:
+        if isinstance(error, (DispatchError, torch.OutOfMemoryError)):
+            raise
+        steps = ", ".join(f"{layout_of(v).__name__} -> {c.__name__}" for v, c in zip(inputs, plan.conversions)
+                          if c is not None)
+        _refusals[plan.key] = f"the conversion {steps} refused these inputs ({type(error).__name__}: {error})"
         return None
 
 
@@ -978,6 +987,99 @@ def _composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs
     return finish(out, 0)
 
 
+class _InPlace(torch.autograd.Function):
+    """An in-place op on a wrapper under autograd: the dense op, written back at
+    the wrapper's stored positions. Backward is the dense op's own, with the
+    incoming gradient taken at those positions (the adjoint of the write-back)."""
+
+    @staticmethod
+    def forward(fctx: Any, call: tuple, target: SparseTensorWrapper, *others: torch.Tensor) -> Any:
+        op, args, kwargs = call
+        before = densify(target).clone()
+        dense_args, dense_kwargs = densify_tree((args, kwargs))
+        written = dense_args[0].clone()
+        op(written, *dense_args[1:], **dense_kwargs)
+        write_back(target, written)
+        fctx.mark_dirty(target)
+        fctx.call, fctx.others = call, others
+        fctx.specs = [_grad_spec(target)] + [_grad_spec(o) for o in others]
+        fctx.save_for_backward(before, SameFormatSparsifier(target).mask(written))
+        return target
+
+    @staticmethod
+    @once_differentiable
+    def backward(fctx: Any, grad: Any) -> Any:
+        op, args, kwargs = fctx.call
+        before, stored = fctx.saved_tensors
+        target = args[0]
+        leaves = {id(target): before.detach().requires_grad_(fctx.needs_input_grad[1])}
+        for o, need in zip(fctx.others, fctx.needs_input_grad[2:]):
+            dense = densify(o).detach()
+            leaves[id(o)] = dense.requires_grad_(need and (dense.is_floating_point() or dense.is_complex()))
+
+        def swap(tree: Any) -> Any:
+            if isinstance(tree, torch.Tensor):
+                return leaves.get(id(tree), densify(tree))
+            if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
+                return _rebuild_seq(tree, [swap(v) for v in tree])
+            if isinstance(tree, dict):
+                return {k: swap(v) for k, v in tree.items()}
+            return tree
+
+        inputs = [leaves[id(target)], *[leaves[id(o)] for o in fctx.others]]
+        wanted = [t for t in inputs if t.requires_grad]
+        grads: dict[int, Any] = {}
+        if wanted:
+            with torch.enable_grad():
+                dense_args, dense_kwargs = swap((args, kwargs))
+                result = dense_args[0].clone()
+                op(result, *dense_args[1:], **dense_kwargs)
+            found = torch.autograd.grad(result, wanted, densify(grad) * stored, allow_unused=True)
+            grads = {id(t): g for t, g in zip(wanted, found)}
+        out = [grads.get(id(t)) for t in inputs]
+        return (None, *[None if g is None else apply_spec(g, spec) for g, spec in zip(out, fctx.specs)])
+
+
+def _inplace_with_grad(op: Any, args: tuple, kwargs: dict, bound: list, key: OpKey, plan: Plan) -> Any:
+    """An in-place call that autograd must record. A wrapper target: ``_InPlace``
+    (on a leaf that requires grad it raises, as torch does). A dense target: the
+    op runs on it under ordinary autograd, wrappers among the other arguments made
+    dense differentiably (their gradients come back in their ``grad_fmt``)."""
+    if kwargs.get("out") is not None:  # as torch
+        raise RuntimeError(f"{op_name(op)}(): functions with out=... arguments don't support automatic "
+                           "differentiation, but one of the arguments requires grad.")
+    if plan.kind == "fallback":
+        _missing(plan.key)
+    started = time.perf_counter() if observers else 0.0
+    target = bound[0]
+    if isinstance(target, SparseTensorWrapper):
+        if target.requires_grad and target.is_leaf:
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+        others, seen = [], {id(target)}
+        for v in _tensors_in((args, kwargs)):
+            if id(v) not in seen:
+                seen.add(id(v))
+                others.append(v)
+        result = _apply(_InPlace, (op, args, kwargs), target, *others)
+    else:
+        dense_args, dense_kwargs = _differentiable_dense((args, kwargs), True)
+        result = op(*dense_args, **dense_kwargs)
+    if observers:
+        _notify("op", key, plan.kind, time.perf_counter() - started)
+    return result
+
+
+def _tensors_in(tree: Any) -> list:
+    """The tensors in a tree of lists, tuples and dicts, in order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
+        return [t for v in tree for t in _tensors_in(v)]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors_in(v)]
+    return []
+
+
 def _own_outputs(out: Any, inputs: list) -> Any:
     """Outputs that are an input as the implementation saw it (a wrapper's cached
     detached twin) become a new alias: autograd gives outputs a history, and
@@ -1151,16 +1253,14 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
         _remember_fast(fast_key, plan, key, op, args, bound, positions)
     grad = needs_grad and torch.is_grad_enabled()
     if _is_inplace(op, kwargs):
-        if grad:  # torch's own autograd records the in-place op; the wrapper's __torch_dispatch__ stores it
-            if plan.kind == "fallback":
-                _missing(plan.key)
-            with _NoTorchFunction():
-                return op(*args, **kwargs)
+        if grad:
+            return _inplace_with_grad(op, args, kwargs, bound, key, plan)
         return _Call(op, args, kwargs, bound, positions, key, plan, specs).forward(detach=needs_grad)
     converted = None
     if plan.kind == "convert":
         converted = _converted_inputs(bound, positions, plan, detach=needs_grad)
         if converted is None:  # a conversion refused these inputs: the dense path, with its warning
+            _missing(key, _refusals.get(plan.key))  # (once per key: the fallback's own call is then silent)
             plan = Plan("fallback", key)
     if not plan.direct and plan.kind != "convert":
         return _composite(op, args, kwargs, key, plan, specs, grad)

@@ -140,7 +140,7 @@ def test_refusing_conversion_is_skipped_not_raised():
     try:
         three_d = sten.SparseTensorWrapper(DenseCopyLayout.from_dense(torch.ones(2, 3, 4)))
         dispatch._warned.clear()
-        with pytest.warns(sten.DispatchWarning):
+        with pytest.warns(sten.DispatchWarning, match="DenseCopyLayout -> MatrixOnly refused.*2-D only"):
             assert torch.sum(three_d).item() == 24.0  # the dense fallback, not a ValueError
         two_d = sten.SparseTensorWrapper(DenseCopyLayout.from_dense(torch.ones(2, 3)))
         assert torch.sum(two_d).item() == 6.0 and calls == [1]  # the conversion applies here
@@ -435,3 +435,71 @@ def test_linear_coo_input_csr_weight(bias, lead):
     torch.testing.assert_close(dense_of(w.grad), rw.grad)
     if bias:
         torch.testing.assert_close(b.grad, rb.grad)
+
+
+# found in review -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor, sten.DenseTensor], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("op", ["add_", "mul_", "copy_"])
+def test_in_place_into_a_wrapper_takes_gradients_at_its_stored_positions(layout, op):
+    """``h.add_(x)`` on a wrapper keeps h's pattern, so x's gradient lives only there."""
+    torch.manual_seed(6)
+    w = torch.randn(4, 4) * (torch.rand(4, 4) > 0.5)
+    a = wrapper(layout, w)
+    x = torch.randn(4, 4, requires_grad=True)
+    h = a * 1
+    getattr(h, op)(x)
+    g = torch.randn(4, 4)
+    torch.sum(torch.mul(h, g)).backward()
+    kept = (dense_of(a).detach() != 0) if layout is not sten.DenseTensor else torch.ones(4, 4, dtype=torch.bool)
+    ref_a, ref_x = dense_of(a).detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    ref_h = (ref_a * 1).clone()
+    getattr(ref_h, op)(ref_x)
+    ((ref_h * kept) * g).sum().backward()  # the write-back keeps the stored positions only
+    torch.testing.assert_close(dense_of(h).detach(), (ref_h * kept).detach())
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    torch.testing.assert_close(dense_of(a.grad), ref_a.grad * kept)
+
+
+def test_in_place_into_a_dense_tensor_gives_a_wrapper_its_grad_fmt():
+    w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(3)), requires_grad=True,
+                                 grad_fmt=(sten.KeepAll(), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor))
+    h = torch.ones(3, 3, requires_grad=True) * 1
+    h.add_(w)
+    h.sum().backward()
+    assert isinstance(w.grad, sten.SparseTensorWrapper) and type(w.grad.wrapped_tensor) is sten.CsrTensor
+
+
+def test_saved_tensor_hooks_see_plain_tensors_only():
+    w = wrapper(sten.CsrTensor, torch.randn(4, 4))
+    x = torch.randn(4, 3, requires_grad=True)
+    with torch.autograd.graph.save_on_cpu():
+        y = torch.mm(w, x)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, dense_of(w).detach().t() @ torch.ones(4, 3))
+
+
+def test_converted_inputs_are_not_kept_by_the_node():
+    calls = []
+    with sten.registry.owner("test-convert-leak"):
+        sten.registry.register_layout(Converted)
+        sten.registry.register_conversion(DenseCopyLayout, Converted, lambda lay: Converted(lay.data))
+
+        @sten.register_fwd_op_impl(operator=torch.mm, inp=(Converted, torch.Tensor), out=None)
+        def fwd(ctx, inputs, output_sparsifiers):
+            calls.append(1)
+            return inputs[0].wrapped_tensor.data @ inputs[1]
+    try:
+        a = sten.SparseTensorWrapper(DenseCopyLayout.from_dense(torch.randn(3, 4)), requires_grad=True)
+        y = torch.mm(a, torch.randn(4, 2))
+        assert calls and y.grad_fn.call.converted is None
+    finally:
+        sten.registry.remove_owner("test-convert-leak")
+
+
+def test_double_backward_through_an_implementation_raises_instead_of_being_wrong():
+    w = wrapper(sten.CsrTensor, torch.randn(4, 4))
+    x = torch.randn(4, 3, requires_grad=True)
+    (gx,) = torch.autograd.grad(torch.mm(w, x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|differentiable"):
+        gx.sum().backward()
