@@ -712,12 +712,15 @@ class _Call:
                 if p < len(ctx.inputs) and ctx.inputs[p] is not self.bound[p]:
                     twins[id(ctx.inputs[p])] = self.slot_of[p]
         stash = _Stash(self.unique, twins)
-        self.args, self.kwargs = stash.take(self.args), stash.take(self.kwargs)
+        args, kwargs = self.args, self.kwargs
+        self.args, self.kwargs = stash.take(args), stash.take(kwargs)
         self.bound = stash.take(self.bound)
         if ctx is not None:
             ctx.inputs = stash.take(ctx.inputs)
-            ctx.call_args = stash.take(ctx.call_args)
-            ctx.saved_tensors = stash.take(tuple(ctx.saved_tensors))
+            call_args = ctx.call_args
+            ctx.call_args = (self.args, self.kwargs) if call_args[0] is args and call_args[1] is kwargs \
+                else stash.take(call_args)
+            ctx.saved_tensors = stash.take(tuple(ctx.saved_tensors)) if ctx.saved_tensors else ()
         # plain tensors (activations) go to autograd: freed after backward, version-checked, seen
         # by saved-tensor hooks; wrappers (weights, mostly) stay with the node, version-checked here
         # (hooks such as save_on_cpu would turn them into dense copies); outputs always go to autograd

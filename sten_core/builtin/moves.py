@@ -29,7 +29,7 @@ import torch
 
 from ..layouts import builds_from_dense, layout_metadata, supports_values, to_dense_tensor
 from ..registry import Entry, OpKey
-from ..tensor import SparseTensorWrapper
+from ..tensor import SparseTensorWrapper, _copy_layout
 
 T = torch.Tensor
 _FIXED_DTYPE = {T.half: torch.float16, T.float: torch.float32, T.double: torch.float64,
@@ -52,6 +52,7 @@ def target_of(op: Any, args: tuple, kwargs: dict) -> tuple[torch.device | None, 
     if rest and isinstance(rest[0], torch.Tensor):  # .to(other): other's device and dtype
         other = rest.pop(0)
         return other.device, other.dtype
+    rest = [r for r in rest if not isinstance(r, bool)]  # positional non_blocking / copy
     kw = {k: v for k, v in kwargs.items() if k not in ("non_blocking", "copy", "memory_format")}
     device, dtype, _non_blocking, _memory_format = torch._C._nn._parse_to(*rest, **kw)
     return device, dtype
@@ -90,8 +91,11 @@ def _move(ctx: Any, inputs: list, output_sparsifiers: list) -> Any:
     device, dtype = target_of(ctx.op, args, kwargs)
     layout = self.wrapped_tensor
     moved = move_layout(layout, device, dtype)
-    if moved is layout and not kwargs.get("copy", False):
-        return inputs[0]  # as torch: a no-op move returns the tensor itself (an alias here)
+    copy = kwargs.get("copy", False) or sum(isinstance(a, bool) for a in args[1:]) > 1 and args[-1] is True
+    if moved is layout:
+        if not copy:
+            return inputs[0]  # as torch: a no-op move returns the tensor itself (an alias here)
+        moved = _copy_layout(layout)
     return SparseTensorWrapper(moved, False, self.grad_fmt)
 
 
