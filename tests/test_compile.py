@@ -11,6 +11,7 @@ from fake_layouts import DenseCopyLayout
 
 import sten_core as sten
 from sten_core.builtin import compiled_ops
+from sten_core.testing import check_compile
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "sten_example_plugin"
 
@@ -206,3 +207,24 @@ def test_matmul_operator_form_compiles():
 
     want = f(x)
     torch.testing.assert_close(torch.compile(f)(x), want)
+
+
+def test_check_compile_passes_for_csr_with_its_custom_operator():
+    report = check_compile(sten.CsrTensor, require_compiled_impl=True)
+    assert report == {"compiled_impl": "csr_linear_kernel", "graph_breaks": 0, "reasons": []}
+
+
+def test_check_compile_passes_for_a_traceable_third_party_layout(dense_copy):
+    report = check_compile(dense_copy)
+    assert report["compiled_impl"] is None and report["graph_breaks"] == 0
+
+
+def test_check_compile_says_a_compiled_implementation_is_missing(dense_copy):
+    with pytest.raises(AssertionError, match="no compiled implementation of F.linear.*register_compiled_impl"):
+        check_compile(dense_copy, require_compiled_impl=True)
+
+
+def test_check_compile_reports_graph_breaks():
+    """COO's to_dense() densifies a sparse torch tensor, which Dynamo cannot trace."""
+    with pytest.raises(AssertionError, match="graph break.*sparse Tensor.*register_compiled_impl"):
+        check_compile(sten.CooTensor)
