@@ -228,3 +228,29 @@ def test_check_compile_reports_graph_breaks():
     """COO's to_dense() densifies a sparse torch tensor, which Dynamo cannot trace."""
     with pytest.raises(AssertionError, match="graph break.*sparse Tensor.*register_compiled_impl"):
         check_compile(sten.CooTensor)
+
+
+def test_training_with_frozen_sparse_weights_compiles_whole():
+    """Sparse weights frozen, the rest trained (biases, adapters): forward and
+    backward compile through AOTAutograd into one graph (the custom operator's
+    registered autograd gives the input gradient); gradients equal eager's."""
+    model = sparse_mlp()
+    for p in model.parameters():
+        if isinstance(p, sten.SparseTensorWrapper):
+            p.requires_grad_(False)
+    x = torch.randn(6, 24, requires_grad=True)
+
+    def grads(fn):
+        model.zero_grad()
+        x.grad = None
+        fn(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.requires_grad] + [x.grad.clone()]
+
+    want = grads(model)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, fullgraph=True))
+    assert len(got) == len(want) == 3  # two biases and x
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
