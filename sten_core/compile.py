@@ -91,3 +91,13 @@ def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:
     if impl is dense_call:
         return dense_call(op, *args, **kwargs)
     return impl(*args, **kwargs)
+
+
+def _install() -> None:
+    """Hand ``compiled_call`` to the wrapper now, so tracing never sets a global."""
+    from . import tensor
+
+    tensor._compiled_call, tensor._MISSING = compiled_call, MISSING
+
+
+_install()

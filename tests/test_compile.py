@@ -254,3 +254,13 @@ def test_training_with_frozen_sparse_weights_compiles_whole():
     assert len(got) == len(want) == 3  # two biases and x
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+def test_torch_export_strict_holds_the_custom_operator_and_runs():
+    model = sparse_mlp(requires_grad=False).eval()
+    x = torch.randn(4, 24)
+    program = torch.export.export(model, (x,), strict=True)
+    targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.sten_core.csr_linear.default) == 2
+    other = torch.randn(4, 24)
+    torch.testing.assert_close(program.module()(other), model(other))
