@@ -73,7 +73,7 @@ def test_compiled_graph_holds_the_custom_operator():
     torch.compile(model, backend=backend, fullgraph=True)(torch.randn(3, 24))
     (gm,) = graphs
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count(torch.ops.sten_core.csr_linear.default) + targets.count(torch.ops.sten_core.csr_linear) == 2
+    assert targets.count(torch.ops.sten_core.csr_mm.default) + targets.count(torch.ops.sten_core.csr_mm) == 2
 
 
 def test_changing_the_weight_values_is_seen_without_recompiling():
@@ -122,33 +122,47 @@ def test_training_step_compiles_with_eager_gradients():
 def test_custom_operators_pass_opcheck():
     w = sten.CsrTensor.from_dense(torch.randn(6, 5) * (torch.rand(6, 5) > 0.5))
     crow, col, values = w.state_tensors()
-    x = torch.randn(3, 5, requires_grad=True)
-    bias = torch.randn(6, requires_grad=True)
-    torch.library.opcheck(torch.ops.sten_core.csr_linear.default, (x, crow, col, values, bias))
-    torch.library.opcheck(torch.ops.sten_core.csr_linear.default, (x.detach(), crow, col, values, None))
-    torch.library.opcheck(torch.ops.sten_core.csr_t_matmul.default, (torch.randn(3, 6), crow, col, values, 5))
-    torch.library.opcheck(torch.ops.sten_core.csr_sampled.default, (torch.randn(3, 6), torch.randn(3, 5), crow, col))
+    values = values.clone().requires_grad_(True)
+    dense = torch.randn(3, 5).t().requires_grad_(True)  # a transposed view, as the linear passes it
+    torch.library.opcheck(torch.ops.sten_core.csr_mm.default, (crow, col, values, 5, dense))
+    torch.library.opcheck(torch.ops.sten_core.csr_mm.default, (crow, col, values.detach(), 5, torch.randn(5, 4)))
+    torch.library.opcheck(torch.ops.sten_core.csr_t_mm.default, (crow, col, values.detach(), 5, torch.randn(6, 3)))
+    torch.library.opcheck(torch.ops.sten_core.csr_sampled.default, (torch.randn(6, 3), torch.randn(3, 5), crow, col))
 
 
 def test_custom_operator_gradients_match_dense():
     dense_w = torch.randn(6, 5) * (torch.rand(6, 5) > 0.5)
     crow, col, values = sten.CsrTensor.from_dense(dense_w).state_tensors()
     values = values.clone().requires_grad_(True)
-    x = torch.randn(2, 3, 5, requires_grad=True)
-    bias = torch.randn(6, requires_grad=True)
-    out = torch.ops.sten_core.csr_linear(x, crow, col, values, bias)
+    d = torch.randn(5, 4, requires_grad=True)
+    out = torch.ops.sten_core.csr_mm(crow, col, values, 5, d)
     g = torch.randn_like(out)
-    gx, gv, gb = torch.autograd.grad(out, (x, values, bias), g)
+    gv, gd = torch.autograd.grad(out, (values, d), g)
     ref_w = dense_w.clone().requires_grad_(True)
+    ref_d = d.detach().clone().requires_grad_(True)
+    ref = ref_w @ ref_d
+    torch.testing.assert_close(out, ref.detach())
+    rw, rd = torch.autograd.grad(ref, (ref_w, ref_d), g)
+    torch.testing.assert_close(gd, rd)
+    torch.testing.assert_close(gv, rw[dense_w != 0])
+
+
+def test_compiled_linear_kernel_gradients_match_dense():
+    """The kernel the graph holds, run directly: F.linear's values and gradients."""
+    dense_w = torch.randn(7, 5) * (torch.rand(7, 5) > 0.5)
+    w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(dense_w))
+    x = torch.randn(2, 3, 5, requires_grad=True)
+    bias = torch.randn(7, requires_grad=True)
+    out = compiled_ops.csr_linear_kernel(x, w, bias)
     ref_x = x.detach().clone().requires_grad_(True)
     ref_b = bias.detach().clone().requires_grad_(True)
-    ref = F.linear(ref_x, ref_w, ref_b)
+    ref = F.linear(ref_x, dense_w, ref_b)
     torch.testing.assert_close(out, ref.detach())
-    rx, rw, rb = torch.autograd.grad(ref, (ref_x, ref_w, ref_b), g)
+    g = torch.randn_like(out)
+    gx, gb = torch.autograd.grad(out, (x, bias), g)
+    rx, rb = torch.autograd.grad(ref, (ref_x, ref_b), g)
     torch.testing.assert_close(gx, rx)
     torch.testing.assert_close(gb, rb)
-    mask = dense_w != 0
-    torch.testing.assert_close(gv, rw[mask])
 
 
 def test_register_compiled_impl_checks_its_arguments():
@@ -261,6 +275,6 @@ def test_torch_export_strict_holds_the_custom_operator_and_runs():
     x = torch.randn(4, 24)
     program = torch.export.export(model, (x,), strict=True)
     targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
-    assert targets.count(torch.ops.sten_core.csr_linear.default) == 2
+    assert targets.count(torch.ops.sten_core.csr_mm.default) == 2
     other = torch.randn(4, 24)
     torch.testing.assert_close(program.module()(other), model(other))

@@ -11,8 +11,8 @@ Example:
     >>> from sten_core.builtin.torch_layouts import CsrTensor
     >>> w = CsrTensor.from_dense(torch.eye(3))
     >>> crow, col, values = w.state_tensors()
-    >>> torch.ops.sten_core.csr_linear(torch.ones(2, 3), crow, col, values, None).tolist()
-    [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    >>> torch.ops.sten_core.csr_mm(crow, col, values, 3, torch.ones(3, 2)).tolist()
+    [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
 """
 
 from __future__ import annotations
@@ -32,75 +32,73 @@ def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns: i
     return torch.sparse_csr_tensor(crow, col, values, (crow.shape[0] - 1, columns))
 
 
-@torch.library.custom_op("sten_core::csr_linear", mutates_args=())
-def csr_linear(x: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
-               bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` for a CSR weight ``W`` [N, K] given by its members."""
-    x2 = x.reshape(-1, x.shape[-1])
-    y = _sparse_times(_csr(crow, col, values, x.shape[-1], x2.dtype), x2.t()).t()
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*x.shape[:-1], crow.shape[0] - 1).contiguous()
+@torch.library.custom_op("sten_core::csr_mm", mutates_args=())
+def csr_mm(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns: int,
+           dense: torch.Tensor) -> torch.Tensor:
+    """``W @ dense`` for a CSR ``W`` [R, columns] given by its members and ``dense``
+    [columns, M] (the eager kernel: ``torch.sparse.mm``, MKL on the CPU); [R, M]."""
+    return _sparse_times(_csr(crow, col, values, columns, dense.dtype), dense).contiguous()
 
 
-@csr_linear.register_fake
-def _(x: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
-      bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], crow.shape[0] - 1)
+@csr_mm.register_fake
+def _(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns: int, dense: torch.Tensor) -> torch.Tensor:
+    return dense.new_empty(crow.shape[0] - 1, dense.shape[1])
 
 
-@torch.library.custom_op("sten_core::csr_t_matmul", mutates_args=())
-def csr_t_matmul(g: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
-                 columns: int) -> torch.Tensor:
-    """``g @ W`` for ``g`` [M, N] and a CSR ``W`` [N, columns] (the input gradient of a linear)."""
-    w = _csr(crow, col, values, columns, g.dtype)
-    return _sparse_times(w.t(), g.t()).t().contiguous()
+@torch.library.custom_op("sten_core::csr_t_mm", mutates_args=())
+def csr_t_mm(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns: int,
+             dense: torch.Tensor) -> torch.Tensor:
+    """``W.t() @ dense`` for a CSR ``W`` [R, columns] and ``dense`` [R, M]; [columns, M]."""
+    w = _csr(crow, col, values, columns, dense.dtype)
+    return _sparse_times(w.t(), dense).contiguous()
 
 
-@csr_t_matmul.register_fake
-def _(g: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns: int) -> torch.Tensor:
-    return g.new_empty(g.shape[0], columns)
+@csr_t_mm.register_fake
+def _(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns: int, dense: torch.Tensor) -> torch.Tensor:
+    return dense.new_empty(columns, dense.shape[1])
 
 
 @torch.library.custom_op("sten_core::csr_sampled", mutates_args=())
-def csr_sampled(g: torch.Tensor, x: torch.Tensor, crow: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-    """Values of ``g.t() @ x`` at a CSR pattern (the weight gradient of a linear, pattern kept)."""
-    ones = torch.ones(col.shape[0], dtype=g.dtype, device=g.device)
-    pattern = torch.sparse_csr_tensor(crow, col, ones, (crow.shape[0] - 1, x.shape[1]))
-    return torch.sparse.sampled_addmm(pattern, g.t().contiguous(), x.contiguous(), beta=0.0).values().clone()
+def csr_sampled(a: torch.Tensor, b: torch.Tensor, crow: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """Values of ``a @ b`` at a CSR pattern (the weight gradient, pattern kept)."""
+    ones = torch.ones(col.shape[0], dtype=a.dtype, device=a.device)
+    pattern = torch.sparse_csr_tensor(crow, col, ones, (crow.shape[0] - 1, b.shape[1]))
+    return torch.sparse.sampled_addmm(pattern, a.contiguous(), b.contiguous(), beta=0.0).values().clone()
 
 
 @csr_sampled.register_fake
-def _(g: torch.Tensor, x: torch.Tensor, crow: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-    return g.new_empty(col.shape[0])
+def _(a: torch.Tensor, b: torch.Tensor, crow: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(col.shape[0])
 
 
-def _setup_linear(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    x, crow, col, values, bias = inputs
-    ctx.save_for_backward(x, crow, col, values)
-    ctx.has_bias = bias is not None
+def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    crow, col, values, columns, dense = inputs
+    ctx.save_for_backward(crow, col, values, dense)
+    ctx.columns = columns
 
 
-def _linear_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    x, crow, col, values = ctx.saved_tensors
-    g2 = grad.reshape(-1, grad.shape[-1])
-    x2 = x.reshape(-1, x.shape[-1]).to(g2.dtype)
+def _mm_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """``W @ D``: grad D = ``W.t() @ grad``; grad of W's values = ``grad @ D.t()`` at W's pattern."""
+    crow, col, values, dense = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    grad_x = torch.ops.sten_core.csr_t_matmul(g2, crow, col, values, x.shape[-1]).reshape(x.shape) \
-        if needs[0] else None
-    grad_values = torch.ops.sten_core.csr_sampled(g2, x2, crow, col).to(values.dtype) if needs[3] else None
-    grad_bias = g2.sum(0) if ctx.has_bias and needs[4] else None
-    return grad_x, None, None, grad_values, grad_bias
+    grad_values = torch.ops.sten_core.csr_sampled(grad, dense.t(), crow, col).to(values.dtype) if needs[2] else None
+    grad_dense = torch.ops.sten_core.csr_t_mm(crow, col, values, ctx.columns, grad) if needs[4] else None
+    return None, None, grad_values, None, grad_dense
 
 
-csr_linear.register_autograd(_linear_backward, setup_context=_setup_linear)
+csr_mm.register_autograd(_mm_backward, setup_context=_setup)
 
 
 def csr_linear_kernel(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` with a ``CsrTensor`` weight while ``torch.compile`` traces: one
-    ``sten_core::csr_linear`` node on the layout's members."""
+    ``sten_core::csr_mm`` node (``W @ x.t()``, eager's product) on the layout's
+    members; the transposes, reshapes and the bias are graph ops."""
     crow, col, values = weight.wrapped_tensor.state_tensors()
-    return torch.ops.sten_core.csr_linear(x, crow, col, values, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.ops.sten_core.csr_mm(crow, col, values, x.shape[-1], x2.t()).t()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], crow.shape[0] - 1)
 
 
 def register(registry: Any) -> None:
