@@ -44,6 +44,7 @@ from .dispatch import (
     sparsify,
 )
 from . import plugins
+from . import compile as compile_support  # noqa: F401  (wrappers look it up while Dynamo traces)
 from .builder import SparsityBuilder
 from .schedule import GradualPruning, OneShot, PruneRegrow, SparsityScheduler
 from .scores import MovementSparsifier, ScoreSparsifier, TaylorSparsifier

@@ -164,6 +164,7 @@ class Registry:
         self.layouts: dict[str, type] = {}
         self.impls: dict[OpKey, Entry] = {}
         self.conversions: dict[tuple[type, type], Callable] = {}
+        self.compiled: dict[tuple, Callable] = {}  # (operator, input layouts) -> traceable kernel
         self._owners: dict[Any, str] = {}
         self._owner = "user"
         self._listeners: list[Callable[[], None]] = []
@@ -267,6 +268,17 @@ class Registry:
         """Register a lossless conversion ``fn(src_layout_obj) -> dst_layout_obj``."""
         self._put("conversions", (_layout_entry(src, "src"), _layout_entry(dst, "dst")), fn)
         return fn
+
+    def register_compiled_impl(self, operator: Any, inp: Any, impl: Callable) -> Callable:
+        """Register what a call of ``operator`` with input layouts ``inp`` runs while
+        ``torch.compile`` traces it: ``impl(*args, **kwargs)``, traceable code (torch
+        ops and custom operators on the layouts' plain tensors); see ``sten_core.compile``."""
+        if not callable(operator):
+            raise TypeError(f"operator must be a callable torch operator, got {operator!r}")
+        if not callable(impl):
+            raise TypeError(f"impl must be callable, got {impl!r}")
+        self._put("compiled", (operator, normalize_inp(inp, operator)), impl)
+        return impl
 
     def fwd_candidates(self, op: Any, out: Any) -> list[tuple[OpKey, Entry]]:
         return [(k, v) for k, v in self.impls.items() if k.direction == "fwd" and k.op is op and k.out == out]

@@ -107,6 +107,10 @@ class SparseTensorWrapper(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         handler = _HANDLERS.get(func)
         if handler is None:
+            if _is_compiling():  # Dynamo is tracing: the compiled implementation, if any
+                out = _compiled()(func, args, kwargs or {})
+                if out is not _MISSING:
+                    return out
             return (_call_op or _dispatch())(func, args, kwargs or {})
         kwargs = kwargs or {}
         if handler is _PASS:
@@ -201,6 +205,21 @@ def _dispatch() -> Any:
 
         _call_op = dispatch_call
     return _call_op
+
+
+_is_compiling = torch.compiler.is_compiling
+_compiled_call = None
+_MISSING = None
+
+
+def _compiled() -> Any:
+    """``compile.compiled_call`` (imported on first use)."""
+    global _compiled_call, _MISSING
+    if _compiled_call is None:
+        from .compile import MISSING, compiled_call
+
+        _compiled_call, _MISSING = compiled_call, MISSING
+    return _compiled_call
 
 
 def _rebuild(cls: type, wrapped: Any, requires_grad: bool, grad_fmt: Any) -> SparseTensorWrapper:

@@ -10,6 +10,7 @@ Example (in a plugin's tests):
     >>> check_linear(sten.CsrTensor)
     >>> check_checkpoint(sten.CsrTensor)
     >>> check_to(sten.CsrTensor)
+    >>> report = check_compile(sten.CsrTensor)
 """
 
 from __future__ import annotations
@@ -282,6 +283,73 @@ def check_linear(layout_cls: type, *, shapes: Iterable[tuple] = ((7, 16, 12), (1
                         assert "fallback" not in plans, f"{case}: a dense fallback ran ({plans})"
     finally:
         dispatch.observers.remove(observer)
+
+
+def check_compile(layout_cls: type, *, shapes: Iterable[tuple] = ((7, 16, 12), (2, 8, 4)),
+                  dtype: torch.dtype = torch.float32, sparsifier: Any = None, device: str = "cpu",
+                  require_compiled_impl: bool = False) -> dict:
+    """Compile-readiness of ``layout_cls``: an inference ``Linear`` whose weight is
+    in ``layout_cls`` compiles with no graph breaks, ``torch.compile(...,
+    fullgraph=True)`` runs, and its output equals eager's and the dense one.
+    With ``require_compiled_impl``, ``F.linear`` must also have a compiled
+    implementation (``registry.register_compiled_impl``) rather than running
+    densely on the traced ``to_dense()``.
+
+    ``shapes`` are ``(batch, in_features, out_features)``. Raises
+    ``AssertionError`` saying what is missing; returns a report:
+    ``{"compiled_impl": name or None, "graph_breaks": int, "reasons": [...]}``.
+    """
+    import warnings
+
+    from .compile import compiled_impl_for, dense_call
+
+    plugins.ensure_loaded()
+    sparsifier = sparsifier or ScalarFractionSparsifier(0.5)
+    tol = _tolerances(dtype)
+    name = layout_cls.__name__
+    fix = (f"register a compiled implementation (custom operators on the layout's plain member tensors): "
+           f"registry.register_compiled_impl(F.linear, (torch.Tensor, {name}, torch.Tensor), impl), "
+           f"see docs/compile.md")
+    report: dict = {"compiled_impl": None, "graph_breaks": 0, "reasons": []}
+    for i, (batch, k, n) in enumerate(shapes):
+        case = f"{name} compiled linear x=[{batch},{k}] W=[{n},{k}]"
+        w_dense = _sample((n, k), dtype, sparsifier, device, seed=200 + i)
+        linear = torch.nn.Linear(k, n).to(dtype).to(device)
+        linear.weight = SparseParameterWrapper(layout_cls.from_dense(w_dense), requires_grad=False)
+        linear.bias.requires_grad_(False)
+        x = torch.randn(batch, k, generator=torch.Generator().manual_seed(i)).to(dtype).to(device)
+        impl = compiled_impl_for(F.linear, (x, linear.weight, linear.bias))
+        report["compiled_impl"] = None if impl in (None, dense_call) else getattr(impl, "__name__", repr(impl))
+        if require_compiled_impl:
+            assert report["compiled_impl"] is not None, \
+                f"{case}: no compiled implementation of F.linear: it runs densely on to_dense() when compiled; {fix}"
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", dispatch.DispatchWarning)
+            eager = linear(x)
+            explained = torch._dynamo.explain(linear)(x)
+            reasons = [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+            report["graph_breaks"] += explained.graph_break_count
+            report["reasons"] += reasons
+            assert explained.graph_break_count == 0, (
+                f"{case}: {explained.graph_break_count} graph break(s): {'; '.join(reasons)}. Either make "
+                f"{name}.to_dense() plain torch code on tensors the layout keeps as attributes (no sparse torch "
+                f"tensors, no ctypes), or {fix}")
+            torch._dynamo.reset()
+            try:
+                compiled = torch.compile(linear, fullgraph=True)(x)
+            except Exception as error:  # what Dynamo, AOTAutograd or the backend refused
+                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                report["reasons"].append(first)
+                raise AssertionError(f"{case}: torch.compile(fullgraph=True) failed, a graph break: "
+                                     f"{type(error).__name__}: {first}; {fix}") from error
+            finally:
+                torch._dynamo.reset()
+        assert type(compiled) is torch.Tensor, f"{case}: compiled output is {type(compiled).__name__}"
+        torch.testing.assert_close(compiled, eager, msg=lambda m: f"{case}: compiled vs eager: {m}", **tol)
+        torch.testing.assert_close(compiled, F.linear(x, w_dense, linear.bias),
+                                   msg=lambda m: f"{case}: compiled vs dense: {m}", **tol)
+    return report
 
 
 def _dense(value: Any) -> torch.Tensor:

@@ -26,7 +26,7 @@ DOCS = ROOT / "docs"
 EXAMPLE = ROOT / "examples" / "sten_example_plugin"
 PLUGIN_GUIDE = DOCS / "guides" / "write-a-plugin.md"
 RUNNABLE = ["getting-started.md", "guides/from-scratch.md", "guides/train.md", "guides/sparsify-existing.md", "training.md",
-            "guides/saving-and-loading.md", "pruning.md"]
+            "guides/saving-and-loading.md", "pruning.md", "compile.md"]
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"$', re.M)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 
 from ..hookspecs import hookimpl
-from . import elementwise, moves, ops, sparsifier_impls
+from . import compiled_ops, elementwise, moves, ops, sparsifier_impls
 from .torch_layouts import TORCH_LAYOUTS, CooTensor, CscTensor, CsrTensor, DenseTensor
 
 
@@ -35,6 +35,7 @@ def sten_register(registry: Any) -> None:
         registry.register_conversion(src, dst, fn)
     sparsifier_impls.register(registry, TORCH_LAYOUTS)
     ops.register(registry)
+    compiled_ops.register(registry)
 
 
 @hookimpl(trylast=True)

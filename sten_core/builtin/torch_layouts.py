@@ -30,6 +30,13 @@ def _check_dense(tensor: Any, cls: type, ndim: int | None = None) -> torch.Tenso
     return tensor
 
 
+def _own(*members: torch.Tensor) -> tuple:
+    """A sparse tensor's member tensors as plain aliases (same storage and version
+    counter, not views of the sparse tensor): ``torch.compile`` can take them as
+    graph inputs, where views of a sparse base cannot be faked."""
+    return tuple(m.detach() for m in members)
+
+
 class _TorchLayout(Layout):
     """Common parts of the layouts that hold one torch tensor in ``data``."""
 
@@ -156,7 +163,7 @@ class CooTensor(_Members):
 
     @staticmethod
     def _extract(data: torch.Tensor) -> tuple:
-        return (data._indices(), data._values())
+        return _own(data._indices(), data._values())
 
     @staticmethod
     def _build(members: tuple, shape: tuple) -> torch.Tensor:
@@ -207,7 +214,7 @@ class CsrTensor(_Compressed):
 
     @staticmethod
     def _extract(data: torch.Tensor) -> tuple:
-        return (data.crow_indices(), data.col_indices(), data.values())
+        return _own(data.crow_indices(), data.col_indices(), data.values())
 
     @staticmethod
     def _build(members: tuple, shape: tuple) -> torch.Tensor:
@@ -225,7 +232,7 @@ class CscTensor(_Compressed):
 
     @staticmethod
     def _extract(data: torch.Tensor) -> tuple:
-        return (data.ccol_indices(), data.row_indices(), data.values())
+        return _own(data.ccol_indices(), data.row_indices(), data.values())
 
     @staticmethod
     def _build(members: tuple, shape: tuple) -> torch.Tensor:

@@ -1,0 +1,107 @@
+"""Custom operators (``sten_core::...``) for the built-in layouts' kernels under ``torch.compile``.
+
+Each operator takes a layout's plain member tensors (never a sparse torch
+tensor or a wrapper), so Dynamo and AOTAutograd see it as one opaque graph
+node: its fake implementation gives the output's metadata, its CPU/CUDA
+implementation is the eager kernel (same arithmetic, same results), and its
+autograd formula is registered.
+
+Example:
+    >>> import torch
+    >>> from sten_core.builtin.torch_layouts import CsrTensor
+    >>> w = CsrTensor.from_dense(torch.eye(3))
+    >>> crow, col, values = w.state_tensors()
+    >>> torch.ops.sten_core.csr_mm(crow, col, values, 3, torch.ones(3, 2)).tolist()
+    [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .ops import _sparse_times
+from .torch_layouts import CsrTensor
+
+
+def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns: int,
+         dtype: torch.dtype) -> torch.Tensor:
+    values = values if values.dtype == dtype else values.to(dtype)
+    return torch.sparse_csr_tensor(crow, col, values, (crow.shape[0] - 1, columns))
+
+
+@torch.library.custom_op("sten_core::csr_mm", mutates_args=())
+def csr_mm(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns: int,
+           dense: torch.Tensor) -> torch.Tensor:
+    """``W @ dense`` for a CSR ``W`` [R, columns] given by its members and ``dense``
+    [columns, M] (the eager kernel: ``torch.sparse.mm``, MKL on the CPU); [R, M]."""
+    return _sparse_times(_csr(crow, col, values, columns, dense.dtype), dense).contiguous()
+
+
+@csr_mm.register_fake
+def _(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns: int, dense: torch.Tensor) -> torch.Tensor:
+    return dense.new_empty(crow.shape[0] - 1, dense.shape[1])
+
+
+@torch.library.custom_op("sten_core::csr_t_mm", mutates_args=())
+def csr_t_mm(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns: int,
+             dense: torch.Tensor) -> torch.Tensor:
+    """``W.t() @ dense`` for a CSR ``W`` [R, columns] and ``dense`` [R, M]; [columns, M]."""
+    w = _csr(crow, col, values, columns, dense.dtype)
+    return _sparse_times(w.t(), dense).contiguous()
+
+
+@csr_t_mm.register_fake
+def _(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns: int, dense: torch.Tensor) -> torch.Tensor:
+    return dense.new_empty(columns, dense.shape[1])
+
+
+@torch.library.custom_op("sten_core::csr_sampled", mutates_args=())
+def csr_sampled(a: torch.Tensor, b: torch.Tensor, crow: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """Values of ``a @ b`` at a CSR pattern (the weight gradient, pattern kept)."""
+    ones = torch.ones(col.shape[0], dtype=a.dtype, device=a.device)
+    pattern = torch.sparse_csr_tensor(crow, col, ones, (crow.shape[0] - 1, b.shape[1]))
+    return torch.sparse.sampled_addmm(pattern, a.contiguous(), b.contiguous(), beta=0.0).values().clone()
+
+
+@csr_sampled.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, crow: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(col.shape[0])
+
+
+def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    crow, col, values, columns, dense = inputs
+    ctx.save_for_backward(crow, col, values, dense)
+    ctx.columns = columns
+
+
+def _mm_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """``W @ D``: grad D = ``W.t() @ grad``; grad of W's values = ``grad @ D.t()`` at W's pattern."""
+    crow, col, values, dense = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    grad_values = torch.ops.sten_core.csr_sampled(grad, dense.t(), crow, col).to(values.dtype) if needs[2] else None
+    grad_dense = torch.ops.sten_core.csr_t_mm(crow, col, values, ctx.columns, grad) if needs[4] else None
+    return None, None, grad_values, None, grad_dense
+
+
+csr_mm.register_autograd(_mm_backward, setup_context=_setup)
+
+
+def csr_linear_kernel(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` with a ``CsrTensor`` weight while ``torch.compile`` traces: one
+    ``sten_core::csr_mm`` node (``W @ x.t()``, eager's product) on the layout's
+    members; the transposes, reshapes and the bias are graph ops."""
+    crow, col, values = weight.wrapped_tensor.state_tensors()
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.ops.sten_core.csr_mm(crow, col, values, x.shape[-1], x2.t()).t()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], crow.shape[0] - 1)
+
+
+def register(registry: Any) -> None:
+    T = torch.Tensor
+    for inp in ((T, CsrTensor, T), (T, CsrTensor)):
+        registry.register_compiled_impl(F.linear, inp, csr_linear_kernel)

@@ -1,0 +1,280 @@
+"""torch.compile of sparse models (issue #15): graph breaks, fullgraph, eager equality."""
+
+import pathlib
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fake_layouts import DenseCopyLayout
+
+import sten_core as sten
+from sten_core.builtin import compiled_ops
+from sten_core.testing import check_compile
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "sten_example_plugin"
+
+
+def sparse_mlp(layout=sten.CsrTensor, fraction=0.5, seed=0, requires_grad=True):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
+    sb = sten.SparsityBuilder(model)
+    for name in ("0.weight", "2.weight"):
+        sb.set_weight(name, sten.ScalarFractionSparsifier(fraction), out_format=layout)
+    model = sb.get_sparse_model()
+    if not requires_grad:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_csr_inference_has_no_graph_breaks():
+    model = sparse_mlp().eval()
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("grad_off", ["no_grad", "frozen"])
+@pytest.mark.parametrize("shape", [(5, 24), (2, 3, 24)])
+def test_csr_fullgraph_equals_eager(grad_off, shape):
+    model = sparse_mlp(requires_grad=grad_off != "frozen").eval()
+    x = torch.randn(*shape)
+    compiled = torch.compile(model, fullgraph=True)
+    if grad_off == "no_grad":
+        with torch.no_grad():
+            want, got = model(x), compiled(x)
+    else:
+        want, got = model(x), compiled(x)
+    assert type(got) is torch.Tensor and got.shape == want.shape
+    torch.testing.assert_close(got, want)
+    dense = model[2](model[1](F.linear(x, model[0].weight.to_dense().detach(), model[0].bias)))
+    torch.testing.assert_close(got, dense.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_graph_holds_the_custom_operator():
+    model = sparse_mlp(requires_grad=False).eval()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(3, 24))
+    (gm,) = graphs
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.sten_core.csr_mm.default) + targets.count(torch.ops.sten_core.csr_mm) == 2
+
+
+def test_changing_the_weight_values_is_seen_without_recompiling():
+    model = sparse_mlp(requires_grad=False).eval()
+    x = torch.randn(4, 24)
+    compiled = torch.compile(model, fullgraph=True)
+    compiled(x)
+    with torch.no_grad():
+        model[0].weight.wrapped_tensor.values().mul_(2.0)  # in place, as an optimizer step does
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_a_new_layout_class_recompiles_instead_of_reusing_the_plan():
+    model = sparse_mlp(requires_grad=False).eval()
+    x = torch.randn(4, 24)
+    compiled = torch.compile(model)
+    compiled(x)
+    w = model[0].weight
+    w.wrapped_tensor = sten.CooTensor.from_dense(w.to_dense() * 2)  # same wrapper, another layout
+    want = model(x)
+    torch.testing.assert_close(compiled(x), want)
+    w.wrapped_tensor = sten.CsrTensor.from_dense(w.to_dense() * 3)  # back to CSR, new members
+    torch.testing.assert_close(compiled(x), model(x))
+    assert not torch.allclose(model(x), want)
+
+
+def test_training_step_compiles_with_eager_gradients():
+    """Sparse weights that require grad run the eager dispatcher (graph breaks)
+    until the wrapper can be a compiled graph's input: gradients equal eager's."""
+    model = sparse_mlp()
+    x = torch.randn(6, 24, requires_grad=True)
+
+    def grads(fn):
+        model.zero_grad()
+        x.grad = None
+        fn(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+    want = grads(model)
+    got = grads(torch.compile(model))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_custom_operators_pass_opcheck():
+    w = sten.CsrTensor.from_dense(torch.randn(6, 5) * (torch.rand(6, 5) > 0.5))
+    crow, col, values = w.state_tensors()
+    values = values.clone().requires_grad_(True)
+    dense = torch.randn(3, 5).t().requires_grad_(True)  # a transposed view, as the linear passes it
+    torch.library.opcheck(torch.ops.sten_core.csr_mm.default, (crow, col, values, 5, dense))
+    torch.library.opcheck(torch.ops.sten_core.csr_mm.default, (crow, col, values.detach(), 5, torch.randn(5, 4)))
+    torch.library.opcheck(torch.ops.sten_core.csr_t_mm.default, (crow, col, values.detach(), 5, torch.randn(6, 3)))
+    torch.library.opcheck(torch.ops.sten_core.csr_sampled.default, (torch.randn(6, 3), torch.randn(3, 5), crow, col))
+
+
+def test_custom_operator_gradients_match_dense():
+    dense_w = torch.randn(6, 5) * (torch.rand(6, 5) > 0.5)
+    crow, col, values = sten.CsrTensor.from_dense(dense_w).state_tensors()
+    values = values.clone().requires_grad_(True)
+    d = torch.randn(5, 4, requires_grad=True)
+    out = torch.ops.sten_core.csr_mm(crow, col, values, 5, d)
+    g = torch.randn_like(out)
+    gv, gd = torch.autograd.grad(out, (values, d), g)
+    ref_w = dense_w.clone().requires_grad_(True)
+    ref_d = d.detach().clone().requires_grad_(True)
+    ref = ref_w @ ref_d
+    torch.testing.assert_close(out, ref.detach())
+    rw, rd = torch.autograd.grad(ref, (ref_w, ref_d), g)
+    torch.testing.assert_close(gd, rd)
+    torch.testing.assert_close(gv, rw[dense_w != 0])
+
+
+def test_compiled_linear_kernel_gradients_match_dense():
+    """The kernel the graph holds, run directly: F.linear's values and gradients."""
+    dense_w = torch.randn(7, 5) * (torch.rand(7, 5) > 0.5)
+    w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(dense_w))
+    x = torch.randn(2, 3, 5, requires_grad=True)
+    bias = torch.randn(7, requires_grad=True)
+    out = compiled_ops.csr_linear_kernel(x, w, bias)
+    ref_x = x.detach().clone().requires_grad_(True)
+    ref_b = bias.detach().clone().requires_grad_(True)
+    ref = F.linear(ref_x, dense_w, ref_b)
+    torch.testing.assert_close(out, ref.detach())
+    g = torch.randn_like(out)
+    gx, gb = torch.autograd.grad(out, (x, bias), g)
+    rx, rb = torch.autograd.grad(ref, (ref_x, ref_b), g)
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gb, rb)
+
+
+def test_register_compiled_impl_checks_its_arguments():
+    with pytest.raises(TypeError, match="operator"):
+        sten.registry.register_compiled_impl("linear", (torch.Tensor, sten.CsrTensor), compiled_ops.csr_linear_kernel)
+    with pytest.raises(TypeError, match="impl"):
+        sten.registry.register_compiled_impl(F.linear, (torch.Tensor, sten.CsrTensor), None)
+
+
+@pytest.fixture
+def bitmask(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    from sten_example_plugin import BitmaskTensor, plugin
+
+    assert sten.plugins.register_plugin(plugin, name="example")
+    try:
+        yield BitmaskTensor
+    finally:
+        sten.plugins.unregister_plugin("example")
+        for name in [m for m in sys.modules if m.startswith("sten_example_plugin")]:
+            del sys.modules[name]
+
+
+@pytest.fixture
+def dense_copy():
+    sten.registry.register_layout(DenseCopyLayout)
+    try:
+        yield DenseCopyLayout
+    finally:
+        sten.registry.layouts.pop("DenseCopyLayout", None)
+
+
+@pytest.mark.parametrize("which", ["bitmask", "dense_copy"])
+def test_third_party_layout_compiles_whole(which, request):
+    """A layout without compiled implementations: its ``to_dense`` is traced and
+    the dense product runs in the graph (same values as eager)."""
+    layout = request.getfixturevalue(which)
+    model = sparse_mlp(layout).eval()
+    x = torch.randn(5, 24)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)  # DenseCopyLayout has no linear: eager falls back
+        want = model(x)
+        explained = torch._dynamo.explain(model)(x)
+        torch._dynamo.reset()
+        got = torch.compile(model, fullgraph=True)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_operator_form_compiles():
+    w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.randn(6, 5) * (torch.rand(6, 5) > 0.5)))
+    x = torch.randn(5, 3)
+
+    def f(x):
+        return (w @ x).relu()
+
+    want = f(x)
+    torch.testing.assert_close(torch.compile(f)(x), want)
+
+
+def test_check_compile_passes_for_csr_with_its_custom_operator():
+    report = check_compile(sten.CsrTensor, require_compiled_impl=True)
+    assert report == {"compiled_impl": "csr_linear_kernel", "graph_breaks": 0, "reasons": []}
+
+
+def test_check_compile_passes_for_a_traceable_third_party_layout(dense_copy):
+    report = check_compile(dense_copy)
+    assert report["compiled_impl"] is None and report["graph_breaks"] == 0
+
+
+def test_check_compile_says_a_compiled_implementation_is_missing(dense_copy):
+    with pytest.raises(AssertionError, match="no compiled implementation of F.linear.*register_compiled_impl"):
+        check_compile(dense_copy, require_compiled_impl=True)
+
+
+def test_check_compile_reports_graph_breaks():
+    """COO's to_dense() densifies a sparse torch tensor, which Dynamo cannot trace."""
+    with pytest.raises(AssertionError, match="graph break.*sparse Tensor.*register_compiled_impl"):
+        check_compile(sten.CooTensor)
+
+
+def test_training_with_frozen_sparse_weights_compiles_whole():
+    """Sparse weights frozen, the rest trained (biases, adapters): forward and
+    backward compile through AOTAutograd into one graph (the custom operator's
+    registered autograd gives the input gradient); gradients equal eager's."""
+    model = sparse_mlp()
+    for p in model.parameters():
+        if isinstance(p, sten.SparseTensorWrapper):
+            p.requires_grad_(False)
+    x = torch.randn(6, 24, requires_grad=True)
+
+    def grads(fn):
+        model.zero_grad()
+        x.grad = None
+        fn(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.requires_grad] + [x.grad.clone()]
+
+    want = grads(model)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, fullgraph=True))
+    assert len(got) == len(want) == 3  # two biases and x
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_torch_export_strict_holds_the_custom_operator_and_runs():
+    model = sparse_mlp(requires_grad=False).eval()
+    x = torch.randn(4, 24)
+    program = torch.export.export(model, (x,), strict=True)
+    targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.sten_core.csr_mm.default) == 2
+    other = torch.randn(4, 24)
+    torch.testing.assert_close(program.module()(other), model(other))
