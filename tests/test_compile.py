@@ -278,3 +278,50 @@ def test_torch_export_strict_holds_the_custom_operator_and_runs():
     assert targets.count(torch.ops.sten_core.csr_mm.default) == 2
     other = torch.randn(4, 24)
     torch.testing.assert_close(program.module()(other), model(other))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+def test_sparsified_intermediates_compile_with_eager_results():
+    """``set_interm`` outputs go through the eager dispatcher (graph breaks): same values."""
+    torch.manual_seed(0)
+    sb = sten.SparsityBuilder(torch.nn.Sequential(_Block(), torch.nn.Linear(16, 4)))
+    sb.set_weight("0.fc.weight", sten.ScalarFractionSparsifier(0.5), out_format=sten.CsrTensor)
+    sb.set_interm("0.relu", sten.ScalarFractionSparsifier(0.5), sten.CooTensor, sten.KeepAll(), sten.CooTensor)
+    model = sb.get_sparse_model().eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        want = model(x)
+        got = torch.compile(model)(x)
+    torch.testing.assert_close(got, want)
+    with torch.no_grad():
+        hidden = torch.relu(F.linear(x, model[0].fc.weight.to_dense(), model[0].fc.bias))
+    assert (model[0](x).to_dense() == 0).sum() >= hidden.numel() // 2  # the intermediate was sparsified
+
+
+@pytest.mark.parametrize("flip", ["requires_grad", "grad_mode"])
+def test_unfreezing_after_compiling_gives_the_wrapper_its_gradient(flip):
+    """The compiled graph was traced with frozen weights (or under no_grad);
+    trained afterwards, the guards send the call back to the eager dispatcher."""
+    model = sparse_mlp(requires_grad=flip == "grad_mode")
+    x = torch.randn(6, 24)
+    compiled = torch.compile(model)
+    with torch.no_grad() if flip == "grad_mode" else torch.enable_grad():
+        compiled(x)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.zero_grad()
+    compiled(x).square().sum().backward()
+    got = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().sum().backward()
+    for g, p in zip(got, model.parameters()):
+        assert g is not None
+        torch.testing.assert_close(g, p.grad)
