@@ -36,8 +36,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_csr_inference_has_no_graph_breaks():
-    model = sparse_mlp().eval()
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor])
+def test_csr_inference_has_no_graph_breaks(layout):
+    model = sparse_mlp(layout).eval()
     x = torch.randn(5, 24)
     with torch.no_grad():
         explained = torch._dynamo.explain(model)(x)
@@ -45,10 +46,11 @@ def test_csr_inference_has_no_graph_breaks():
     assert explained.graph_count == 1
 
 
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor])
 @pytest.mark.parametrize("grad_off", ["no_grad", "frozen"])
 @pytest.mark.parametrize("shape", [(5, 24), (2, 3, 24)])
-def test_csr_fullgraph_equals_eager(grad_off, shape):
-    model = sparse_mlp(requires_grad=grad_off != "frozen").eval()
+def test_csr_fullgraph_equals_eager(layout, grad_off, shape):
+    model = sparse_mlp(layout, requires_grad=grad_off != "frozen").eval()
     x = torch.randn(*shape)
     compiled = torch.compile(model, fullgraph=True)
     if grad_off == "no_grad":
@@ -127,20 +129,26 @@ def test_custom_operators_pass_opcheck():
     torch.library.opcheck(torch.ops.sten_core.csr_mm.default, (crow, col, values, 5, dense))
     torch.library.opcheck(torch.ops.sten_core.csr_mm.default, (crow, col, values.detach(), 5, torch.randn(5, 4)))
     torch.library.opcheck(torch.ops.sten_core.csr_t_mm.default, (crow, col, values.detach(), 5, torch.randn(6, 3)))
+    torch.library.opcheck(torch.ops.sten_core.csr_t_mm.default, (crow, col, values, 5, torch.randn(3, 6).t().requires_grad_(True)))
     torch.library.opcheck(torch.ops.sten_core.csr_sampled.default, (torch.randn(6, 3), torch.randn(3, 5), crow, col))
 
 
-def test_custom_operator_gradients_match_dense():
+@pytest.mark.parametrize("transposed", [False, True])
+def test_custom_operator_gradients_match_dense(transposed):
     dense_w = torch.randn(6, 5) * (torch.rand(6, 5) > 0.5)
     crow, col, values = sten.CsrTensor.from_dense(dense_w).state_tensors()
     values = values.clone().requires_grad_(True)
-    d = torch.randn(5, 4, requires_grad=True)
-    out = torch.ops.sten_core.csr_mm(crow, col, values, 5, d)
+    if transposed:  # csr_t_mm: W.t() @ d
+        d = torch.randn(6, 4, requires_grad=True)
+        out = torch.ops.sten_core.csr_t_mm(crow, col, values, 5, d)
+    else:
+        d = torch.randn(5, 4, requires_grad=True)
+        out = torch.ops.sten_core.csr_mm(crow, col, values, 5, d)
     g = torch.randn_like(out)
     gv, gd = torch.autograd.grad(out, (values, d), g)
     ref_w = dense_w.clone().requires_grad_(True)
     ref_d = d.detach().clone().requires_grad_(True)
-    ref = ref_w @ ref_d
+    ref = (ref_w.t() if transposed else ref_w) @ ref_d
     torch.testing.assert_close(out, ref.detach())
     rw, rd = torch.autograd.grad(ref, (ref_w, ref_d), g)
     torch.testing.assert_close(gd, rd)
@@ -223,9 +231,10 @@ def test_matmul_operator_form_compiles():
     torch.testing.assert_close(torch.compile(f)(x), want)
 
 
-def test_check_compile_passes_for_csr_with_its_custom_operator():
-    report = check_compile(sten.CsrTensor, require_compiled_impl=True)
-    assert report == {"compiled_impl": "csr_linear_kernel", "graph_breaks": 0, "reasons": []}
+@pytest.mark.parametrize("layout,kernel", [(sten.CsrTensor, "csr_linear_kernel"), (sten.CscTensor, "csc_linear_kernel")])
+def test_check_compile_passes_for_csr_with_its_custom_operator(layout, kernel):
+    report = check_compile(layout, require_compiled_impl=True)
+    assert report == {"compiled_impl": kernel, "graph_breaks": 0, "reasons": []}
 
 
 def test_check_compile_passes_for_a_traceable_third_party_layout(dense_copy):
@@ -244,11 +253,12 @@ def test_check_compile_reports_graph_breaks():
         check_compile(sten.CooTensor)
 
 
-def test_training_with_frozen_sparse_weights_compiles_whole():
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor])
+def test_training_with_frozen_sparse_weights_compiles_whole(layout):
     """Sparse weights frozen, the rest trained (biases, adapters): forward and
     backward compile through AOTAutograd into one graph (the custom operator's
     registered autograd gives the input gradient); gradients equal eager's."""
-    model = sparse_mlp()
+    model = sparse_mlp(layout)
     for p in model.parameters():
         if isinstance(p, sten.SparseTensorWrapper):
             p.requires_grad_(False)
@@ -278,3 +288,54 @@ def test_torch_export_strict_holds_the_custom_operator_and_runs():
     assert targets.count(torch.ops.sten_core.csr_mm.default) == 2
     other = torch.randn(4, 24)
     torch.testing.assert_close(program.module()(other), model(other))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+def test_sparsified_intermediates_compile_with_eager_results():
+    """``set_interm`` outputs go through the eager dispatcher (graph breaks): same values."""
+    torch.manual_seed(0)
+    sb = sten.SparsityBuilder(torch.nn.Sequential(_Block(), torch.nn.Linear(16, 4)))
+    sb.set_weight("0.fc.weight", sten.ScalarFractionSparsifier(0.5), out_format=sten.CsrTensor)
+    sb.set_interm("0.relu", sten.ScalarFractionSparsifier(0.5), sten.CooTensor, sten.KeepAll(), sten.CooTensor)
+    model = sb.get_sparse_model().eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        want = model(x)
+        got = torch.compile(model)(x)
+    torch.testing.assert_close(got, want)
+    with torch.no_grad():
+        hidden = torch.relu(F.linear(x, model[0].fc.weight.to_dense(), model[0].fc.bias))
+    assert (model[0](x).to_dense() == 0).sum() >= hidden.numel() // 2  # the intermediate was sparsified
+
+
+@pytest.mark.parametrize("flip", ["requires_grad", "grad_mode"])
+def test_unfreezing_after_compiling_gives_the_wrapper_its_gradient(flip):
+    """The compiled graph was traced with frozen weights (or under no_grad);
+    trained afterwards, the guards send the call back to the eager dispatcher."""
+    model = sparse_mlp(requires_grad=flip == "grad_mode")
+    x = torch.randn(6, 24)
+    compiled = torch.compile(model)
+    with torch.no_grad() if flip == "grad_mode" else torch.enable_grad():
+        compiled(x)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.zero_grad()
+    compiled(x).square().sum().backward()
+    got = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().sum().backward()
+    for g, p in zip(got, model.parameters()):
+        assert g is not None
+        torch.testing.assert_close(g, p.grad)
+
+
+def test_check_compile_passes_for_dense_tensor_through_the_dense_path():
+    assert check_compile(sten.DenseTensor) == {"compiled_impl": None, "graph_breaks": 0, "reasons": []}

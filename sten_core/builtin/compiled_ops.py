@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .ops import _sparse_times
-from .torch_layouts import CsrTensor
+from .torch_layouts import CscTensor, CsrTensor
 
 
 def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns: int,
@@ -86,7 +86,17 @@ def _mm_backward(ctx: Any, grad: torch.Tensor) -> tuple:
     return None, None, grad_values, None, grad_dense
 
 
+def _t_mm_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """``W.t() @ D``: grad D = ``W @ grad``; grad of W's values = ``D @ grad.t()`` at W's pattern."""
+    crow, col, values, dense = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    grad_values = torch.ops.sten_core.csr_sampled(dense, grad.t(), crow, col).to(values.dtype) if needs[2] else None
+    grad_dense = torch.ops.sten_core.csr_mm(crow, col, values, ctx.columns, grad) if needs[4] else None
+    return None, None, grad_values, None, grad_dense
+
+
 csr_mm.register_autograd(_mm_backward, setup_context=_setup)
+csr_t_mm.register_autograd(_t_mm_backward, setup_context=_setup)
 
 
 def csr_linear_kernel(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -101,7 +111,22 @@ def csr_linear_kernel(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor]
     return y.reshape(*x.shape[:-1], crow.shape[0] - 1)
 
 
+def csc_linear_kernel(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` with a ``CscTensor`` weight ``W`` [N, K] while compiling: its members
+    are those of the CSR ``W.t()`` [K, N], so ``W @ x.t()`` is one ``sten_core::csr_t_mm``."""
+    layout = weight.wrapped_tensor
+    ccol, row, values = layout.state_tensors()
+    n = layout.size_2d[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.ops.sten_core.csr_t_mm(ccol, row, values, n, x2.t()).t()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], n)
+
+
 def register(registry: Any) -> None:
     T = torch.Tensor
     for inp in ((T, CsrTensor, T), (T, CsrTensor)):
         registry.register_compiled_impl(F.linear, inp, csr_linear_kernel)
+    for inp in ((T, CscTensor, T), (T, CscTensor)):
+        registry.register_compiled_impl(F.linear, inp, csc_linear_kernel)

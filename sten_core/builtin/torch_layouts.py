@@ -181,6 +181,7 @@ class _Compressed(_Members):
     def __init__(self, data: torch.Tensor, members: tuple | None = None):
         super().__init__(data, members)
         self._coords: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.size_2d = (int(data.shape[0]), int(data.shape[1]))  # plain ints: read while compiling
 
     def coords(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Row and column index of every stored value (cached)."""
@@ -203,6 +204,7 @@ class _Compressed(_Members):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._coords = None
+        self.size_2d = (int(self.data.shape[0]), int(self.data.shape[1]))
 
 
 class CsrTensor(_Compressed):
