@@ -648,14 +648,13 @@ class _Call:
     autograd node (``unique``); its gradients from all positions are summed."""
 
     __slots__ = ("op", "args", "kwargs", "bound", "positions", "key", "plan", "specs", "ctx", "unique",
-                 "n_unique", "slot_of", "grad_specs", "stashed", "converted", "where", "held")
+                 "n_unique", "slot_of", "grad_specs", "converted", "where", "held")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, bound: list, positions: Any, key: OpKey,
                  plan: Plan, specs: CallSpecs | None):
         self.op, self.args, self.kwargs, self.bound, self.positions = op, args, kwargs, bound, positions
         self.key, self.plan, self.specs = key, plan, specs
         self.ctx: OpContext | None = None
-        self.stashed = False
         self.converted: list | None = None  # a convert plan's inputs, converted before the call
 
     def dedupe(self) -> list:
@@ -738,7 +737,6 @@ class _Call:
         fctx.save_for_backward(*saved)
         self.unique = None
         self.converted = None
-        self.stashed = True
 
     def saved(self, from_autograd: tuple) -> tuple:
         """The stashed tensors in stash order: autograd's, and the held wrappers

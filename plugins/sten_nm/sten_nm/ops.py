@@ -191,7 +191,6 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, sa
     W = _layout(w, "weight")
     a_is_w = (W.dim == 1) if linear else (W.dim == 0)
     gy = grad_outputs[0]
-    n_out = gy.shape[-1]
     gy2 = _rows(gy)
     x2 = _rows(x)
     double = _out_dtype(x, W._values) == torch.float64
