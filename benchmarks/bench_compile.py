@@ -12,8 +12,6 @@ breaks) headed by the CPU model, kernel ISA, thread count and load average.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
@@ -22,25 +20,8 @@ import warnings
 import torch
 
 import sten_core as sten
+from sten_core.bench.machine import cpu_model, load_average
 from sten_core.bench.models import bert_case
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def load_average() -> str:
-    try:
-        return " ".join(f"{v:.2f}" for v in os.getloadavg())
-    except OSError:
-        return "n/a"
 
 
 def sparse_copy(case, sparsity: float) -> torch.nn.Module:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,18 +25,7 @@ from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor, _kernel
 from sten_nm import column_grouped_ops as cg_ops
 from sten_nm import ops as nm_ops
 from sten_nm import tuning
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from sten_core.bench.machine import cpu_model
 
 
 def kept(layout_dense: torch.Tensor, W: torch.Tensor) -> float:

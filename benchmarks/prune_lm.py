@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import sten_core as sten
+from sten_core.bench.machine import cpu_model
 
 # (method, sparsity, pattern, sequential): sequential=False calibrates every layer on the dense model
 SETTINGS = [("dense", None, None, True), ("magnitude", 0.5, None, True), ("wanda", 0.5, None, True),
@@ -264,19 +265,11 @@ def run_digits(epochs: int, log: bool = True) -> dict[str, Any]:
 # -- report ------------------------------------------------------------------------------
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     try:
         load = Path("/proc/loadavg").read_text().split()[:3]
     except OSError:
         load = []
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "isa": torch.backends.cpu.get_cpu_capability(), "loadavg": load}
 
 

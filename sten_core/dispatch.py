@@ -37,7 +37,7 @@ from .signatures import bind, op_name
 from .sparsifiers import KeepAll, SameFormatSparsifier
 from .spec import DENSE, OutputSpec, coerce_specs
 from .tensor import (DENSE_TYPES, PLAIN_TYPES, WRAPPER_TYPES, SparseTensorWrapper, densify,
-                     densify_tree, detached, write_back)
+                     densify_tree, detached, map_tensors, rebuild_seq, write_back)
 from .layouts import builds_from_dense, to_dense_tensor
 
 
@@ -596,49 +596,31 @@ class _Stash:
         self.twins = twins  # id(detached twin) -> index of its original
 
     def take(self, tree: Any) -> Any:
-        if _is_tensor(tree):
-            i = self.twins.get(id(tree))
-            if i is not None:
-                return _Slot(i, twin=True)
-            i = self.index.get(id(tree))
-            if i is None:
-                i = self.index[id(tree)] = len(self.tensors)
-                self.tensors.append(tree)
-            return _Slot(i)
-        if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
-            items = [self.take(v) for v in tree]
-            return _rebuild_seq(tree, items)
-        if isinstance(tree, dict):
-            return {k: self.take(v) for k, v in tree.items()}
-        return tree
+        """``tree`` with each tensor replaced by its ``_Slot``."""
+        return map_tensors(self._slot, tree)
+
+    def _slot(self, tensor: torch.Tensor) -> "_Slot":
+        i = self.twins.get(id(tensor))
+        if i is not None:
+            return _Slot(i, twin=True)
+        i = self.index.get(id(tensor))
+        if i is None:
+            i = self.index[id(tensor)] = len(self.tensors)
+            self.tensors.append(tensor)
+        return _Slot(i)
 
 
 def _restore(tree: Any, saved: tuple) -> Any:
     """Inverse of ``_Stash.take`` given autograd's saved tensors."""
-    if type(tree) is _Slot:
-        value = saved[tree.index]
-        if tree.twin:
+
+    def fill(slot: _Slot) -> Any:
+        value = saved[slot.index]
+        if slot.twin:
             with _NoTorchFunction():
                 return detached(value)
         return value
-    if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
-        return _rebuild_seq(tree, [_restore(v, saved) for v in tree])
-    if isinstance(tree, dict):
-        return {k: _restore(v, saved) for k, v in tree.items()}
-    return tree
 
-
-def _rebuild_seq(like: Any, items: list) -> Any:
-    """A list, tuple, named tuple or torch return type like ``like`` with ``items``."""
-    t = type(like)
-    if t is list or t is tuple:
-        return t(items)
-    if hasattr(like, "_fields"):
-        return t(*items)
-    try:
-        return t(items)  # torch.return_types (structseq)
-    except TypeError:
-        return tuple(items)
+    return map_tensors(fill, tree, leaf=_Slot)
 
 
 class _Call:
@@ -837,17 +819,11 @@ class _Call:
                 dense.requires_grad_(True)
             leaves[id(value)] = dense
 
-        def swap(tree: Any) -> Any:
-            if isinstance(tree, torch.Tensor) and id(tree) in leaves:
-                return leaves[id(tree)]
-            if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
-                return _rebuild_seq(tree, [swap(v) for v in tree])
-            if isinstance(tree, dict):
-                return {k: swap(v) for k, v in tree.items()}
-            return densify(tree)
+        def swap(tensor: torch.Tensor) -> torch.Tensor:
+            return leaves.get(id(tensor)) if id(tensor) in leaves else densify(tensor)
 
         with torch.enable_grad():
-            out = self.op(*swap(self.args), **swap(self.kwargs))
+            out = self.op(*map_tensors(swap, self.args), **map_tensors(swap, self.kwargs))
         outs = out if isinstance(out, (tuple, list)) else (out,)
         pairs = [(o, densify(g)) for o, g in zip(outs, grad_outputs)
                  if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
@@ -942,16 +918,13 @@ def dense_with_grad(wrapper: SparseTensorWrapper) -> torch.Tensor:
 
 def _differentiable_dense(tree: Any, grad: bool) -> Any:
     """``densify_tree``, keeping the autograd graph of wrappers that require grad."""
-    t = type(tree)
-    if t in _WRAPPER_TYPES or (t not in _DENSE_TYPES and t not in PLAIN_TYPES and isinstance(tree, SparseTensorWrapper)):
-        if grad and tree.requires_grad:
-            return _apply(_Densify, tree)
-        return densify(tree)
-    if t is list or t is tuple or (isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size)):
-        return _rebuild_seq(tree, [_differentiable_dense(v, grad) for v in tree])
-    if t is dict:
-        return {k: _differentiable_dense(v, grad) for k, v in tree.items()}
-    return tree
+
+    def dense(tensor: torch.Tensor) -> torch.Tensor:
+        if grad and isinstance(tensor, SparseTensorWrapper) and tensor.requires_grad:
+            return _apply(_Densify, tensor)
+        return densify(tensor)
+
+    return map_tensors(dense, tree)
 
 
 def _composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs: CallSpecs | None,
@@ -984,7 +957,7 @@ def _composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs
         return apply_spec(value, spec)
 
     if isinstance(out, (tuple, list)):
-        return _rebuild_seq(out, [finish(v, i) for i, v in enumerate(out)])
+        return rebuild_seq(out, [finish(v, i) for i, v in enumerate(out)])
     return finish(out, 0)
 
 
@@ -1018,21 +991,15 @@ class _InPlace(torch.autograd.Function):
             dense = densify(o).detach()
             leaves[id(o)] = dense.requires_grad_(need and (dense.is_floating_point() or dense.is_complex()))
 
-        def swap(tree: Any) -> Any:
-            if isinstance(tree, torch.Tensor):
-                return leaves.get(id(tree), densify(tree))
-            if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
-                return _rebuild_seq(tree, [swap(v) for v in tree])
-            if isinstance(tree, dict):
-                return {k: swap(v) for k, v in tree.items()}
-            return tree
+        def swap(tensor: torch.Tensor) -> torch.Tensor:
+            return leaves[id(tensor)] if id(tensor) in leaves else densify(tensor)
 
         inputs = [leaves[id(target)], *[leaves[id(o)] for o in fctx.others]]
         wanted = [t for t in inputs if t.requires_grad]
         grads: dict[int, Any] = {}
         if wanted:
             with torch.enable_grad():
-                dense_args, dense_kwargs = swap((args, kwargs))
+                dense_args, dense_kwargs = map_tensors(swap, (args, kwargs))
                 result = dense_args[0].clone()
                 op(result, *dense_args[1:], **dense_kwargs)
             found = torch.autograd.grad(result, wanted, densify(grad) * stored, allow_unused=True)
@@ -1072,13 +1039,9 @@ def _inplace_with_grad(op: Any, args: tuple, kwargs: dict, bound: list, key: OpK
 
 def _tensors_in(tree: Any) -> list:
     """The tensors in a tree of lists, tuples and dicts, in order."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
-        return [t for v in tree for t in _tensors_in(v)]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _tensors_in(v)]
-    return []
+    found: list = []
+    map_tensors(found.append, tree)
+    return found
 
 
 def _own_outputs(out: Any, inputs: list) -> Any:

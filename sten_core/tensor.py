@@ -297,14 +297,42 @@ def densify(value: Any) -> Any:
 
 def densify_tree(tree: Any) -> Any:
     """``densify`` applied through tuples, lists and dicts."""
-    if isinstance(tree, SparseTensorWrapper):
-        return densify(tree)
-    if isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size):
-        items = [densify_tree(v) for v in tree]
-        return type(tree)(items) if not hasattr(tree, "_fields") else type(tree)(*items)
+    return map_tensors(densify, tree)
+
+
+def map_tensors(fn: Any, tree: Any, leaf: type | None = None) -> Any:
+    """``tree`` (lists, tuples, named tuples, torch return types, dicts) with each
+    tensor ``t`` in it replaced by ``fn(t)``; with ``leaf``, each instance of that
+    class instead.
+
+    Example:
+        >>> map_tensors(lambda t: t * 2, {"a": [torch.ones(1), 3]})
+        {'a': [tensor([2.]), 3]}
+    """
+    t = type(tree)
+    if leaf is not None:
+        if t is leaf:
+            return fn(tree)
+    elif t in DENSE_TYPES or t in WRAPPER_TYPES or (t not in PLAIN_TYPES and isinstance(tree, torch.Tensor)):
+        return fn(tree)
+    if t is list or t is tuple or (isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size)):
+        return rebuild_seq(tree, [map_tensors(fn, v, leaf) for v in tree])
     if isinstance(tree, dict):
-        return {k: densify_tree(v) for k, v in tree.items()}
+        return {k: map_tensors(fn, v, leaf) for k, v in tree.items()}
     return tree
+
+
+def rebuild_seq(like: Any, items: list) -> Any:
+    """A list, tuple, named tuple or torch return type like ``like`` with ``items``."""
+    t = type(like)
+    if t is list or t is tuple:
+        return t(items)
+    if hasattr(like, "_fields"):
+        return t(*items)
+    try:
+        return t(items)  # torch.return_types (structseq)
+    except TypeError:
+        return tuple(items)
 
 
 def _detach(self: SparseTensorWrapper) -> SparseTensorWrapper:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from . import _kernel, tuning
 from .column_grouped import ColumnGroupedNMTensor, patterns
-from .ops import _autocast_dtype, _cast, _check_input, _needs, _out_dtype, _rows
+from .ops import _autocast_dtype, _cast, _check_input, _needs, _out_dtype, _rows, register_product
 
 SLAB_FLOATS = 1 << 24
 
@@ -220,11 +220,4 @@ def linear_bwd_sparse(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) ->
 
 def register(registry: Any) -> None:
     """Register ``F.linear`` with a :class:`ColumnGroupedNMTensor` weight (forward and backward)."""
-    from sten_core import KeepAll
-
-    T = torch.Tensor
-    for inp in ((T, ColumnGroupedNMTensor, T), (T, ColumnGroupedNMTensor)):
-        registry.register_fwd_op_impl(F.linear, inp, [(KeepAll, T)], linear_fwd)
-        for wfmt, impl in ((T, linear_bwd_dense), (ColumnGroupedNMTensor, linear_bwd_sparse)):
-            grads = [(KeepAll, T), (KeepAll, wfmt)] + [(KeepAll, T)] * (len(inp) - 2)
-            registry.register_bwd_op_impl(F.linear, (T,), tuple(grads), inp, impl)
+    register_product(registry, F.linear, ColumnGroupedNMTensor, linear_fwd, linear_bwd_dense, linear_bwd_sparse)

@@ -240,22 +240,26 @@ def mm_bwd_sparse(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tup
     return _backward(ctx, grad_outputs, sparse_grad=True, linear=False)
 
 
-def register(registry: Any) -> None:
-    """Register the forward and backward implementations (called by the plugin)."""
+def register_product(registry: Any, op: Any, layout: type, fwd: Any, bwd_dense: Any, bwd_sparse: Any) -> None:
+    """``op(x, weight[, bias])`` with a ``layout`` weight in the second place (with and
+    without a bias for ``F.linear``): the forward, and the backward with a dense or a
+    ``layout`` weight gradient."""
     from sten_core import KeepAll
 
     T = torch.Tensor
-    dense_out = [(KeepAll, T)]
-    for op, fwd, bwd_d, bwd_s, patterns in (
-        (F.linear, linear_fwd, linear_bwd_dense, linear_bwd_sparse, ((T, NMTensor, T), (T, NMTensor))),
-        (torch.mm, mm_fwd, mm_bwd_dense, mm_bwd_sparse, ((T, NMTensor),)),
-        (torch.matmul, matmul_fwd, mm_bwd_dense, mm_bwd_sparse, ((T, NMTensor),)),
-    ):
-        for inp in patterns:
-            registry.register_fwd_op_impl(op, inp, dense_out, fwd)
-            for wfmt, impl in ((T, bwd_d), (NMTensor, bwd_s)):
-                grads = [(KeepAll, T), (KeepAll, wfmt)] + [(KeepAll, T)] * (len(inp) - 2)
-                registry.register_bwd_op_impl(op, (T,), tuple(grads), inp, impl)
+    patterns = ((T, layout, T), (T, layout)) if op is F.linear else ((T, layout),)
+    for inp in patterns:
+        registry.register_fwd_op_impl(op, inp, [(KeepAll, T)], fwd)
+        for wfmt, impl in ((T, bwd_dense), (layout, bwd_sparse)):
+            grads = [(KeepAll, T), (KeepAll, wfmt)] + [(KeepAll, T)] * (len(inp) - 2)
+            registry.register_bwd_op_impl(op, (T,), tuple(grads), inp, impl)
+
+
+def register(registry: Any) -> None:
+    """Register the forward and backward implementations (called by the plugin)."""
+    register_product(registry, F.linear, NMTensor, linear_fwd, linear_bwd_dense, linear_bwd_sparse)
+    register_product(registry, torch.mm, NMTensor, mm_fwd, mm_bwd_dense, mm_bwd_sparse)
+    register_product(registry, torch.matmul, NMTensor, matmul_fwd, mm_bwd_dense, mm_bwd_sparse)
 
 
 # -- grouped n:m (F.linear only) ---------------------------------------------------
@@ -333,13 +337,7 @@ def grouped_linear_bwd_sparse(ctx: Any, grad_outputs: tuple, input_sparsifiers: 
 
 def register_grouped(registry: Any) -> None:
     """Register ``F.linear`` with a :class:`GroupedNMTensor` weight (forward and backward)."""
-    from sten_core import KeepAll
-
     from .grouped_tensor import GroupedNMTensor
 
-    T = torch.Tensor
-    for inp in ((T, GroupedNMTensor, T), (T, GroupedNMTensor)):
-        registry.register_fwd_op_impl(F.linear, inp, [(KeepAll, T)], grouped_linear_fwd)
-        for wfmt, impl in ((T, grouped_linear_bwd_dense), (GroupedNMTensor, grouped_linear_bwd_sparse)):
-            grads = [(KeepAll, T), (KeepAll, wfmt)] + [(KeepAll, T)] * (len(inp) - 2)
-            registry.register_bwd_op_impl(F.linear, (T,), tuple(grads), inp, impl)
+    register_product(registry, F.linear, GroupedNMTensor, grouped_linear_fwd, grouped_linear_bwd_dense,
+                     grouped_linear_bwd_sparse)
