@@ -7,7 +7,7 @@ sparsity. A thin wrapper around ``sten bench`` (same options):
 
 import sys
 
-from sten_core.cli import main
+from sten_core.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

@@ -20,8 +20,8 @@ import warnings
 import torch
 
 import sten_core as sten
-from sten_core.bench.machine import cpu_model, load_average
-from sten_core.bench.models import bert_case
+from sten_core.tools.bench.machine import cpu_model, load_average
+from sten_core.tools.bench.models import bert_case
 
 
 def sparse_copy(case, sparsity: float) -> torch.nn.Module:

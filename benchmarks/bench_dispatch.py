@@ -3,7 +3,7 @@
 Each wrapped case has a registered trivial implementation for
 ``(Layout, Layout) -> (KeepAll, torch.Tensor)`` that does the same work as the
 baseline, so the difference is what STen adds per call. After the first call
-all cases take the dispatcher's fast path (``sten_core.dispatch._fast``: the
+all cases take the dispatcher's fast path (``sten_core.dispatch.entry._fast``: the
 plan by operator, output spec shape and argument kinds; then read
 ``requires_grad``, build the context, call the implementation, apply the
 output spec or record the autograd node). The original STen adds about 75 µs
@@ -95,11 +95,11 @@ def cases(size: int) -> list[tuple[str, str, Callable, Callable, str]]:
 
 def plan_of(fn: Callable) -> str:
     seen: list[dict] = []
-    sten.dispatch.observers.append(seen.append)
+    sten.dispatch.add_observer(seen.append)
     try:
         fn()
     finally:
-        sten.dispatch.observers.remove(seen.append)
+        sten.dispatch.remove_observer(seen.append)
     return ",".join(e["plan"] for e in seen if e["key"].direction == "fwd") or "-"
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import sten_core as sten
-from sten_core.schedule import GradualPruning, OneShot, PruneRegrow, SparsityScheduler
+from sten_core.training.schedule import GradualPruning, OneShot, PruneRegrow, SparsityScheduler
 
 HIDDEN = 200
 SPARSITY = 0.9

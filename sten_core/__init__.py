@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__version__ = "0.1.0"
+from sten_core.version import __version__
 
-from .hookspecs import hookimpl, hookspec
-from .layouts import Layout
-from .registry import OpKey, registry
-from .sparsifiers import (
+from sten_core.plugins.hookspecs import hookimpl, hookspec
+from sten_core.model.layouts import Layout
+from sten_core.model.registry import OpKey, registry
+from sten_core.model.sparsifiers import (
     BlockwiseFractionSparsifier,
     KeepAll,
     PerBlockFractionSparsifier,
@@ -32,10 +32,10 @@ from .sparsifiers import (
     random_mask_sparsify,
     scalar_mask_sparsify,
 )
-from .spec import OutputSpec
-from .tensor import SparseParameterWrapper, SparseTensorWrapper
-from .builtin.torch_layouts import CooTensor, CscTensor, CsrTensor, DenseTensor
-from .dispatch import (
+from sten_core.model.spec import OutputSpec
+from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper
+from sten_core.builtin.torch_layouts import CooTensor, CscTensor, CsrTensor, DenseTensor
+from sten_core.dispatch import (
     DispatchError,
     DispatchWarning,
     convert,
@@ -43,14 +43,13 @@ from .dispatch import (
     sparsified_op,
     sparsify,
 )
-from . import plugins
-from . import compile as compile_support  # noqa: F401  (wrappers look it up while Dynamo traces)
-from .builder import SparsityBuilder
-from .schedule import GradualPruning, OneShot, PruneRegrow, SparsityScheduler
-from .scores import MovementSparsifier, ScoreSparsifier, TaylorSparsifier
-from .serialization import densify_state_dict, load_dense_state_dict
-from .summary import summary
-from .pruning import SparseGPTSparsifier, WandaSparsifier, prune
+from sten_core import plugins
+from sten_core.training.builder import SparsityBuilder
+from sten_core.training.schedule import GradualPruning, OneShot, PruneRegrow, SparsityScheduler
+from sten_core.training.scores import MovementSparsifier, ScoreSparsifier, TaylorSparsifier
+from sten_core.training.serialization import densify_state_dict, load_dense_state_dict
+from sten_core.tools.summary import summary
+from sten_core.training.pruning import SparseGPTSparsifier, WandaSparsifier, prune
 
 
 def register_fwd_op_impl(operator: Callable, inp: Any, out: Any = None) -> Callable:
@@ -104,7 +103,7 @@ def register_sparsifier_implementation(sparsifier: type = None, inp: type = None
 
 def __getattr__(name: str) -> Any:
     if name == "explain":
-        from .explain_report import explain
+        from sten_core.tools.explain import explain
 
         return explain
     raise AttributeError(f"module 'sten_core' has no attribute {name!r}")

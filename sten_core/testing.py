@@ -22,12 +22,12 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, plugins
-from .layouts import layout_metadata, supports_values, to_dense_tensor
-from .registry import registry
-from .serialization import densify_state_dict
-from .sparsifiers import KeepAll, ScalarFractionSparsifier
-from .tensor import SparseParameterWrapper, SparseTensorWrapper
+from sten_core import dispatch, plugins
+from sten_core.model.layouts import StateTensors, implements, layout_metadata, supports_values, to_dense_tensor
+from sten_core.model.registry import registry
+from sten_core.training.serialization import densify_state_dict
+from sten_core.model.sparsifiers import KeepAll, ScalarFractionSparsifier
+from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper
 
 DEFAULT_SHAPES = ((5, 8), (1, 1), (7, 13), (16, 32))
 DEFAULT_DTYPES = (torch.float32, torch.float64)
@@ -200,7 +200,7 @@ def _assert_same_layout(got: Any, want: Any, case: str) -> None:
     a, b = to_dense_tensor(got), to_dense_tensor(want)
     assert a.dtype == b.dtype and a.shape == b.shape, f"{case}: {a.dtype} {tuple(a.shape)} != {b.dtype} {tuple(b.shape)}"
     assert torch.equal(a.cpu(), b.cpu()), f"{case}: dense values differ"
-    if hasattr(want, "state_tensors"):
+    if implements(want, StateTensors):
         for j, (x, y) in enumerate(zip(got.state_tensors(), want.state_tensors())):
             assert x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()), f"{case}: state tensor {j} differs"
     if supports_values(want):
@@ -246,7 +246,7 @@ def check_linear(layout_cls: type, *, shapes: Iterable[tuple] = ((7, 16, 12), (1
     tol = _tolerances(dtype)
     plans: list[str] = []
     observer = lambda event: plans.append(event["plan"])  # noqa: E731
-    dispatch.observers.append(observer)
+    dispatch.add_observer(observer)
     try:
         for i, (batch, k, n) in enumerate(shapes):
             grad_fmts = [None] + ([(KeepAll(), layout_cls, KeepAll(), layout_cls)] if sparse_weight_grad else [])
@@ -282,7 +282,7 @@ def check_linear(layout_cls: type, *, shapes: Iterable[tuple] = ((7, 16, 12), (1
                     if require_registered:
                         assert "fallback" not in plans, f"{case}: a dense fallback ran ({plans})"
     finally:
-        dispatch.observers.remove(observer)
+        dispatch.remove_observer(observer)
 
 
 def check_compile(layout_cls: type, *, shapes: Iterable[tuple] = ((7, 16, 12), (2, 8, 4)),
@@ -301,7 +301,7 @@ def check_compile(layout_cls: type, *, shapes: Iterable[tuple] = ((7, 16, 12), (
     """
     import warnings
 
-    from .compile import compiled_impl_for, dense_call
+    from sten_core.dispatch.compiled import compiled_impl_for, dense_call
 
     plugins.ensure_loaded()
     sparsifier = sparsifier or ScalarFractionSparsifier(0.5)

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from sten_core.bench.layouts import nm_for_sparsity
-from sten_core.bench.options import parse_sparsities
-from sten_core.cli import main
+from sten_core.tools.bench.layouts import nm_for_sparsity
+from sten_core.tools.bench.options import parse_sparsities
+from sten_core.tools.cli import main
 
 TINY_LINEAR = ["bench", "linear", "--shape", "24x16", "--tokens", "8", "--repeats", "1", "--no-progress"]
 
@@ -50,7 +50,7 @@ def test_bench_linear_writes_table_csv_json_png(tmp_path, capsys):
 
 def test_bench_nm_maps_sparsity_to_pattern(tmp_path, capsys):
     pytest.importorskip("sten_nm")
-    from sten_core.bench.layouts import availability, by_name
+    from sten_core.tools.bench.layouts import availability, by_name
 
     if not availability(by_name("nm"), "cpu")[0]:
         pytest.skip(availability(by_name("nm"), "cpu")[1])
@@ -101,7 +101,7 @@ def test_bench_bad_input_exit_2(args, message, tmp_path, capsys):
 
 
 def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "sten_core.cli", "bench", "--layouts", "nope",
+    proc = subprocess.run([sys.executable, "-m", "sten_core.tools.cli", "bench", "--layouts", "nope",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stdout == ""

@@ -97,7 +97,7 @@ def test_wrappers_in_lists_keep_gradients(layout, op):
 
 def test_wrappers_in_lists_warn_about_the_fallback():
     a = wrapper(sten.CsrTensor, torch.randn(3, 3))
-    dispatch._warned.clear()
+    dispatch.reset_warnings()
     with pytest.warns(sten.DispatchWarning, match="inside a list"):
         y = torch.cat([a, a])
     assert y.grad_fn is not None
@@ -139,7 +139,7 @@ def test_refusing_conversion_is_skipped_not_raised():
             return inputs[0].wrapped_tensor.data.sum()
     try:
         three_d = sten.SparseTensorWrapper(DenseCopyLayout.from_dense(torch.ones(2, 3, 4)))
-        dispatch._warned.clear()
+        dispatch.reset_warnings()
         with pytest.warns(sten.DispatchWarning, match="DenseCopyLayout -> MatrixOnly refused.*2-D only"):
             assert torch.sum(three_d).item() == 24.0  # the dense fallback, not a ValueError
         two_d = sten.SparseTensorWrapper(DenseCopyLayout.from_dense(torch.ones(2, 3)))
@@ -342,7 +342,7 @@ class NoMask(sten.Sparsifier):
 
 
 def test_sparsifier_without_mask_is_a_dispatch_fallback():
-    dispatch._warned.clear()
+    dispatch.reset_warnings()
     with pytest.warns(sten.DispatchWarning, match="register_sparsifier_implementation"):
         out = sten.sparsify(NoMask(), torch.randn(3, 3), sten.CsrTensor)
     assert type(out.wrapped_tensor) is sten.CsrTensor
@@ -351,7 +351,7 @@ def test_sparsifier_without_mask_is_a_dispatch_fallback():
 
 
 def test_fallback_to_a_layout_without_from_dense_is_a_dispatch_fallback():
-    dispatch._warned.clear()
+    dispatch.reset_warnings()
     with pytest.warns(sten.DispatchWarning, match="NoFromDense"):
         out = sten.sparsify(sten.ScalarFractionSparsifier(0.5), torch.randn(3, 3), NoFromDense)
     assert isinstance(out, torch.Tensor)
@@ -364,7 +364,7 @@ def test_fallback_to_a_layout_without_from_dense_is_a_dispatch_fallback():
 def test_lossy_layout_after_a_sparsifier_warns_and_raises():
     torch.manual_seed(4)
     weight = torch.randn(32, 64)
-    dispatch._warned.clear()
+    dispatch.reset_warnings()
     with pytest.warns(sten.DispatchWarning, match=r"NMTensor.from_dense kept \d+ of the 1024"):
         sten.sparsify(sten.ScalarFractionSparsifier(0.5), weight, NMTensor)
     with _raise_mode(), pytest.raises(sten.DispatchError, match="PerBlockFractionSparsifier|NMSparsifier"):
@@ -378,7 +378,7 @@ def test_builder_reports_lossy_weights():
     model = torch.nn.Sequential(torch.nn.Linear(64, 32))
     sb = sten.SparsityBuilder(model)
     sb.set_weight("0.weight", initial_sparsifier=sten.ScalarFractionSparsifier(0.5), out_format=NMTensor)
-    dispatch._warned.clear()
+    dispatch.reset_warnings()
     with pytest.warns(sten.DispatchWarning, match="Lossy"):
         sb.get_sparse_model()
 
@@ -386,7 +386,7 @@ def test_builder_reports_lossy_weights():
 # 10. explain() does not use up warnings ---------------------------------------------------------
 
 def test_fallback_warns_after_explain_saw_it_first():
-    dispatch._warned.clear()
+    dispatch.reset_warnings()
     a = wrapper(sten.CsrTensor, torch.randn(3, 3), requires_grad=False)
     with sten.explain() as report:
         torch.sin(a)

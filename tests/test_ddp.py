@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import sten_core as sten
-from sten_core.distributed import sparse_ddp
+from sten_core.training.distributed import sparse_ddp
 
 STEPS = 5
 
@@ -125,7 +125,7 @@ def test_sparse_ddp_rejects_different_patterns_with_equal_nnz(tmp_path):
 
 
 def test_collective_device(monkeypatch):
-    import sten_core.distributed as sd
+    import sten_core.training.distributed as sd
 
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     assert sd.collective_device() == torch.device("cpu")
@@ -138,7 +138,7 @@ def test_collective_device(monkeypatch):
 
 
 def test_pattern_fingerprint_sees_positions_layout_and_shape():
-    from sten_core.distributed import pattern_fingerprint
+    from sten_core.training.distributed import pattern_fingerprint
 
     x = torch.randn(6, 8)
     a = sten.sparsify(sten.ScalarFractionSparsifier(0.5), x, sten.CsrTensor)
@@ -177,7 +177,7 @@ def plain_worker(rank, world, port, out_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from sten_core.distributed import check_same_patterns
+        from sten_core.training.distributed import check_same_patterns
 
         model = plain_model()
         check_same_patterns(model)

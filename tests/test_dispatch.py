@@ -35,23 +35,23 @@ class ThirdFake(FakeLayout):
 def events():
     """Registrations tagged with OWNER, an observer, clean global state after."""
     sten.plugins.ensure_loaded()
-    dispatch._warned.clear()
+    dispatch.reset_warnings()
     seen: list[dict] = []
 
     def on_op(event: dict) -> None:  # operator calls only (not sparsifiers, conversions)
         if event["kind"] == "op":
             seen.append(event)
 
-    dispatch.observers.append(on_op)
+    dispatch.add_observer(on_op)
     try:
         with sten.registry.owner(OWNER):
             yield seen
     finally:
-        dispatch.observers.remove(on_op)
+        dispatch.remove_observer(on_op)
         sten.registry.remove_owner(OWNER)
         sten.plugins.unregister_plugin("test-dispatch-hook")
         sten.set_dispatch_failure("warn")
-        dispatch._warned.clear()
+        dispatch.reset_warnings()
 
 
 def add(*args, **kwargs):
@@ -235,24 +235,24 @@ def test_set_dispatch_failure_rejects_unknown_mode():
 def test_second_call_hits_the_cache(events, monkeypatch):
     register_add()
     resolved = []
-    original = dispatch._resolve
+    original = dispatch.plan.resolve
 
     def counting(key):
         resolved.append(key)
         return original(key)
 
-    monkeypatch.setattr(dispatch, "_resolve", counting)
+    monkeypatch.setattr(dispatch.plan, "resolve", counting)
     a, b = xy()
     wa, wb = wrap(FakeLayout, a), wrap(FakeLayout, b)
     add(wa, wb)
     key = events[-1]["key"]
-    assert key in dispatch._cache and dispatch._cache[key].kind == "impl"
+    assert dispatch.plan_of(key) is not None and dispatch.plan_of(key).kind == "impl"
     n = len(resolved)
     add(wa, wb)
     add(wb, wa)
     assert len(resolved) == n, "repeated calls resolve nothing"
     sten.registry.register_conversion(ThirdFake, FakeLayout, lambda x: FakeLayout(x.data))
-    assert key not in dispatch._cache, "a registration clears the cache"
+    assert dispatch.plan_of(key) is None, "a registration clears the cache"
 
 
 def test_plain_call_uses_registered_dense_output_implementation(events):
@@ -286,7 +286,7 @@ def test_both_pattern_forms_match_add(events, layout):
         @sten.register_fwd_op_impl(operator=torch.add, inp=form, out=tuple([(sten.KeepAll, T)]))
         def impl(ctx, inputs, output_sparsifiers, form=form):
             got[len(form)] = list(inputs)
-            a, b = (sten.dispatch.densify(i) for i in inputs[:2])
+            a, b = (sten.model.tensor.densify(i) for i in inputs[:2])
             return torch.add(a, b)
 
         a, b = xy()
@@ -298,7 +298,7 @@ def test_both_pattern_forms_match_add(events, layout):
         sten.registry.remove_owner(OWNER)
     four, two = got[4], got[2]
     assert len(four) == 4 and four[2:] == [1, None]
-    assert torch.equal(sten.dispatch.densify(four[0]), a) and torch.equal(sten.dispatch.densify(four[1]), b)
+    assert torch.equal(sten.model.tensor.densify(four[0]), a) and torch.equal(sten.model.tensor.densify(four[1]), b)
     assert len(two) == 2
 
 
@@ -412,7 +412,7 @@ def test_sparsifier_implementation_is_used_and_cached(events):
     w = sten.sparsify(HalfSparsifier(), x, FakeLayout)
     assert type(w.wrapped_tensor) is FakeLayout and torch.equal(w.to_dense(), x * 0.5)
     key = sten.OpKey("sparsifier", HalfSparsifier, (T,), FakeLayout)
-    assert key in dispatch._cache
+    assert key in dispatch.sparsifier_dispatch._plans
     sten.sparsify(HalfSparsifier(), x, FakeLayout)
     assert len(calls) == 2
 
@@ -445,14 +445,14 @@ def test_fast_path_keys_on_layouts_and_grad():
     assert out.grad_fn is not None
     out.sum().backward()
     torch.testing.assert_close(wp.grad, torch.ones(5, 3).T @ x, rtol=1e-5, atol=1e-5)
-    assert sten.dispatch._fast
+    assert sten.dispatch.entry._fast
     sten.registry.register_conversion(sten.DenseTensor, sten.CsrTensor, lambda d: sten.CsrTensor.from_dense(d.data))
     try:
-        assert not sten.dispatch._fast, "a registration clears the fast cache"
+        assert not sten.dispatch.entry._fast, "a registration clears the fast cache"
     finally:
         sten.registry.conversions.pop((sten.DenseTensor, sten.CsrTensor), None)
         sten.registry._owners.pop(("conversions", (sten.DenseTensor, sten.CsrTensor)), None)
-        sten.dispatch._clear_cache()
+        sten.dispatch.clear_caches()
 
 
 # -- fast paths (no observers: the general path would run otherwise) -----------------
@@ -461,16 +461,15 @@ def test_fast_path_keys_on_layouts_and_grad():
 def quiet():
     """Registrations tagged with OWNER and no observer, so cached calls take the fast paths."""
     sten.plugins.ensure_loaded()
-    saved = list(dispatch.observers)
-    dispatch.observers.clear()
+    token = dispatch.observers._observers.set(())
     try:
         with sten.registry.owner(OWNER):
             yield
     finally:
-        dispatch.observers[:] = saved
+        dispatch.observers._observers.reset(token)
         sten.registry.remove_owner(OWNER)
         sten.plugins.unregister_plugin("test-dispatch-hook")
-        dispatch._warned.clear()
+        dispatch.reset_warnings()
 
 
 def register_add_bwd(calls=None):
@@ -484,7 +483,7 @@ def register_add_bwd(calls=None):
 
 
 def fast_keys(op=torch.add) -> list[tuple]:
-    return [k for k in dispatch._fast if k[0] is op]
+    return [k for k in dispatch.entry._fast if k[0] is op]
 
 
 def test_fast_implicit_call_matches_dense_and_is_cached(quiet):
@@ -604,7 +603,7 @@ def test_fast_cache_cleared_by_new_registration(quiet):
     torch.add(wa, wb)
     assert [c[0] for c in calls] == ["hook", "hook"] and fast_keys()
     register_add(calls=calls)  # an exact implementation comes before the hook
-    assert not dispatch._fast, "a registration clears the fast cache"
+    assert not dispatch.entry._fast, "a registration clears the fast cache"
     torch.testing.assert_close(torch.add(wa, wb), a + b)
     torch.testing.assert_close(torch.add(wa, wb), a + b)
     assert [c[0] for c in calls] == ["hook", "hook", "impl", "impl"]
@@ -620,10 +619,10 @@ def test_fast_cache_never_crosses_layouts_and_observers_still_see_calls(quiet):
         torch.add(wrap(OtherFake, a), wrap(OtherFake, b))
     assert [c[0] for c in calls] == ["impl", "other"] * 2
     seen: list[dict] = []
-    dispatch.observers.append(seen.append)
+    dispatch.add_observer(seen.append)
     try:
         for _ in range(2):
             torch.add(wrap(FakeLayout, a), wrap(FakeLayout, b))
     finally:
-        dispatch.observers.remove(seen.append)
+        dispatch.remove_observer(seen.append)
     assert [e["plan"] for e in seen if e["kind"] == "op"] == ["impl", "impl"]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import sten_core as sten
-from sten_core import hookspecs
+from sten_core.plugins import hookspecs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -46,13 +46,13 @@ def restore_sten():
     """Undo what documentation code changes in the core's global state."""
     sten.plugins.ensure_loaded()  # snapshot the registry with the installed plugins in it
     impls = dict(sten.registry.impls)
-    observers = list(sten.dispatch.observers)
+    observers = sten.dispatch.observers.active()
     yield
     sten.registry.impls.clear()
     sten.registry.impls.update(impls)
-    sten.dispatch._clear_cache()
-    sten.dispatch._warned.clear()
-    sten.dispatch.observers[:] = observers
+    sten.dispatch.clear_caches()
+    sten.dispatch.reset_warnings()
+    assert sten.dispatch.observers.active() == observers, "a page left an observer behind"
     sten.set_dispatch_failure("warn")
 
 
@@ -65,9 +65,9 @@ def test_mkdocs_build_strict(tmp_path: pathlib.Path) -> None:
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     api = (site / "api" / "index.html").read_text()
-    for anchor in ("sten_core.builder.SparsityBuilder", "sten_core.tensor.SparseTensorWrapper",
+    for anchor in ("sten_core.training.builder.SparsityBuilder", "sten_core.model.tensor.SparseTensorWrapper",
                    "sten_core.dispatch.sparsified_op", "sten_core.register_fwd_op_impl",
-                   *(f"sten_core.hookspecs.{name}" for name in hook_spec_names())):
+                   *(f"sten_core.plugins.hookspecs.{name}" for name in hook_spec_names())):
         assert f'id="{anchor}"' in api, f"the API reference does not render {anchor}"
     guide = html.unescape(re.sub(r"<[^>]+>", "", (site / "guides" / "write-a-plugin" / "index.html").read_text()))
     assert "--8<--" not in guide, "a snippet was not included"

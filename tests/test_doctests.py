@@ -10,7 +10,7 @@ import sten_core
 
 MODULES = sorted(
     name for _, name, _ in pkgutil.walk_packages(sten_core.__path__, "sten_core.")
-    if not name.startswith(("sten_core.bench", "sten_core.cli", "sten_core.demo"))
+    if not name.startswith(("sten_core.tools.bench", "sten_core.tools.cli", "sten_core.tools.demo"))
 )
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import sten_core as sten
 from sten_core import dispatch
-from sten_core.tensor import densify
+from sten_core.model.tensor import densify
 
 
 def csr(shape=(6, 8), fraction=0.5, seed=0):
@@ -64,14 +64,14 @@ def test_sparsifier_fallback_row_and_fix():
 
 
 def test_fallback_warning_silenced_and_dispatcher_restored():
-    observers, originals = list(dispatch.observers), (dispatch.sparsify, dispatch.convert, dispatch._missing)
+    observers, originals = dispatch.observers.active(), (dispatch.sparsify, dispatch.convert, dispatch.errors.report_missing)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with sten.explain():
             sten.sparsify(_Unregistered(), torch.randn(2, 2), sten.CooTensor)
     assert not [w for w in caught if issubclass(w.category, sten.DispatchWarning)]
-    assert dispatch.observers == observers
-    assert (dispatch.sparsify, dispatch.convert, dispatch._missing) == originals
+    assert dispatch.observers.active() == observers
+    assert (dispatch.sparsify, dispatch.convert, dispatch.errors.report_missing) == originals
 
 
 def test_empty_report_text():
@@ -89,13 +89,13 @@ FIX = ("@sten.register_fwd_op_impl(operator=torch.sin, inp=(CooTensor,), "
 
 @pytest.fixture(scope="module")
 def example():
-    from sten_core.explain_report import example as make
+    from sten_core.tools.explain_targets import example as make
 
     return make("tiny", batch=1, seq_len=4)
 
 
 def _run(model, inputs, backward=False):
-    from sten_core.explain_report import run_explained
+    from sten_core.tools.explain_targets import run_explained
 
     torch.manual_seed(123)  # the intermediate's random sparsifier
     return run_explained(model, inputs, backward=backward)

@@ -16,9 +16,9 @@ import torch
 
 import sten_core as sten
 from sten_core import plugins
-from sten_core.layouts import supports_values
-from sten_core.registry import registry
-from sten_core.tensor import densify
+from sten_core.model.layouts import supports_values
+from sten_core.model.registry import registry
+from sten_core.model.tensor import densify
 
 OWNERS = ("builtin", "scipy", "nm")
 ELEMENTWISE = {"add", "__add__", "__radd__", "mul", "__mul__", "__rmul__"}
@@ -46,7 +46,7 @@ def registered_cases() -> list:
     for key in registry.impls:
         if key.direction != "bwd" or (key.op, key.inp) not in fwd:
             continue
-        owner = registry._owners.get(("impls", key))
+        owner = registry.owner_of("impls", key)
         if owner in OWNERS and all(g is torch.Tensor for g in key.grad_out):
             cases.add((key.op, key.inp, key.out, owner))
     return sorted(cases, key=case_ids)

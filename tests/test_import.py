@@ -28,7 +28,7 @@ after = snapshot()
 changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
 new = sorted(set(sys.modules) - before_modules)
 print("RESULT" + json.dumps({
-    "cpu": cpu, "wall": wall, "loaded": sten_core.plugins._loaded, "changed": changed,
+    "cpu": cpu, "wall": wall, "loaded": sten_core.plugins.manager._loaded, "changed": changed,
     "plugin_modules": [m for m in new if m.split(".")[0] in ("sten_nm", "sten_scipy", "sten_cuda24")],
     "heavy": [m for m in new if m.split(".")[0] in ("scipy", "transformers", "numba", "triton")],
 }))
@@ -67,8 +67,8 @@ def test_import_changes_nothing_in_torch(probe):
 
 
 def test_first_use_loads_plugins():
-    code = ("import torch, sten_core as s; assert not s.plugins._loaded; "
-            "s.sparsify(s.KeepAll(), torch.ones(2, 2), s.CsrTensor); print(s.plugins._loaded)")
+    code = ("import torch, sten_core as s; assert not s.plugins.loaded(); "
+            "s.sparsify(s.KeepAll(), torch.ones(2, 2), s.CsrTensor); print(s.plugins.loaded())")
     env = {k: v for k, v in os.environ.items() if not k.startswith("STEN_")}
     env["STEN_PLUGINS"] = ""
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)

@@ -116,7 +116,7 @@ def test_register_fwd_op_impl_with_empty_out_is_the_default_dense_output():
         for key in [k for k, v in sten.registry.impls.items() if v.fn is allclose_impl]:
             del sten.registry.impls[key]
             sten.registry._owners.pop(("impls", key), None)
-        sten.registry._changed()
+        sten.registry.changed()
 
 
 def test_scalar_mask_sparsify_keeps_the_largest_fraction():

@@ -31,11 +31,11 @@ def fresh_registry():
     """Undo the registrations this test makes."""
     sten.plugins.ensure_loaded()
     before = dict(sten.registry.impls)
-    sten.dispatch._warned.clear()
+    sten.dispatch.reset_warnings()
     yield
     sten.registry.impls.clear()
     sten.registry.impls.update(before)
-    sten.dispatch._clear_cache()
+    sten.dispatch.clear_caches()
     sten.set_dispatch_failure("warn")
 
 

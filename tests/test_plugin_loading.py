@@ -21,8 +21,8 @@ import torch
 
 import sten_core as sten
 from fake_layouts import DenseCopyLayout
-from sten_core import cli
-from sten_core.plugins import PluginLoadError, PluginLoadWarning
+from sten_core.tools import cli
+from sten_core.plugins.manager import PluginLoadError, PluginLoadWarning
 
 
 class FakeEntryPoint:
@@ -154,7 +154,7 @@ def test_failing_plugin_info_is_reported_not_raised(monkeypatch, capsys):
         printed = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
         assert printed["probe"]["available"] is False
         # `sten bench` asks the same report for each layout's availability
-        from sten_core.bench.layouts import _owner_info
+        from sten_core.tools.bench.layouts import _owner_info
 
         assert _owner_info()["ProbeLayout"][1] is False
 

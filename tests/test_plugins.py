@@ -18,7 +18,7 @@ import torch
 
 import sten_core as sten
 from fake_layouts import DenseCopyLayout
-from sten_core.plugins import PluginLoadError, PluginLoadWarning
+from sten_core.plugins.manager import PluginLoadError, PluginLoadWarning
 
 T = torch.Tensor
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def cleanup():
     for name in names:
         sten.plugins.unregister_plugin(name)
         sten.plugins.failed.pop(name, None)
-    sten.dispatch._warned.clear()
+    sten.dispatch.reset_warnings()
 
 
 def test_fake_plugin_registered_without_installing(cleanup):
@@ -193,7 +193,7 @@ CHECK = """
 import json, os, sys, warnings
 import torch
 import sten_core as sten
-assert sten.plugins._loaded is False, "no plugin is loaded at import"
+assert sten.plugins.loaded() is False, "no plugin is loaded at import"
 
 
 def check():
@@ -277,8 +277,8 @@ def test_installed_plugin_package_in_a_temp_venv(tmp_path):
     # STEN_DISABLE_PLUGINS blocks it: no warning
     assert "ThrowawayLayout" in disabled["layouts"] and disabled["warnings"] == []
     assert "throwaway_bad" not in disabled["names"] and "nm" not in disabled["names"]
-    # STEN_PLUGINS loads only those (the built-in plugin is always there)
-    assert only["names"] == ["builtin", "throwaway"] and only["warnings"] == []
+    # STEN_PLUGINS loads only those (the built-in plugins are always there)
+    assert only["names"] == ["builtin", "pruning", "throwaway"] and only["warnings"] == []
     # STEN_STRICT_PLUGINS: an error, not a warning
     assert "throwaway_bad" in strict["error"] and "throwaway_bad is broken" in strict["error"]
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sten_core as sten
-from sten_core.pruning import (
+from sten_core.training.pruning import (
     InputHessian,
     InputNorms,
     SparseGPTSparsifier,
@@ -26,9 +26,9 @@ from sten_core.pruning import (
     input_norms,
     sparsegpt,
 )
-from sten_core.pruning.oneshot import forward_order
-from sten_core.schedule import stored_mask
-from sten_core.scores import MissingInputError, sparsify_with
+from sten_core.training.pruning.oneshot import forward_order
+from sten_core.training.schedule import stored_mask
+from sten_core.training.scores import MissingInputError, sparsify_with
 
 
 def correlated_inputs(n: int, features: int, seed: int = 0) -> torch.Tensor:

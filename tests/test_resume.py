@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import sten_core as sten
-from sten_core.schedule import GradualPruning, OneShot, PruneRegrow, SparsityScheduler
-from sten_core.scores import MovementSparsifier, TaylorSparsifier
+from sten_core.training.schedule import GradualPruning, OneShot, PruneRegrow, SparsityScheduler
+from sten_core.training.scores import MovementSparsifier, TaylorSparsifier
 
 STEPS, SPLIT = 10, 5
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import sten_core as sten
-from sten_core.schedule import GradualPruning, OneShot, PruneRegrow, SparsityScheduler, layout_from_mask
-from sten_core.scores import MissingInputError, MovementSparsifier, ScoreSparsifier, TaylorSparsifier, sparsify_with
+from sten_core.training.schedule import GradualPruning, OneShot, PruneRegrow, SparsityScheduler, layout_from_mask
+from sten_core.training.scores import MissingInputError, MovementSparsifier, ScoreSparsifier, TaylorSparsifier, sparsify_with
 
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 

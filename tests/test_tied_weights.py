@@ -80,7 +80,7 @@ def test_unknown_weight_still_lists_the_parameters():
 
 
 def test_scheduler_on_a_tied_weight_keeps_the_tie():
-    from sten_core.schedule import OneShot, SparsityScheduler
+    from sten_core.training.schedule import OneShot, SparsityScheduler
 
     model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -22,8 +22,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from .ops import _sparse_times
-from .torch_layouts import CscTensor, CsrTensor
+from sten_core.builtin.ops import _sparse_times
+from sten_core.builtin.torch_layouts import CscTensor, CsrTensor
 
 
 def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns: int,

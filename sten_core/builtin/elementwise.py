@@ -23,9 +23,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..layouts import Layout, supports_values
-from ..registry import Entry, OpKey
-from ..tensor import SparseTensorWrapper, densify_tree, write_back
+from sten_core.dispatch import convert
+from sten_core.model.layouts import Layout, supports_values
+from sten_core.model.registry import Entry, OpKey
+from sten_core.model.tensor import SparseTensorWrapper, densify_tree, write_back
 
 T = torch.Tensor
 INPLACE = {
@@ -97,8 +98,7 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False
 
 def _copy_from_sparse(self: SparseTensorWrapper, src: SparseTensorWrapper) -> SparseTensorWrapper:
     """``param.copy_(sparse)`` takes the source's values *and* pattern (as loading does)."""
-    from ..dispatch import convert
-    from ..tensor import _copy_layout
+    from sten_core.model.tensor import _copy_layout
 
     layout = self.wrapped_tensor
     if src.wrapped_tensor is not layout:

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from ..layouts import builds_from_dense, layout_metadata, supports_values, to_dense_tensor
-from ..registry import Entry, OpKey
-from ..tensor import SparseTensorWrapper, _copy_layout
+from sten_core.model.layouts import Movable, builds_from_dense, implements, layout_metadata, supports_values, to_dense_tensor
+from sten_core.model.registry import Entry, OpKey
+from sten_core.model.tensor import SparseTensorWrapper, _copy_layout
 
 T = torch.Tensor
 _FIXED_DTYPE = {T.half: torch.float16, T.float: torch.float32, T.double: torch.float64,
@@ -67,7 +67,7 @@ def move_layout(layout: Any, device: torch.device | None, dtype: torch.dtype | N
         dtype = None
     if device is None and dtype is None:
         return layout
-    if callable(getattr(layout, "to", None)):
+    if implements(layout, Movable):
         return layout.to(device=device, dtype=dtype)
     if callable(getattr(layout, "state_tensors", None)) and callable(getattr(type(layout), "from_state_tensors", None)):
         parts = tuple(

@@ -19,9 +19,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..sparsifiers import KeepAll
-from ..tensor import SparseTensorWrapper
-from .torch_layouts import CooTensor, CscTensor, CsrTensor, _Compressed
+from sten_core.model.helpers import register_weight_product
+from sten_core.model.sparsifiers import KeepAll
+from sten_core.model.tensor import SparseTensorWrapper
+from sten_core.builtin.torch_layouts import CooTensor, CscTensor, CsrTensor, _Compressed
 
 SPARSE_2D = (CooTensor, CsrTensor, CscTensor)
 T = torch.Tensor
@@ -289,22 +290,15 @@ def add_union_bwd(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tup
 def register(registry: Any) -> None:
     keep = (KeepAll, T)
     for L in SPARSE_2D:
-        for inp in ((T, L, T), (T, L)):
-            registry.register_fwd_op_impl(F.linear, inp, [keep], linear_fwd)
-            registry.register_bwd_op_impl(F.linear, (T,), (keep, keep, keep)[: len(inp)], inp, linear_bwd(False))
-            registry.register_bwd_op_impl(F.linear, (T,), (keep, (KeepAll, L), keep)[: len(inp)], inp, linear_bwd(True))
+        register_weight_product(registry, F.linear, L, linear_fwd, linear_bwd(False), linear_bwd(True))
         for op in (torch.mm, torch.matmul):
             registry.register_fwd_op_impl(op, (L, T), [keep], mm_sparse_dense_fwd)
             registry.register_bwd_op_impl(op, (T,), (keep, keep), (L, T), mm_sparse_dense_bwd)
             registry.register_fwd_op_impl(op, (T, L), [keep], mm_dense_sparse_fwd)
             registry.register_bwd_op_impl(op, (T,), (keep, keep), (T, L), mm_dense_sparse_bwd)
         for X in SPARSE_2D:  # a sparse input times a sparse weight (paper A.1)
-            for inp in ((X, L, T), (X, L)):
-                registry.register_fwd_op_impl(F.linear, inp, [keep], linear_sparse_sparse_fwd)
-                registry.register_bwd_op_impl(F.linear, (T,), (keep, keep, keep)[: len(inp)], inp,
-                                              linear_sparse_sparse_bwd(False))
-                registry.register_bwd_op_impl(F.linear, (T,), (keep, (KeepAll, L), keep)[: len(inp)], inp,
-                                              linear_sparse_sparse_bwd(True))
+            register_weight_product(registry, F.linear, L, linear_sparse_sparse_fwd, linear_sparse_sparse_bwd(False),
+                                    linear_sparse_sparse_bwd(True), input_layout=X)
         registry.register_fwd_op_impl(torch.addmm, (T, T, L), [keep], addmm_dense_sparse_fwd)
         registry.register_bwd_op_impl(torch.addmm, (T,), (keep, keep, keep), (T, T, L), addmm_dense_sparse_bwd(False))
         registry.register_bwd_op_impl(torch.addmm, (T,), (keep, keep, (KeepAll, L)), (T, T, L),

@@ -9,9 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 
-from ..hookspecs import hookimpl
-from . import compiled_ops, elementwise, moves, ops, sparsifier_impls
-from .torch_layouts import TORCH_LAYOUTS, CooTensor, CscTensor, CsrTensor, DenseTensor
+from sten_core.model.sparsifiers import ScalarFractionSparsifier
+from sten_core.plugins.bench_layouts import BenchLayout
+from sten_core.plugins.hookspecs import hookimpl
+from sten_core.version import __version__
+from sten_core.builtin import compiled_ops, elementwise, moves, ops, sparsifier_impls
+from sten_core.builtin.torch_layouts import TORCH_LAYOUTS, CooTensor, CscTensor, CsrTensor, DenseTensor
 
 
 def _conversions() -> list[tuple[type, type, Any]]:
@@ -44,7 +47,12 @@ def sten_resolve_op(key: Any) -> Any:
 
 
 @hookimpl
-def sten_plugin_info() -> dict:
-    from .. import __version__
+def sten_bench_layouts(register: Any) -> None:
+    """``sten bench`` lines: torch's COO and CSR, filled by magnitude."""
+    register(BenchLayout("torch_coo", "torch COO", "CooTensor", ScalarFractionSparsifier, aliases=("coo",)))
+    register(BenchLayout("torch_csr", "torch CSR", "CsrTensor", ScalarFractionSparsifier, aliases=("csr",)))
 
+
+@hookimpl
+def sten_plugin_info() -> dict:
     return {"name": "builtin", "version": __version__, "available": True, "reason": None}

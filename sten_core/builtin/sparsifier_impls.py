@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from ..layouts import Layout, builds_from_dense, supports_values
-from ..registry import Entry, OpKey
-from ..sparsifiers import BUILTIN_SPARSIFIERS, KeepAll, SameFormatSparsifier, Sparsifier
-from ..tensor import SparseTensorWrapper, densify
+from sten_core.dispatch import convert, lossy_fallback
+from sten_core.model.layouts import Layout, builds_from_dense, supports_values
+from sten_core.model.registry import Entry, OpKey
+from sten_core.model.sparsifiers import BUILTIN_SPARSIFIERS, KeepAll, SameFormatSparsifier, Sparsifier
+from sten_core.model.tensor import SparseTensorWrapper, densify
 
 
 def masked_dense(sparsifier: Any, tensor: torch.Tensor) -> torch.Tensor:
@@ -47,7 +48,7 @@ def same_format(sparsifier: SameFormatSparsifier, tensor: torch.Tensor, grad_fmt
     dense = densify(tensor)
     if isinstance(ref_layout, torch.Tensor):
         return dense * (ref_layout != 0)
-    if supports_values(ref_layout) and hasattr(ref_layout, "gather"):
+    if supports_values(ref_layout):
         values = ref_layout.gather(dense).to(ref_layout.values().dtype)
         return SparseTensorWrapper(ref_layout.with_values(values), False, grad_fmt)
     return SparseTensorWrapper(type(ref_layout).from_dense(dense * sparsifier.mask(dense)), False, grad_fmt)
@@ -67,8 +68,6 @@ def resolve(key: OpKey) -> Any:
             produced = type(result.wrapped_tensor) if isinstance(result, SparseTensorWrapper) else torch.Tensor
             if produced is out:
                 return result
-            from ..dispatch import convert
-
             return convert(result, out)
 
         return Entry(same_format_into, 1)
@@ -96,8 +95,6 @@ def _has_mask(sparsifier_cls: type) -> bool:
 def _lossless(result: Any, sparsifier: Any, tensor: torch.Tensor, key: OpKey) -> Any:
     """``result`` if its layout kept every value the sparsifier chose; else a
     lossy fallback (the layout's ``from_dense`` pruned again): warned, or raised."""
-    from ..dispatch import lossy_fallback
-
     kept = int(torch.count_nonzero(result.to_dense()))
     chosen = int(torch.count_nonzero(masked_dense(sparsifier, tensor)))
     if kept != chosen:

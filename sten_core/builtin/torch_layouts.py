@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..layouts import Layout
+from sten_core.model.layouts import Layout
 
 
 def _check_dense(tensor: Any, cls: type, ndim: int | None = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from sten_core import Layout
+from sten_core.plugin_api import Layout
 
 _BITS = 2 ** torch.arange(8, dtype=torch.uint8)  # bit i of a byte holds position 8k + i
 

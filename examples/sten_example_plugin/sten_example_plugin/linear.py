@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-import sten_core as sten
+from sten_core import plugin_api as sten
 
 
 def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:

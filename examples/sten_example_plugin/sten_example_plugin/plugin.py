@@ -2,9 +2,9 @@
 names it, and sten_core calls its hooks when plugins are first needed.
 
 Example:
-    >>> import sten_core
+    >>> from sten_core import plugin_api
     >>> from sten_example_plugin import plugin
-    >>> sten_core.plugins.register_plugin(plugin, name="example")  # without installing
+    >>> plugin_api.register_plugin(plugin, name="example")  # without installing
     True
 """
 
@@ -15,14 +15,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-import sten_core as sten
+from sten_core import plugin_api as sten
 
 from .bitmask import BitmaskTensor
 from .linear import linear_bwd, linear_fwd
 from .sparsifier import RowTopKSparsifier, row_topk_to_bitmask
 
 T = torch.Tensor
-KEEP = (sten.KeepAll, T)  # (inline sparsifier class, tmp_format) of a dense output
 
 
 @sten.hookimpl
@@ -32,14 +31,9 @@ def sten_register(registry: Any) -> None:
     registry.register_conversion(BitmaskTensor, sten.CooTensor, lambda b: sten.CooTensor.from_dense(b.to_dense()))
     registry.register_conversion(sten.CooTensor, BitmaskTensor, lambda c: BitmaskTensor.from_dense(c.to_dense()))
     registry.register_sparsifier_implementation(RowTopKSparsifier, T, BitmaskTensor, row_topk_to_bitmask)
-    for inp in ((T, BitmaskTensor, T), (T, BitmaskTensor)):  # with and without bias
-        n = len(inp)
-        registry.register_fwd_op_impl(F.linear, inp, [KEEP], linear_fwd)
-        # dense weight gradient (the default) ...
-        registry.register_bwd_op_impl(F.linear, (T,), (KEEP, KEEP, KEEP)[:n], inp, linear_bwd(False))
-        # ... or one at the kept positions, when the weight's grad_fmt asks for BitmaskTensor
-        registry.register_bwd_op_impl(F.linear, (T,), (KEEP, (sten.KeepAll, BitmaskTensor), KEEP)[:n], inp,
-                                      linear_bwd(True))
+    # F.linear(x, BitmaskTensor weight[, bias]): the forward, the backward with a dense weight
+    # gradient (the default) and one at the kept positions (when grad_fmt asks for BitmaskTensor)
+    sten.register_weight_product(registry, F.linear, BitmaskTensor, linear_fwd, linear_bwd(False), linear_bwd(True))
 
 
 @sten.hookimpl

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-import sten_core as sten
+from sten_core import plugin_api as sten
 
 from .bitmask import BitmaskTensor
 

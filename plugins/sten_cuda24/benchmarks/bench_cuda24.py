@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import sten_core
 
-    sten_core.plugins.ensure_loaded()
+    sten_core.plugins.manager.ensure_loaded()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     reps = 2 if args.tiny else 5 if args.quick else args.reps

@@ -21,10 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-try:
-    from sten_core.layouts import Layout
-except Exception:  # pragma: no cover
-    Layout = object  # type: ignore[misc,assignment]
+from sten_core.plugin_api import Layout
 
 DEFAULT_BLOCK = (64, 64)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -49,7 +49,7 @@ def s24_to_nm(s: Sparse24Tensor) -> Any:
 
 def conversions() -> list[tuple[type, type, Callable[[Any], Any]]]:
     """``(src, dst, fn)`` for the registry; ``sten_nm`` ones only if it imports."""
-    import sten_core as sten
+    from sten_core import plugin_api as sten
 
     out: list[tuple[type, type, Callable[[Any], Any]]] = [
         (Sparse24Tensor, BlockSparseTensor, to_block),

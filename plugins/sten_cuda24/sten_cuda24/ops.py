@@ -34,17 +34,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sten_core.plugin_api import linear_inputs, wrap_layout
+
 from . import _compat, paths
 from .blocksparse import BlockSparseTensor
 from .sparse24 import Sparse24Tensor
 
 T = torch.Tensor
-
-
-def _wrap(layout: Any) -> Any:
-    from sten_core import SparseTensorWrapper
-
-    return SparseTensorWrapper(layout)
 
 
 def dtype_mismatch(what: str, x_dtype: torch.dtype, w_dtype: torch.dtype) -> str:
@@ -107,7 +103,7 @@ def _grad_input24(g2: torch.Tensor, w: Sparse24Tensor) -> torch.Tensor:
 
 
 def linear24_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
-    x, w, bias = (list(inputs) + [None, None])[:3]
+    x, w, bias = linear_inputs(inputs)
     ctx.save_for_backward(x, w)
     return linear24(x, w.wrapped_tensor, bias)
 
@@ -188,7 +184,7 @@ def _weight_grad24(g2: torch.Tensor, x2: torch.Tensor, layout: Sparse24Tensor, s
         key = (tuple(layout.shape), g2.shape[0], g2.dtype, g2.device)
         choice = pick_faster(key, {"gemm+gather": gemm_gather, "sampled": sampled})
     paths.record("grad_weight24", choice)
-    return _wrap(layout.with_values(sampled() if choice == "sampled" else gemm_gather()))
+    return wrap_layout(layout.with_values(sampled() if choice == "sampled" else gemm_gather()))
 
 
 def mm24_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
@@ -216,7 +212,7 @@ def mm24_bwd(sparse_grad: bool) -> Any:
 
 def act24_linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
     """``F.linear(x24, W, bias)`` with a 2:4 activation ``x24`` and a dense weight."""
-    x, w, bias = (list(inputs) + [None, None])[:3]
+    x, w, bias = linear_inputs(inputs)
     ctx.save_for_backward(x, w)
     layout = x.wrapped_tensor
     if layout.device.type == "cuda" and _compat.semi_structured_backend() is not None:
@@ -253,7 +249,7 @@ def _act_fwd(name: str) -> Any:
             raise ValueError("the fused activation + 2:4 kernel makes row-wise masks only (transposable=False)")
         out = sparsify_24(x, activation=name)
         ctx.save_for_backward(x, out.mask())
-        return _wrap(out)
+        return wrap_layout(out)
 
     return impl
 
@@ -330,19 +326,19 @@ def _weight_grad_bsr(g2: torch.Tensor, x2: torch.Tensor, layout: BlockSparseTens
 
         paths.record("grad_weight_bsr", "triton")
         vals = bsr_sdd(g2, x2, layout if g2.dtype == layout.dtype else layout.to(dtype=g2.dtype))
-        return _wrap(layout.with_values(vals.to(layout.dtype)))
+        return wrap_layout(layout.with_values(vals.to(layout.dtype)))
     paths.dense("grad_weight_bsr", g2, why)
-    return _wrap(layout.with_values(layout.gather((g2.t() @ x2).to(layout.dtype))))
+    return wrap_layout(layout.with_values(layout.gather((g2.t() @ x2).to(layout.dtype))))
 
 
 def linear_bsr_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
-    x, w, bias = (list(inputs) + [None, None])[:3]
+    x, w, bias = linear_inputs(inputs)
     ctx.save_for_backward(x, w)
     return linear_bsr(x, w.wrapped_tensor, bias)
 
 
 def register(registry: Any) -> None:
-    from sten_core import KeepAll
+    from sten_core.plugin_api import KeepAll
 
     from .sparsifiers import Sparse24Sparsifier
 

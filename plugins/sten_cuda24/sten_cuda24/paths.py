@@ -6,8 +6,8 @@ operator (``"linear24"``, ``"grad_input24"``, ``"linear_bsr"``, ``"grad_input_bs
 which path ran. CPU tensors compute densely by design (path ``"dense"``, no
 warning). A CUDA tensor that cannot use the sparse kernel (no Triton, a block
 shape the kernel does not take, no cuSPARSELt/CUTLASS) is a dense *fallback*:
-it warns once per reason with ``sten_core.DispatchWarning``, or raises
-``sten_core.DispatchError`` under ``sten_core.set_dispatch_failure("raise")``,
+it warns once per reason with ``plugin_api.DispatchWarning``, or raises
+``plugin_api.DispatchError`` under ``plugin_api.set_dispatch_failure("raise")``,
 like the core's own fallbacks.
 
 Example:
@@ -36,11 +36,11 @@ def dense(op: str, tensor: torch.Tensor, why: str) -> None:
     record(op, "dense", why)
     if tensor.device.type != "cuda":
         return
-    import sten_core
-    from sten_core.dispatch import DispatchError, DispatchWarning
+    from sten_core import plugin_api
+    from sten_core.plugin_api import DispatchError, DispatchWarning
 
     text = f"sten_cuda24 {op}: the sparse kernel cannot run ({why}); computing densely"
-    if sten_core.dispatch.get_dispatch_failure() == "raise":
+    if plugin_api.get_dispatch_failure() == "raise":
         raise DispatchError(text + " is refused under set_dispatch_failure('raise')")
     if (op, why) not in _warned:
         _warned.add((op, why))

@@ -34,10 +34,7 @@ import torch
 
 from . import encoding
 
-try:  # the core may not be importable in a bare checkout; the layout works alone
-    from sten_core.layouts import Layout
-except Exception:  # pragma: no cover
-    Layout = object  # type: ignore[misc,assignment]
+from sten_core.plugin_api import Layout
 
 
 class Sparse24Tensor(Layout):

@@ -25,15 +25,13 @@ from typing import Any, ClassVar
 
 import torch
 
+from sten_core.plugin_api import wrap_layout
+
 from . import _compat, encoding
 from .blocksparse import BlockSparseTensor
 from .sparse24 import Sparse24Tensor
 
-try:
-    from sten_core.sparsifiers import BLOCKING, Sparsifier, block_keep_mask, nm_keep_mask
-except Exception:  # pragma: no cover
-    BLOCKING = "blocking"
-    Sparsifier = object  # type: ignore[misc,assignment]
+from sten_core.plugin_api import BLOCKING, Sparsifier, block_keep_mask, nm_keep_mask
 
 
 class Sparse24Sparsifier(Sparsifier):
@@ -88,15 +86,9 @@ def sparsify_24(dense: torch.Tensor, transposable: bool = False, activation: str
     return Sparse24Tensor.from_dense(reference_sparsify24(dense, activation))
 
 
-def _wrap(layout: Any, grad_fmt: Any) -> Any:
-    from sten_core import SparseTensorWrapper
-
-    return SparseTensorWrapper(layout, False, grad_fmt)
-
-
 def sparse24_impl(sparsifier: Sparse24Sparsifier, tensor: torch.Tensor, grad_fmt: Any = None) -> Any:
     """``Sparse24Sparsifier``: dense → ``Sparse24Tensor``."""
-    return _wrap(sparsify_24(_dense(tensor), transposable=sparsifier.transposable), grad_fmt)
+    return wrap_layout(sparsify_24(_dense(tensor), transposable=sparsifier.transposable), grad_fmt)
 
 
 def per_block_impl(sparsifier: Any, tensor: torch.Tensor, grad_fmt: Any = None) -> Any:
@@ -106,8 +98,8 @@ def per_block_impl(sparsifier: Any, tensor: torch.Tensor, grad_fmt: Any = None) 
         raise ValueError(f"Sparse24Tensor stores n:m with m == 4 and n <= 2 (2:4 and sparser); got {n}:{m}")
     dense = _dense(tensor)
     if n == 2:
-        return _wrap(sparsify_24(dense), grad_fmt)
-    return _wrap(Sparse24Tensor.from_dense_masked(dense, nm_keep_mask(dense, n, m).to(torch.bool)), grad_fmt)
+        return wrap_layout(sparsify_24(dense), grad_fmt)
+    return wrap_layout(Sparse24Tensor.from_dense_masked(dense, nm_keep_mask(dense, n, m).to(torch.bool)), grad_fmt)
 
 
 def blockwise_impl(sparsifier: Any, tensor: torch.Tensor, grad_fmt: Any = None) -> Any:
@@ -121,7 +113,7 @@ def blockwise_impl(sparsifier: Any, tensor: torch.Tensor, grad_fmt: Any = None) 
     bh, bw = shape
     mask = block_keep_mask(dense, sparsifier.fraction, shape)
     block_mask = mask[::bh, ::bw]
-    return _wrap(BlockSparseTensor.from_dense_block_mask(dense, block_mask, shape), grad_fmt)
+    return wrap_layout(BlockSparseTensor.from_dense_block_mask(dense, block_mask, shape), grad_fmt)
 
 
 def _dense(tensor: Any) -> torch.Tensor:

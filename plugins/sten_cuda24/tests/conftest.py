@@ -33,7 +33,7 @@ def kernel_device() -> str:
 def sten():
     import sten_core
 
-    sten_core.plugins.ensure_loaded()
+    sten_core.plugins.manager.ensure_loaded()
     previous = sten_core.dispatch.get_dispatch_failure()
     sten_core.set_dispatch_failure("raise")  # our implementations must be the ones that run
     yield sten_core

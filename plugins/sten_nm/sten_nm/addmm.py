@@ -73,7 +73,7 @@ def _addmm_backward(sparse_grad: bool):
 
 def register(registry: Any) -> None:
     """``torch.addmm(bias, x, NMTensor)``: forward, and backward with a dense or n:m weight gradient."""
-    from sten_core import KeepAll
+    from sten_core.plugin_api import KeepAll
 
     T = torch.Tensor
     inp = (T, T, NMTensor)

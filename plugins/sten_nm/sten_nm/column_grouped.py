@@ -39,10 +39,7 @@ import torch
 
 from ._checks import FLOAT_DTYPES, check_float_tensor, check_nm
 
-try:
-    from sten_core.layouts import Layout as _Base
-except Exception:  # pragma: no cover
-    _Base = object  # type: ignore[misc,assignment]
+from sten_core.plugin_api import Layout as _Base
 
 DEFAULT_G = (16, 8, 4, 2, 1)
 MAX_PATTERNS = 1024

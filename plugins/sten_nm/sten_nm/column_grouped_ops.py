@@ -36,7 +36,9 @@ import torch.nn.functional as F
 
 from . import _kernel, tuning
 from .column_grouped import ColumnGroupedNMTensor, patterns
-from .ops import _autocast_dtype, _cast, _check_input, _needs, _out_dtype, _rows, register_product
+from sten_core.plugin_api import linear_inputs, needs_grad, register_weight_product
+
+from .ops import _autocast_dtype, _cast, _check_input, _out_dtype, _rows
 
 SLAB_FLOATS = 1 << 24
 
@@ -151,13 +153,13 @@ def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Ten
 
 
 def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
-    x, w, bias = (list(inputs) + [None, None])[:3]
+    x, w, bias = linear_inputs(inputs)
     ctx.save_for_backward(x, w, bias)
     return column_grouped_linear(x, w, bias)
 
 
 def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
-    from sten_core import SparseTensorWrapper
+    from sten_core.plugin_api import SparseTensorWrapper
 
     x, w, bias = ctx.saved_tensors
     W = _layout(w)
@@ -165,7 +167,7 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     gy2 = _rows(grad_outputs[0]).to(c)
     x2 = _rows(x).to(c)
     gx = gw = gb = None
-    need_x, need_w = _needs(ctx, 0), _needs(ctx, 1)
+    need_x, need_w = needs_grad(ctx, 0), needs_grad(ctx, 1)
 
     def kernels() -> tuple:
         # exact n:m's C kernels on the same matrix seen as A = Wᵀ (n:m along N, pattern
@@ -195,7 +197,7 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
         else:
             with torch.autocast("cpu", enabled=False):
                 gw = (gy2.t() @ x2).to(W.dtype)
-    if bias is not None and _needs(ctx, 2):
+    if bias is not None and needs_grad(ctx, 2):
         gb = gy2.sum(0).to(bias.dtype)
     return gx, gw, gb
 
@@ -220,4 +222,4 @@ def linear_bwd_sparse(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) ->
 
 def register(registry: Any) -> None:
     """Register ``F.linear`` with a :class:`ColumnGroupedNMTensor` weight (forward and backward)."""
-    register_product(registry, F.linear, ColumnGroupedNMTensor, linear_fwd, linear_bwd_dense, linear_bwd_sparse)
+    register_weight_product(registry, F.linear, ColumnGroupedNMTensor, linear_fwd, linear_bwd_dense, linear_bwd_sparse)

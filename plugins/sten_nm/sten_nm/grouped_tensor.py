@@ -29,10 +29,7 @@ from ._fp32 import fp32_values
 from ._checks import FLOAT_DTYPES, check_float_tensor, check_nm
 from .nm_tensor import NMTensor, check_offsets
 
-try:
-    from sten_core.layouts import Layout as _Base
-except Exception:  # pragma: no cover
-    _Base = object  # type: ignore[misc,assignment]
+from sten_core.plugin_api import Layout as _Base
 
 GR = _kernel.GROUP_ROWS
 

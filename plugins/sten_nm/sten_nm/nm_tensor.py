@@ -35,10 +35,7 @@ from . import _kernel
 from ._fp32 import fp32_values
 from ._checks import FLOAT_DTYPES, check_dim, check_float_tensor, check_nm
 
-try:  # the core's base class; the layout also works without it
-    from sten_core.layouts import Layout as _Base
-except Exception:  # pragma: no cover
-    _Base = object  # type: ignore[misc,assignment]
+from sten_core.plugin_api import Layout as _Base
 
 
 def group_offsets(indices: torch.Tensor, slots: int, m: int) -> torch.Tensor:

@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from sten_core.plugin_api import linear_inputs, needs_grad, register_weight_product
+
 from . import _kernel, tuning
 from ._checks import FLOAT_DTYPES
 from .nm_tensor import NMTensor
@@ -160,7 +162,7 @@ def nm_matmul(x: torch.Tensor, other: Any) -> torch.Tensor:
 
 # -- STen implementations --------------------------------------------------------
 def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
-    x, w, bias = (list(inputs) + [None, None])[:3]
+    x, w, bias = linear_inputs(inputs)
     ctx.save_for_backward(x, w, bias)
     return nm_linear(x, w, bias)
 
@@ -181,11 +183,6 @@ def matmul_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor
     return _mm_fwd(ctx, inputs, output_sparsifiers, "matmul")
 
 
-def _needs(ctx: Any, i: int) -> bool:
-    needs = getattr(ctx, "needs_input_grad", ()) or ()
-    return bool(needs[i]) if i < len(needs) else True
-
-
 def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, saved: Optional[tuple] = None) -> tuple:
     x, w, bias = saved if saved is not None else ctx.saved_tensors
     W = _layout(w, "weight")
@@ -195,7 +192,7 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, sa
     x2 = _rows(x)
     double = _out_dtype(x, W._values) == torch.float64
     gx = gw = gb = None
-    if _needs(ctx, 0):
+    if needs_grad(ctx, 0):
         if double:
             dense = W.to_dense().double()
             g = gy2.double() @ (dense if linear else dense.t())
@@ -206,20 +203,20 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, sa
 
             g = _tuned("bwd_x", W, gy2.shape[0], a_is_w, lambda: _gy_w(W, gy2, a_is_w), dense)
         gx = g.to(x.dtype).reshape(x.shape)
-    if _needs(ctx, 1):
+    if needs_grad(ctx, 1):
         if sparse_grad:
             if double:
                 full = gy2.double().t() @ x2.double() if linear else x2.double().t() @ gy2.double()
                 vals = W.gather(full)
             else:
                 vals = _grad_values(W, x2, gy2, a_is_w)
-            from sten_core import SparseTensorWrapper
+            from sten_core.plugin_api import SparseTensorWrapper
 
             gw = SparseTensorWrapper(W.with_values(vals.to(W.dtype)))
         else:
             full = gy2.t() @ x2.to(gy2.dtype) if linear else x2.to(gy2.dtype).t() @ gy2
             gw = full.to(W.dtype)
-    if linear and bias is not None and _needs(ctx, 2):
+    if linear and bias is not None and needs_grad(ctx, 2):
         gb = gy2.sum(0).to(bias.dtype)
     return (gx, gw, gb) if linear else (gx, gw)
 
@@ -240,26 +237,11 @@ def mm_bwd_sparse(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tup
     return _backward(ctx, grad_outputs, sparse_grad=True, linear=False)
 
 
-def register_product(registry: Any, op: Any, layout: type, fwd: Any, bwd_dense: Any, bwd_sparse: Any) -> None:
-    """``op(x, weight[, bias])`` with a ``layout`` weight in the second place (with and
-    without a bias for ``F.linear``): the forward, and the backward with a dense or a
-    ``layout`` weight gradient."""
-    from sten_core import KeepAll
-
-    T = torch.Tensor
-    patterns = ((T, layout, T), (T, layout)) if op is F.linear else ((T, layout),)
-    for inp in patterns:
-        registry.register_fwd_op_impl(op, inp, [(KeepAll, T)], fwd)
-        for wfmt, impl in ((T, bwd_dense), (layout, bwd_sparse)):
-            grads = [(KeepAll, T), (KeepAll, wfmt)] + [(KeepAll, T)] * (len(inp) - 2)
-            registry.register_bwd_op_impl(op, (T,), tuple(grads), inp, impl)
-
-
 def register(registry: Any) -> None:
     """Register the forward and backward implementations (called by the plugin)."""
-    register_product(registry, F.linear, NMTensor, linear_fwd, linear_bwd_dense, linear_bwd_sparse)
-    register_product(registry, torch.mm, NMTensor, mm_fwd, mm_bwd_dense, mm_bwd_sparse)
-    register_product(registry, torch.matmul, NMTensor, matmul_fwd, mm_bwd_dense, mm_bwd_sparse)
+    register_weight_product(registry, F.linear, NMTensor, linear_fwd, linear_bwd_dense, linear_bwd_sparse)
+    register_weight_product(registry, torch.mm, NMTensor, mm_fwd, mm_bwd_dense, mm_bwd_sparse)
+    register_weight_product(registry, torch.matmul, NMTensor, matmul_fwd, mm_bwd_dense, mm_bwd_sparse)
 
 
 # -- grouped n:m (F.linear only) ---------------------------------------------------
@@ -293,7 +275,7 @@ def grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = 
 
 
 def grouped_linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
-    x, w, bias = (list(inputs) + [None, None])[:3]
+    x, w, bias = linear_inputs(inputs)
     ctx.save_for_backward(x, w, bias)
     return grouped_linear(x, w, bias)
 
@@ -301,7 +283,7 @@ def grouped_linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torc
 def _grouped_backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     """Input gradient and weight gradient at the kept positions by the grouped kernels
     (the latter in the layout's own order); a dense weight gradient is the full product."""
-    from sten_core import SparseTensorWrapper
+    from sten_core.plugin_api import SparseTensorWrapper
 
     x, w, bias = ctx.saved_tensors
     G = w.wrapped_tensor
@@ -314,15 +296,15 @@ def _grouped_backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple
     gy2 = _rows(grad_outputs[0])
     x2 = _rows(x)
     gx = gw = gb = None
-    if _needs(ctx, 0):
+    if needs_grad(ctx, 0):
         gx = _kernel.grouped_tgather(G.desc(), gy2).to(x.dtype).reshape(x.shape)
-    if _needs(ctx, 1):
+    if needs_grad(ctx, 1):
         if sparse_grad:
             vals = _kernel.grouped_sddmm(G.desc(), gy2, x2)
             gw = SparseTensorWrapper(G.with_values(vals.to(G.dtype)))
         else:
             gw = (gy2.t() @ x2.to(gy2.dtype)).to(G.dtype)
-    if bias is not None and _needs(ctx, 2):
+    if bias is not None and needs_grad(ctx, 2):
         gb = gy2.sum(0).to(bias.dtype)
     return gx, gw, gb
 
@@ -339,5 +321,5 @@ def register_grouped(registry: Any) -> None:
     """Register ``F.linear`` with a :class:`GroupedNMTensor` weight (forward and backward)."""
     from .grouped_tensor import GroupedNMTensor
 
-    register_product(registry, F.linear, GroupedNMTensor, grouped_linear_fwd, grouped_linear_bwd_dense,
+    register_weight_product(registry, F.linear, GroupedNMTensor, grouped_linear_fwd, grouped_linear_bwd_dense,
                      grouped_linear_bwd_sparse)

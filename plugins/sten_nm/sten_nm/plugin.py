@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-import sten_core
+from sten_core import plugin_api
 
 from . import __version__, _kernel, addmm, column_grouped_ops, ops
 from .column_grouped import ColumnGroupedNMTensor
@@ -31,7 +31,7 @@ def _column_grouped_to_nm(t: ColumnGroupedNMTensor) -> NMTensor:
 
 
 def _conversions() -> list:
-    from sten_core import CooTensor, CscTensor, CsrTensor, DenseTensor
+    from sten_core.plugin_api import CooTensor, CscTensor, CsrTensor, DenseTensor
 
     out = [(src, cls, (lambda c: (lambda t: c.from_dense(t.to_dense())))(cls))
            for src in (NMTensor, GroupedNMTensor, ColumnGroupedNMTensor)
@@ -41,7 +41,7 @@ def _conversions() -> list:
     return out
 
 
-@sten_core.hookimpl
+@plugin_api.hookimpl
 def sten_register(registry: Any) -> None:
     registry.register_layout(NMTensor)
     registry.register_layout(GroupedNMTensor)
@@ -49,7 +49,7 @@ def sten_register(registry: Any) -> None:
     registry.register_sparsifier_implementation(GroupedNMSparsifier, torch.Tensor, GroupedNMTensor, grouped_sparsify)
     registry.register_sparsifier_implementation(ColumnGroupedNMSparsifier, torch.Tensor, ColumnGroupedNMTensor,
                                                 column_grouped_sparsify)
-    for sp, impl in ((NMSparsifier, nm_sparsify), (sten_core.PerBlockFractionSparsifier, per_block_sparsify)):
+    for sp, impl in ((NMSparsifier, nm_sparsify), (plugin_api.PerBlockFractionSparsifier, per_block_sparsify)):
         registry.register_sparsifier_implementation(sp, torch.Tensor, NMTensor, impl)
     for src, dst, fn in _conversions():
         registry.register_conversion(src, dst, fn)
@@ -60,7 +60,23 @@ def sten_register(registry: Any) -> None:
         addmm.register(registry)
 
 
-@sten_core.hookimpl
+@plugin_api.hookimpl
+def sten_bench_layouts(register: Any) -> None:
+    """``sten bench`` lines: exact n:m, the 16-row grouped n:m and the paper's
+    grouped n:m, each at the n:m closest to the asked sparsity."""
+    nm = plugin_api.nm_for_sparsity
+    cpu = ("cpu",)
+    register(plugin_api.BenchLayout("nm", "n:m (sten_nm)", "NMTensor", lambda s: plugin_api.PerBlockFractionSparsifier(*nm(s)),
+                                    devices=cpu, aliases=("n:m",), pattern=plugin_api.nm_label))
+    register(plugin_api.BenchLayout("grouped_nm", "grouped n:m, 16 rows (sten_nm)", "GroupedNMTensor",
+                                    lambda s: GroupedNMSparsifier(*nm(s)), devices=cpu, aliases=("grouped",),
+                                    pattern=plugin_api.nm_label))
+    register(plugin_api.BenchLayout("paper_nm", "paper grouped n:m (sten_nm)", "ColumnGroupedNMTensor",
+                                    lambda s: ColumnGroupedNMSparsifier(*nm(s)), devices=cpu,
+                                    aliases=("column_grouped",), pattern=plugin_api.nm_label))
+
+
+@plugin_api.hookimpl
 def sten_plugin_info() -> dict:
     ok, reason = _kernel.available()
     return {"name": "nm", "version": __version__, "available": ok, "reason": reason}

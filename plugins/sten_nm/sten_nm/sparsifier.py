@@ -16,10 +16,7 @@ import torch
 from ._checks import check_dim, check_float_tensor, check_nm
 from .nm_tensor import NMTensor
 
-try:
-    from sten_core.sparsifiers import BLOCKING, Sparsifier as _Base
-except Exception:  # pragma: no cover
-    BLOCKING, _Base = "blocking", object  # type: ignore[misc,assignment]
+from sten_core.plugin_api import BLOCKING, Sparsifier as _Base
 
 
 class NMSparsifier(_Base):
@@ -55,13 +52,13 @@ class NMSparsifier(_Base):
 
 
 def _wrap(layout: NMTensor, tensor: torch.Tensor, grad_fmt: Any) -> Any:
-    from sten_core import SparseTensorWrapper
+    from sten_core.plugin_api import SparseTensorWrapper
 
     return SparseTensorWrapper.wrapped_from_dense(layout, tensor, grad_fmt)
 
 
 def _dense_of(tensor: Any) -> torch.Tensor:
-    from sten_core.layouts import to_dense_tensor
+    from sten_core.plugin_api import to_dense_tensor
 
     if isinstance(tensor, torch.Tensor) and not hasattr(tensor, "wrapped_tensor"):
         return tensor

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from sten_core import plugin_api
+
 TORCH_TO_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 NUMPY_TO_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
 SUPPORTED = "float32 or float64"
@@ -31,9 +33,7 @@ def torch_dtype(np_dtype: Any, where: str) -> torch.dtype:
 
 def check_dense(tensor: Any, where: str, name: str = "tensor") -> torch.Tensor:
     """A detached, strided, 2-D, CPU, float32/float64 tensor, or a clear error."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
-    tensor = tensor.detach()
+    tensor = plugin_api.check_tensor(tensor, name, where=where).detach()
     if tensor.layout is not torch.strided:
         tensor = tensor.to_dense()
     if tensor.dim() != 2:

@@ -21,7 +21,7 @@ import numpy as np
 import scipy.sparse
 import torch
 
-from sten_core import Layout
+from sten_core.plugin_api import Layout
 
 from ._checks import check_dense, torch_dtype
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from sten_core import CooTensor, CscTensor, CsrTensor
+from sten_core.plugin_api import CooTensor, CscTensor, CsrTensor
 
 from .compressed import ScipyCompressed
 from .csc import ScipyCscTensor

@@ -21,9 +21,11 @@ from typing import Any, Callable
 
 import torch
 
-from sten_core import KeepAll, SparseTensorWrapper
-from sten_core.registry import trim
-from sten_core.signatures import op_name
+from sten_core.plugin_api import needs_grad
+
+from sten_core.plugin_api import KeepAll, SparseTensorWrapper
+from sten_core.plugin_api import trim
+from sten_core.plugin_api import op_name
 
 from .compressed import ScipyCompressed
 from .grads import DENSE_PAIR, grad_of
@@ -42,11 +44,6 @@ def _alpha(ctx: Any, inputs: list) -> Any:
     args, kwargs = ctx.call_args
     alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
     return 1 if alpha is None else alpha
-
-
-def _needs(ctx: Any, i: int) -> bool:
-    needs = ctx.needs_input_grad
-    return needs[i] if i < len(needs) else True
 
 
 def _check_float(value: Any, where: str, name: str) -> None:
@@ -95,7 +92,7 @@ def add_bwd(wants: tuple) -> Callable:
         g = dense_of(grad_outputs[0])
         grads = []
         for i, (value, scale) in enumerate(((a, 1), (b, alpha))):
-            if not isinstance(value, torch.Tensor) or not _needs(ctx, i):
+            if not isinstance(value, torch.Tensor) or not needs_grad(ctx, i):
                 grads.append(None)
                 continue
             shape = tuple(value.shape)
@@ -148,13 +145,13 @@ def mul_bwd(wants: tuple) -> Callable:
         other_d = dense_of(other)
         want_s = wants[pos] if pos < len(wants) else None
         grads: list = [None, None]
-        if _needs(ctx, pos):
+        if needs_grad(ctx, pos):
             if g.shape == layout.shape:
                 at = lambda lay: lay.gather(g) * (lay.gather(other_d) if isinstance(other_d, torch.Tensor) and other_d.dim() else other_d)  # noqa: E731
             else:
                 at = None
             grads[pos] = grad_of(s, want_s, lambda: reduce_to(g * other_d, tuple(layout.shape)), at)
-        if isinstance(other, torch.Tensor) and _needs(ctx, 1 - pos):
+        if isinstance(other, torch.Tensor) and needs_grad(ctx, 1 - pos):
             if g.shape == layout.shape:
                 prod = scatter_dense(layout, layout.values() * layout.gather(g))
             else:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from sten_core import KeepAll, SparseTensorWrapper
+from sten_core.plugin_api import KeepAll, SparseTensorWrapper
 
 from .compressed import ScipyCompressed
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from sten_core import SparseTensorWrapper
+from sten_core.plugin_api import SparseTensorWrapper
 
 from .compressed import ScipyCompressed
 

@@ -24,8 +24,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from sten_core import KeepAll
-from sten_core.signatures import op_name
+from sten_core.plugin_api import KeepAll
+from sten_core.plugin_api import op_name
 
 from ._checks import check_operand
 from .grads import DENSE_PAIR, grad_of

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-import sten_core
-from sten_core.registry import OpKey
+from sten_core import plugin_api
+from sten_core.plugin_api import OpKey
 
 from . import __version__
 from .table import TABLE
@@ -36,7 +36,7 @@ except ImportError as error:  # pragma: no cover - scipy is a dependency
 
 
 
-@sten_core.hookimpl
+@plugin_api.hookimpl
 def sten_register(registry: Any) -> None:
     if _MISSING is not None:
         return
@@ -55,14 +55,21 @@ def sten_register(registry: Any) -> None:
     structure.register(registry, grad_outs, TABLE)
 
 
-@sten_core.hookimpl
+@plugin_api.hookimpl
 def sten_resolve_op(key: OpKey) -> Any:
     """Implicit calls on scipy operands get the natural output (see ``table``);
     dense-output variants of naturally sparse operators are served here."""
-    return TABLE.resolve(key, sten_core.registry)
+    return TABLE.resolve(key, plugin_api.registry)
 
 
-@sten_core.hookimpl
+@plugin_api.hookimpl
+def sten_bench_layouts(register: Any) -> None:
+    """``sten bench`` line: scipy CSR filled by magnitude."""
+    register(plugin_api.BenchLayout("scipy_csr", "scipy CSR", "ScipyCsrTensor", plugin_api.ScalarFractionSparsifier,
+                                    devices=("cpu",)))
+
+
+@plugin_api.hookimpl
 def sten_plugin_info() -> dict:
     version = getattr(scipy, "__version__", "?") if _MISSING is None else None
     return {

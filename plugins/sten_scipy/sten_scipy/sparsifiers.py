@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-import sten_core as sten
-from sten_core import SparseTensorWrapper
+from sten_core import plugin_api as sten
+from sten_core.plugin_api import SparseTensorWrapper
 
 from ._checks import check_dense
 from .compressed import ScipyCompressed, compress
@@ -73,6 +73,6 @@ def same_format(layout: type) -> Callable:
 
 def register(registry: Any) -> None:
     for layout in SCIPY_LAYOUTS:
-        for sparsifier in sten.sparsifiers.BUILTIN_SPARSIFIERS:
+        for sparsifier in sten.BUILTIN_SPARSIFIERS:
             impl = same_format(layout) if sparsifier is sten.SameFormatSparsifier else into(layout)
             registry.register_sparsifier_implementation(sparsifier, torch.Tensor, layout, impl)

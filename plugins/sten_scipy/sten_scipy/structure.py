@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-from sten_core import KeepAll, SparseTensorWrapper
-from sten_core.signatures import op_name
+from sten_core.plugin_api import KeepAll, SparseTensorWrapper
+from sten_core.plugin_api import op_name
 
 from .compressed import ScipyCompressed
 from .grads import DENSE_PAIR, grad_of

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sten_core.registry import Entry, OpKey, normalize_inp, normalize_out_pairs
+from sten_core.plugin_api import Entry, OpKey, normalize_inp, normalize_out_pairs
 
 
 class OpTable:

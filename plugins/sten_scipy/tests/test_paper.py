@@ -87,12 +87,12 @@ class MyRandomFractionSparsifier:
 @pytest.fixture
 def fresh_registry():
     before = dict(sten.registry.impls)
-    sten.dispatch._warned.clear()
+    sten.dispatch.reset_warnings()
     sten.set_dispatch_failure("warn")
     yield
     sten.registry.impls.clear()
     sten.registry.impls.update(before)
-    sten.dispatch._clear_cache()
+    sten.dispatch.clear_caches()
 
 
 def _messages(record):

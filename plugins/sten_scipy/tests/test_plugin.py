@@ -24,13 +24,13 @@ def test_listed_and_available():
 
 def test_no_fallback_on_the_linear_path():
     plans = []
-    sten.dispatch.observers.append(plans.append)
+    sten.dispatch.add_observer(plans.append)
     try:
         w = sten.SparseParameterWrapper(ScipyCsrTensor.from_dense(torch.eye(4)))
         x = torch.randn(2, 4, requires_grad=True)
         F.linear(x, w, torch.zeros(4)).sum().backward()
     finally:
-        sten.dispatch.observers.remove(plans.append)
+        sten.dispatch.remove_observer(plans.append)
     assert [p["plan"] for p in plans if p["key"].op is F.linear] == ["impl", "impl"]
 
 
@@ -54,5 +54,5 @@ def test_cli_lists_it_and_disabling_leaves_the_rest():
     assert "scipy" not in names and "builtin" in names
     installed = any(ep.name == "scipy" for ep in __import__("importlib.metadata").metadata.entry_points(group="sten"))
     if installed:
-        out = subprocess.run([sys.executable, "-m", "sten_core.cli", "plugins"], capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-m", "sten_core.tools.cli", "plugins"], capture_output=True, text=True, check=True)
         assert "scipy" in {row["name"] for row in json.loads(out.stdout)}

@@ -57,7 +57,7 @@ def test_grad_fmt_is_attached():
 
 def test_registered_for_every_builtin_sparsifier():
     for layout in LAYOUTS:
-        for sp in sten.sparsifiers.BUILTIN_SPARSIFIERS:
+        for sp in sten.model.sparsifiers.BUILTIN_SPARSIFIERS:
             key = sten.OpKey("sparsifier", sp, (torch.Tensor,), layout)
             assert key in sten.registry.impls, key.describe()
 

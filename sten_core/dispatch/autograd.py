@@ -1,0 +1,118 @@
+"""The autograd side of dispatch: the node a call with an implementation
+records (``_DispatchFunction``), and the differentiable densify / sparsify
+steps the dense path uses.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(2)), requires_grad=True)
+    >>> sten.dispatch.dense_with_grad(w).requires_grad
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from sten_core.dispatch.call import _Call, grad_spec
+from sten_core.dispatch.sparsifier_dispatch import apply_spec
+from sten_core.model.layouts import to_dense_tensor
+from sten_core.model.spec import DENSE, OutputSpec
+from sten_core.model.tensor import WRAPPER_TYPES, SparseTensorWrapper, densify
+
+_NoTorchFunction = torch._C.DisableTorchFunctionSubclass
+
+
+class _DispatchFunction(torch.autograd.Function):
+    """The autograd node of a call that runs an implementation."""
+
+    @staticmethod
+    def forward(fctx: Any, call: _Call, *tensors: torch.Tensor) -> Any:
+        fctx.call = call
+        out = call.forward()
+        if isinstance(out, tuple):
+            fctx.mark_non_differentiable(*[o for o in out if isinstance(o, torch.Tensor) and not o.is_floating_point()])
+        call.stash(fctx, out)
+        return out
+
+    @staticmethod
+    @once_differentiable  # implementations see detached inputs: no double backward (raises, not wrong)
+    def backward(fctx: Any, *grads: Any) -> Any:
+        call = fctx.call
+        templates = call.unstash(call.saved(fctx.saved_tensors))  # raises if an input changed in place since
+        try:
+            return (None, *call.backward(grads, fctx.needs_input_grad[1:]))
+        finally:
+            call.restash(templates)
+
+
+class _Densify(torch.autograd.Function):
+    """A wrapper as a dense tensor, differentiably: its gradient comes back in
+    the wrapper's ``grad_fmt``."""
+
+    @staticmethod
+    def forward(fctx: Any, wrapper: SparseTensorWrapper) -> torch.Tensor:
+        fctx.spec = grad_spec(wrapper)
+        return to_dense_tensor(wrapper.wrapped_tensor).detach()
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> Any:
+        return apply_spec(grad, fctx.spec)
+
+
+class _Sparsify(torch.autograd.Function):
+    """An output run through its spec, differentiably: the gradient flowing
+    into it is sparsified by ``grad_spec``, then made dense for the dense op."""
+
+    @staticmethod
+    def forward(fctx: Any, dense: torch.Tensor, spec: OutputSpec, grad_spec: OutputSpec) -> Any:
+        fctx.grad_spec = grad_spec
+        out = apply_spec(dense, spec)
+        return out.view_as(out) if out is dense else out
+
+    @staticmethod
+    def backward(fctx: Any, grad: Any) -> Any:
+        if fctx.grad_spec is not DENSE:
+            grad = apply_spec(grad, fctx.grad_spec)
+        return densify(grad), None, None
+
+
+def dense_with_grad(wrapper: SparseTensorWrapper) -> torch.Tensor:
+    """``wrapper`` as a dense tensor whose gradient flows back to it (in its ``grad_fmt``)."""
+    return apply_function(_Densify, wrapper)
+
+
+# ``Function.apply`` without its Python wrapper (default-argument binding and a
+# functorch check, about half the cost of recording a node); used while no
+# functorch transform is active, as ``Function.apply`` itself does.
+_apply_function = super(torch.autograd.Function, _DispatchFunction).apply
+_unwrap_if_dead = getattr(torch._C._functorch, "unwrap_if_dead", lambda tensor: tensor)
+
+
+def apply_function(function: type, *args: Any) -> Any:
+    """``function.apply(*args)`` with wrappers among ``args`` (no ``__torch_function__``)."""
+    if torch._C._are_functorch_transforms_active():
+        with _NoTorchFunction():
+            return function.apply(*args)
+    return super(torch.autograd.Function, function).apply(*args)
+
+
+def record(call: _Call) -> Any:
+    """Run ``call`` as one autograd node whose inputs are its distinct tensor arguments."""
+    unique = call.dedupe()
+    if torch._C._are_functorch_transforms_active():
+        with _NoTorchFunction():
+            return _DispatchFunction.apply(call, *unique)
+    return _apply_function(call, *[v if type(v) in WRAPPER_TYPES else _unwrap_if_dead(v) for v in unique])
+
+
+def _any_requires_grad_py(*args: Any) -> bool:
+    with _NoTorchFunction():
+        return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+# whether any argument is a tensor that requires grad, read without entering
+# __torch_function__ (torch's own C helper where it exists)
+any_requires_grad = getattr(torch._C, "any_requires_grad", _any_requires_grad_py)

@@ -1,0 +1,387 @@
+"""One dispatched call that runs an implementation: its context (``OpContext``),
+output specs (``CallSpecs``), forward, what it keeps for backward, and backward.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(2)), requires_grad=True)
+    >>> torch.mm(w, torch.ones(2, 1)).sum().backward()   # one _Call, recorded as one autograd node
+    >>> w.grad.shape
+    torch.Size([2, 2])
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from sten_core.dispatch.conversions import wrap
+from sten_core.dispatch.errors import report_missing
+from sten_core.dispatch.observers import active, notify
+from sten_core.dispatch.plan import Plan, PlanKind, is_inplace, plan_for
+from sten_core.dispatch.sparsifier_dispatch import apply_spec
+from sten_core.model.registry import OpKey, trim
+from sten_core.model.sparsifiers import KeepAll
+from sten_core.model.spec import DENSE, OutputSpec
+from sten_core.model.tensor import (DENSE_TYPES, PLAIN_TYPES, WRAPPER_TYPES, SparseTensorWrapper, densify,
+                                    densify_tree, detach_at, detached, layout_of, map_tensors, write_back)
+
+_NoTorchFunction = torch._C.DisableTorchFunctionSubclass
+
+
+class OpContext:
+    """The ``ctx`` that implementations receive (shared by forward and backward):
+    ``op``, ``inputs`` (bound arguments), ``call_args`` (``(args, kwargs)``),
+    ``save_for_backward(*tensors)`` / ``saved_tensors`` and, in backward,
+    ``needs_input_grad``."""
+
+    __slots__ = ("op", "inputs", "call_args", "__dict__")  # __dict__: implementations may stash state
+    saved_tensors: tuple = ()
+    needs_input_grad: tuple = ()
+
+    def __init__(self, op: Any, inputs: list, call_args: tuple = ((), {})):
+        self.op = op
+        self.inputs = inputs
+        self.call_args = call_args
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        self.saved_tensors = tensors
+
+
+class CallSpecs:
+    """The output specs of a call, with what dispatch derives from them once:
+    ``pairs`` (the key's ``(inline sparsifier class, tmp_format)`` per output)
+    and ``sparsifiers`` (the inline sparsifiers implementations receive)."""
+
+    __slots__ = ("out", "grad", "pairs", "sparsifiers")
+
+    def __init__(self, out: tuple, grad: tuple | None = None):
+        self.out, self.grad = out, grad
+        self.pairs = tuple((type(s.inline_sparsifier), s.tmp_format) for s in out)
+        self.sparsifiers = [s.inline_sparsifier for s in out]
+
+
+_KEEP_ALL_LIST = [KeepAll()]
+
+
+def run_impl(plan: Plan, ctx: OpContext, specs: CallSpecs | None) -> Any:
+    """Call a plan's implementation on ``ctx.inputs`` (``plan.nargs`` of them);
+    bare layout objects in its output are wrapped."""
+    raw = plan.entry.fn(ctx, ctx.inputs, _KEEP_ALL_LIST if specs is None else specs.sparsifiers)
+    return raw if type(raw) in DENSE_TYPES else wrap(raw)
+
+
+def finish_outputs(raw: Any, specs: CallSpecs | None, inplace: bool, inline_done: bool) -> Any:
+    """Run the outputs through their specs (in-place calls return their target as is)."""
+    if specs is None or inplace:
+        return raw
+    out_specs = specs.out
+    if not isinstance(raw, tuple):
+        return apply_spec(raw, out_specs[0] if out_specs else DENSE, inline_done)
+    out_specs = out_specs + (DENSE,) * (len(raw) - len(out_specs))
+    return tuple(apply_spec(v, s, inline_done) for v, s in zip(raw, out_specs))
+
+
+def is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a tensor (a wrapper or a dense one), cheapest test first."""
+    t = type(value)
+    return t in DENSE_TYPES or t in WRAPPER_TYPES or (t not in PLAIN_TYPES and isinstance(value, torch.Tensor))
+
+
+class _Slot:
+    """A tensor taken out of a stashed tree: ``saved[index]`` (or its
+    detached twin when ``twin``)."""
+
+    __slots__ = ("index", "twin")
+
+    def __init__(self, index: int, twin: bool = False):
+        self.index, self.twin = index, twin
+
+
+class _Stash:
+    """Tensors that a recorded call keeps for backward, held by autograd
+    (``save_for_backward``: version-checked, freed after backward) instead of
+    by the node: trees (lists, tuples, dicts) are kept with ``_Slot``s."""
+
+    def __init__(self, originals: list, twins: dict[int, int]):
+        self.tensors: list = list(originals)
+        self.index = {id(t): i for i, t in enumerate(originals)}
+        self.twins = twins  # id(detached twin) -> index of its original
+
+    def take(self, tree: Any) -> Any:
+        """``tree`` with each tensor replaced by its ``_Slot``."""
+        return map_tensors(self._slot, tree)
+
+    def _slot(self, tensor: torch.Tensor) -> "_Slot":
+        i = self.twins.get(id(tensor))
+        if i is not None:
+            return _Slot(i, twin=True)
+        i = self.index.get(id(tensor))
+        if i is None:
+            i = self.index[id(tensor)] = len(self.tensors)
+            self.tensors.append(tensor)
+        return _Slot(i)
+
+
+def _restore(tree: Any, saved: tuple) -> Any:
+    """Inverse of ``_Stash.take`` given autograd's saved tensors."""
+
+    def fill(slot: _Slot) -> Any:
+        value = saved[slot.index]
+        if slot.twin:
+            with _NoTorchFunction():
+                return detached(value)
+        return value
+
+    return map_tensors(fill, tree, leaf=_Slot)
+
+
+class _Call:
+    """One operator call whose plan runs an implementation (``impl``,
+    ``generic`` or ``convert``): its arguments, specs and plan, forward and
+    backward. A tensor passed at several positions is one input of the
+    autograd node (``unique``); its gradients from all positions are summed."""
+
+    __slots__ = ("op", "args", "kwargs", "bound", "positions", "key", "plan", "specs", "ctx", "unique",
+                 "n_unique", "slot_of", "grad_specs", "converted", "where", "held")
+
+    def __init__(self, op: Any, args: tuple, kwargs: dict, bound: list, positions: Any, key: OpKey,
+                 plan: Plan, specs: CallSpecs | None):
+        self.op, self.args, self.kwargs, self.bound, self.positions = op, args, kwargs, bound, positions
+        self.key, self.plan, self.specs = key, plan, specs
+        self.ctx: OpContext | None = None
+        self.converted: list | None = None  # a convert plan's inputs, converted before the call
+
+    def dedupe(self) -> list:
+        """The distinct tensors among the call's tensor arguments, in order."""
+        unique: list = []
+        slot_of: dict[int, int] = {}
+        seen: dict[int, int] = {}
+        for p in self.positions:
+            v = self.bound[p]
+            k = seen.get(id(v))
+            if k is None:
+                k = seen[id(v)] = len(unique)
+                unique.append(v)
+            slot_of[p] = k
+        self.unique, self.n_unique, self.slot_of = unique, len(unique), slot_of
+        return unique
+
+    # forward
+    def forward(self, detach: bool = True) -> Any:
+        """Run the implementation (or, for an in-place call without one, the
+        dense op written back into its target)."""
+        plan, op = self.plan, self.op
+        started = time.perf_counter() if active() else 0.0
+        if plan.kind in (PlanKind.IMPL, PlanKind.GENERIC, PlanKind.CONVERT):
+            if self.converted is not None:
+                inputs = self.converted
+            else:
+                inputs = detach_at(self.bound, self.positions) if detach else list(self.bound)
+            nargs = plan.nargs
+            inputs = inputs[:nargs] + [None] * (nargs - len(inputs))
+            self.ctx = OpContext(op, inputs, (self.args, self.kwargs))
+            raw = run_impl(plan, self.ctx, self.specs)
+            if detach:
+                raw = own_outputs(raw, inputs)
+        else:  # an in-place call without an implementation, outside autograd
+            if plan.kind is PlanKind.FALLBACK:
+                report_missing(plan.key)
+            args, kwargs = densify_tree((self.args, self.kwargs))
+            raw = op(*args, **kwargs)
+            if isinstance(self.bound[0], SparseTensorWrapper):
+                raw = write_back(self.bound[0], args[0])
+        if active():
+            notify("op", self.key, plan.kind, time.perf_counter() - started)
+        return finish_outputs(raw, self.specs, self.specs is not None and is_inplace(op, self.kwargs), plan.fixes_inline)
+
+    def stash(self, fctx: Any, out: Any) -> None:
+        """Hand what backward needs to autograd (``save_for_backward``) and drop
+        the node's own references to the call's tensors (``out``: the forward's outputs)."""
+        self.grad_specs = [grad_spec(v) if is_tensor(v) else None for v in self.bound]
+        twins = {}
+        ctx = self.ctx
+        if ctx is not None and self.plan.kind is not PlanKind.CONVERT:
+            for p in self.positions:
+                if p < len(ctx.inputs) and ctx.inputs[p] is not self.bound[p]:
+                    twins[id(ctx.inputs[p])] = self.slot_of[p]
+        stash = _Stash(self.unique, twins)
+        args, kwargs = self.args, self.kwargs
+        self.args, self.kwargs = stash.take(args), stash.take(kwargs)
+        self.bound = stash.take(self.bound)
+        if ctx is not None:
+            ctx.inputs = stash.take(ctx.inputs)
+            call_args = ctx.call_args
+            ctx.call_args = (self.args, self.kwargs) if call_args[0] is args and call_args[1] is kwargs \
+                else stash.take(call_args)
+            ctx.saved_tensors = stash.take(tuple(ctx.saved_tensors)) if ctx.saved_tensors else ()
+        # plain tensors (activations) go to autograd: freed after backward, version-checked, seen
+        # by saved-tensor hooks; wrappers (weights, mostly) stay with the node, version-checked here
+        # (hooks such as save_on_cpu would turn them into dense copies); outputs always go to autograd
+        outputs = {id(o) for o in (out if isinstance(out, tuple) else (out,))}
+        self.where, saved, held = [], [], []
+        for t in stash.tensors:
+            if type(t) in WRAPPER_TYPES and id(t) not in outputs:
+                with _NoTorchFunction():
+                    held.append((t, t._version))
+                self.where.append((True, len(held) - 1))
+            else:
+                saved.append(t)
+                self.where.append((False, len(saved) - 1))
+        self.held = held
+        fctx.save_for_backward(*saved)
+        self.unique = None
+        self.converted = None
+
+    def saved(self, from_autograd: tuple) -> tuple:
+        """The stashed tensors in stash order: autograd's, and the held wrappers
+        (raising, as autograd does, if one was changed in place since)."""
+        out = []
+        for is_held, j in self.where:
+            if not is_held:
+                out.append(from_autograd[j])
+                continue
+            wrapper, version = self.held[j]
+            with _NoTorchFunction():
+                now = wrapper._version
+            if now != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: [{type(wrapper).__name__} of {type(wrapper.wrapped_tensor).__name__}, "
+                    f"shape {tuple(wrapper.shape)}] is at version {now}; expected version {version} instead.")
+            out.append(wrapper)
+        return tuple(out)
+
+    def unstash(self, saved: tuple) -> tuple:
+        """The stashed trees filled from autograd's saved tensors; returns the
+        templates to put back after backward."""
+        ctx = self.ctx
+        templates = (self.args, self.kwargs, self.bound,
+                     None if ctx is None else (ctx.inputs, ctx.call_args, ctx.saved_tensors))
+        self.args, self.kwargs = _restore(self.args, saved), _restore(self.kwargs, saved)
+        self.bound = _restore(self.bound, saved)
+        if ctx is not None:
+            ctx.inputs = _restore(ctx.inputs, saved)
+            ctx.call_args = _restore(ctx.call_args, saved)
+            ctx.saved_tensors = _restore(ctx.saved_tensors, saved)
+        return templates
+
+    def restash(self, templates: tuple) -> None:
+        self.args, self.kwargs, self.bound, inner = templates
+        if inner is not None:
+            self.ctx.inputs, self.ctx.call_args, self.ctx.saved_tensors = inner
+
+    # backward
+    def backward(self, grads: tuple, needs: tuple) -> tuple:
+        """Gradients for the node's (distinct) inputs."""
+        specs = (self.specs.grad if self.specs is not None else None) or ()
+        specs = specs + (DENSE,) * (len(grads) - len(specs))
+        grad_outputs = [apply_spec(g, s) for g, s in zip(grads, specs)]
+        grad_specs = self.grad_specs
+        pairs = trim(tuple(None if s is None else (type(s.inline_sparsifier), s.tmp_format) for s in grad_specs))
+        inp = self.plan.key.inp if self.plan.kind is PlanKind.CONVERT else self.key.inp  # what the forward ran on
+        key = OpKey("bwd", self.op, inp, pairs, tuple(layout_of(g) for g in grad_outputs))
+        plan = plan_for(key)
+        started = time.perf_counter() if active() else 0.0
+        slot_of = self.slot_of
+        if plan.kind is PlanKind.FALLBACK:
+            report_missing(key)
+            by_slot = self._dense_backward(grad_outputs, needs)
+            if active():
+                notify("op", key, plan.kind, time.perf_counter() - started)
+            out = []
+            for k, g in enumerate(by_slot):
+                pos = next(p for p, s in slot_of.items() if s == k)
+                out.append(None if g is None else apply_spec(g, grad_specs[pos]))
+            return tuple(out)
+        ctx = self.ctx or OpContext(self.op, detach_at(self.bound, self.positions))
+        ctx.needs_input_grad = tuple(i in slot_of and needs[slot_of[i]] for i in range(len(self.bound)))
+        sparsifiers = [None if s is None else s.inline_sparsifier for s in grad_specs]
+        raw = plan.entry.fn(ctx, tuple(grad_outputs), sparsifiers)
+        raw = (raw,) if not isinstance(raw, (tuple, list)) else tuple(raw)
+        raw = tuple(wrap(g) for g in raw)
+        if active():
+            notify("op", key, plan.kind, time.perf_counter() - started)
+        per_slot: list[list] = [[] for _ in range(self.n_unique)]
+        spec_of: list = [None] * self.n_unique
+        for pos in self.positions:
+            k = slot_of[pos]
+            spec_of[k] = grad_specs[pos]
+            g = raw[pos] if pos < len(raw) else None
+            if g is not None and needs[k]:
+                per_slot[k].append(g)
+        out = []
+        for k, gs in enumerate(per_slot):
+            if not gs:
+                out.append(None)
+            elif len(gs) == 1:
+                out.append(apply_spec(gs[0], spec_of[k], inline_done=True))
+            else:  # the same tensor at several positions: its gradients add up
+                total = densify(gs[0])
+                for g in gs[1:]:
+                    total = total + densify(g)
+                out.append(apply_spec(total, spec_of[k]))
+        return tuple(out)
+
+    def _dense_backward(self, grad_outputs: list, needs: tuple) -> list:
+        """Gradients per distinct input by re-running the op densely under autograd."""
+        leaves: dict[int, torch.Tensor] = {}
+        for k, value in enumerate(self.unique_values):
+            dense = densify(value).detach()
+            if needs[k] and (dense.is_floating_point() or dense.is_complex()):
+                dense.requires_grad_(True)
+            leaves[id(value)] = dense
+
+        def swap(tensor: torch.Tensor) -> torch.Tensor:
+            return leaves.get(id(tensor)) if id(tensor) in leaves else densify(tensor)
+
+        with torch.enable_grad():
+            out = self.op(*map_tensors(swap, self.args), **map_tensors(swap, self.kwargs))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        pairs = [(o, densify(g)) for o, g in zip(outs, grad_outputs)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        inputs = [leaves[id(v)] for v in self.unique_values]
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) \
+            if pairs and wanted else []
+        by_id = {id(t): g for t, g in zip(wanted, grads)}
+        return [by_id.get(id(t)) for t in inputs]
+
+    @property
+    def unique_values(self) -> list:
+        """The distinct tensor arguments as they are now (restored in backward)."""
+        first = {}
+        for p in self.positions:
+            first.setdefault(self.slot_of[p], p)
+        return [self.bound[first[k]] for k in range(self.n_unique)]
+
+
+def grad_spec(value: torch.Tensor) -> OutputSpec:
+    fmt = getattr(value, "grad_fmt", None)
+    return DENSE if fmt is None else OutputSpec.coerce(fmt, "grad_fmt")
+
+
+def tensors_in(tree: Any) -> list:
+    """The tensors in a tree of lists, tuples and dicts, in order."""
+    found: list = []
+    map_tensors(found.append, tree)
+    return found
+
+
+def own_outputs(out: Any, inputs: list) -> Any:
+    """Outputs that are an input as the implementation saw it (a wrapper's cached
+    detached twin) become a new alias: autograd gives outputs a history, and
+    the twin must stay private and without one."""
+    if type(out) in DENSE_TYPES:
+        return out
+
+    def own(o: Any) -> Any:
+        if isinstance(o, SparseTensorWrapper) and any(o is i for i in inputs):
+            return SparseTensorWrapper(o.wrapped_tensor, False, o.grad_fmt)
+        return o
+
+    return tuple(own(o) for o in out) if isinstance(out, tuple) else own(out)
+
+
+# ``Function.apply`` without its Python wrapper (default-argument binding and a

@@ -1,0 +1,97 @@
+"""``torch.compile`` support: the dispatch decision made while Dynamo traces.
+
+While Dynamo traces a model (``torch.compiler.is_compiling()``), a wrapper's
+``__torch_function__`` does not run the eager dispatcher (its autograd node,
+plan caches and ctypes kernels are not traceable). It looks up, by operator
+and input layouts, a *compiled implementation* registered with
+``registry.register_compiled_impl``: traceable code that calls custom
+operators (``torch.library.custom_op``) on the layouts' plain member tensors.
+Dynamo traces through the look-up (it is ordinary Python on constants, guarded
+on the layouts' classes), so the graph holds the chosen custom operator
+directly. Calls without one, and calls whose sparse operands require grad
+under grad mode (their gradient belongs to the wrapper, which a compiled graph
+cannot take as an input yet), run the eager dispatcher: Dynamo breaks the graph
+there and the results stay those of eager. Matrix products without a compiled
+implementation (a third-party layout) run densely on the layout's ``to_dense()``,
+traced into the graph when that method is plain torch code.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> m = torch.nn.Linear(8, 4)
+    >>> m.weight = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(m.weight.detach()), requires_grad=False)
+    >>> x = torch.randn(2, 8)
+    >>> torch._dynamo.explain(m)(x).graph_break_count
+    0
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from sten_core.model.layouts import to_dense_tensor
+from sten_core.model.registry import registry
+from sten_core.model.tensor import SparseTensorWrapper, services
+
+MISSING = object()
+"""``compiled_call``'s answer when no compiled implementation applies."""
+
+
+def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
+    """The compiled implementation for a call of ``op`` on ``args``, or ``None``
+    when there is none or a sparse operand needs a gradient under grad mode.
+
+    Example:
+        >>> import torch, torch.nn.functional as F, sten_core as sten
+        >>> w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(2)))
+        >>> compiled_impl_for(F.linear, (torch.ones(1, 2), w)).__name__
+        'csr_linear_kernel'
+    """
+    grad = torch.is_grad_enabled()
+    layouts = []
+    for a in args:
+        if isinstance(a, SparseTensorWrapper):
+            if grad and a.requires_grad:
+                return None
+            layouts.append(type(a.wrapped_tensor))
+        elif isinstance(a, torch.Tensor):
+            layouts.append(torch.Tensor)
+        else:
+            layouts.append(None)
+    while layouts and layouts[-1] is None:
+        layouts.pop()
+    impl = registry.compiled.get((op, tuple(layouts)))
+    if impl is None and op in DENSE_RESULT_OPS:
+        return dense_call
+    return impl
+
+
+DENSE_RESULT_OPS = frozenset({
+    torch.nn.functional.linear, torch.mm, torch.matmul, torch.addmm, torch.bmm,
+    torch.Tensor.mm, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+})
+"""Operators whose eager result is a dense tensor whatever the layouts: without a
+compiled implementation they run on the layouts' ``to_dense()`` while compiled."""
+
+
+def dense_call(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """``op`` on the dense tensors of its wrapper arguments: the compiled graph holds
+    the layout's ``to_dense`` (traced; a graph break where it is not traceable) and
+    the dense operator."""
+    dense = [to_dense_tensor(a.wrapped_tensor) if isinstance(a, SparseTensorWrapper) else a for a in args]
+    return op(*dense, **kwargs)
+
+
+def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:
+    """Run a call's compiled implementation (while Dynamo traces); ``MISSING`` if none applies."""
+    impl = compiled_impl_for(op, args)
+    if impl is None:
+        return MISSING
+    if impl is dense_call:
+        return dense_call(op, *args, **kwargs)
+    return impl(*args, **kwargs)
+
+
+# handed to the wrapper now, so tracing never sets a global
+services.install(compiled_call=compiled_call, MISSING=MISSING)

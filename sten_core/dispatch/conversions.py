@@ -1,0 +1,134 @@
+"""Conversions between layouts: the shortest chain of registered lossless
+conversions, else a plugin's ``sten_convert`` hook, else a round trip through dense.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(3)))
+    >>> type(sten.convert(w, sten.CooTensor).wrapped_tensor).__name__
+    'CooTensor'
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from sten_core.dispatch.errors import DispatchError
+from sten_core.dispatch.observers import active, notify
+from sten_core.model.layouts import DenseConvertible, builds_from_dense, implements, to_dense_tensor
+from sten_core.model.registry import OpKey, registry
+from sten_core.model.tensor import (DENSE_TYPES, WRAPPER_TYPES, SparseTensorWrapper, densify, detach_at,
+                                    layout_of)
+from sten_core.plugins import manager as plugins
+
+if TYPE_CHECKING:
+    from sten_core.dispatch.plan import Plan
+
+
+def conversion_path(src: type, dst: type) -> tuple | None:
+    """The shortest chain of registered lossless conversions from ``src`` to ``dst``."""
+    if src is dst:
+        return ()
+    found = _path_cache.get((src, dst), False)
+    if found is not False:
+        return found
+    edges: dict[type, list[tuple[type, Callable]]] = {}
+    for (a, b), fn in registry.conversions.items():
+        edges.setdefault(a, []).append((b, fn))
+    queue, seen, result = deque([(src, ())]), {src}, None
+    while queue:
+        node, path = queue.popleft()
+        for nxt, fn in edges.get(node, []):
+            if nxt in seen:
+                continue
+            if nxt is dst:
+                result = path + (fn,)
+                queue.clear()
+                break
+            seen.add(nxt)
+            queue.append((nxt, path + (fn,)))
+    _path_cache[(src, dst)] = result
+    return result
+
+
+def convert(value: Any, target: type) -> Any:
+    """Convert a wrapper (or dense tensor) to the layout ``target``, losslessly.
+
+    Uses registered conversions, then the ``sten_convert`` hook, then a round
+    trip through dense. Returns a dense tensor for ``torch.Tensor``.
+    """
+    plugins.ensure_loaded()
+    if not active():
+        return _convert(value, target)
+    source = layout_of(value)
+    started = time.perf_counter()
+    result = _convert(value, target)
+    if source is not target:
+        notify("convert", OpKey("convert", None, (source,), target), "convert", time.perf_counter() - started)
+    return result
+
+
+def _convert(value: Any, target: type) -> Any:
+    if target is torch.Tensor:
+        return densify(value)
+    if isinstance(value, SparseTensorWrapper):
+        layout = value.wrapped_tensor
+        if type(layout) is target:
+            return value
+        path = conversion_path(type(layout), target)
+        if path is not None:  # a step may refuse this tensor (shape, dtype, device): callers decide
+            for fn in path:
+                layout = fn(layout)
+            return SparseTensorWrapper(layout)
+        hooked = plugins.get_plugin_manager().hook.sten_convert(tensor=layout, target=target)
+        if hooked is not None:
+            return SparseTensorWrapper(hooked)
+        value = to_dense_tensor(layout)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"cannot convert {type(value).__name__} to {target.__name__}")
+    if not builds_from_dense(target):
+        raise DispatchError(
+            f"{target.__name__} has no from_dense, so a dense tensor cannot be converted to it. Register a "
+            f"sparsifier implementation that produces it: @sten.register_sparsifier_implementation("
+            f"sparsifier=..., inp=torch.Tensor, out={target.__name__})")
+    return SparseTensorWrapper(target.from_dense(value.detach()))
+
+
+def wrap(value: Any) -> Any:
+    """Wrap a bare layout object; tensors, wrappers and ``None`` pass through."""
+    if type(value) in DENSE_TYPES or type(value) in WRAPPER_TYPES or value is None or isinstance(value, torch.Tensor) or isinstance(value, (int, float, bool)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(wrap(v) for v in value)
+    if implements(value, DenseConvertible) or callable(getattr(value, "to_dense", None)):  # from_dense optional here
+        return SparseTensorWrapper(value)
+    return value
+
+
+refusals: dict[OpKey, str] = {}
+"""The last refusal per convert plan's key, for the fallback's message."""
+_REFUSALS = (ValueError, TypeError, RuntimeError, NotImplementedError)
+"""What a conversion raises to say it does not apply (shape, dtype, device, rank)."""
+
+
+def converted_inputs(bound: list, positions: list[int], plan: Plan, detach: bool) -> list | None:
+    """A convert plan's inputs (detached when ``detach``), or ``None`` if a
+    conversion refuses them: one plugin's layouts never break another's calls."""
+    inputs = detach_at(bound, positions) if detach else list(bound)
+    try:
+        return [convert(v, c) if c is not None else v for v, c in zip(inputs, plan.conversions)] \
+            + inputs[len(plan.conversions):]
+    except _REFUSALS as error:
+        if isinstance(error, (DispatchError, torch.OutOfMemoryError)):
+            raise
+        steps = ", ".join(f"{layout_of(v).__name__} -> {c.__name__}" for v, c in zip(inputs, plan.conversions)
+                          if c is not None)
+        refusals[plan.key] = f"the conversion {steps} refused these inputs ({type(error).__name__}: {error})"
+        return None
+
+
+_path_cache: dict[tuple[type, type], tuple | None] = {}
+registry.on_change(_path_cache.clear)

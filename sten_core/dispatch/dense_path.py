@@ -1,0 +1,156 @@
+"""The dense path (``native`` and ``fallback`` plans, in-place calls under
+autograd): wrappers become dense through differentiable steps, the original op
+runs under ordinary autograd, outputs go through their specs differentiably.
+Autograd itself then handles repeated arguments, tensors in lists, views and
+multiple outputs exactly as for dense tensors.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(2)), requires_grad=True)
+    >>> with sten.dispatch.quiet_fallbacks():
+    ...     torch.cat([w, w]).sum().backward()      # a list argument: the dense path
+    >>> w.grad.shape
+    torch.Size([2, 2])
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from sten_core.dispatch.autograd import _Densify, _Sparsify, apply_function
+from sten_core.dispatch.call import CallSpecs, grad_spec, tensors_in
+from sten_core.dispatch.errors import report_missing
+from sten_core.dispatch.observers import active, notify
+from sten_core.dispatch.plan import Plan, PlanKind
+from sten_core.dispatch.sparsifier_dispatch import apply_spec
+from sten_core.model.registry import OpKey
+from sten_core.model.signatures import op_name
+from sten_core.model.sparsifiers import SameFormatSparsifier
+from sten_core.model.spec import DENSE
+from sten_core.model.tensor import (SparseTensorWrapper, densify, densify_tree, map_tensors, rebuild_seq,
+                                    write_back)
+
+
+def differentiable_dense(tree: Any, grad: bool) -> Any:
+    """``densify_tree``, keeping the autograd graph of wrappers that require grad."""
+
+    def dense(tensor: torch.Tensor) -> torch.Tensor:
+        if grad and isinstance(tensor, SparseTensorWrapper) and tensor.requires_grad:
+            return apply_function(_Densify, tensor)
+        return densify(tensor)
+
+    return map_tensors(dense, tree)
+
+
+def composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs: CallSpecs | None,
+               grad: bool) -> Any:
+    """The dense path (``fallback`` and ``native`` plans): wrappers become dense
+    tensors through differentiable nodes, the original op runs under ordinary
+    autograd, and outputs go through their specs differentiably. Autograd
+    itself then handles repeated arguments, tensors in lists, views and
+    multiple outputs exactly as for dense tensors."""
+    if plan.kind is PlanKind.FALLBACK:
+        report_missing(plan.key)
+    started = time.perf_counter() if active() else 0.0
+    dense_args, dense_kwargs = differentiable_dense((args, kwargs), grad)
+    out = op(*dense_args, **dense_kwargs)
+    if active():
+        notify("op", key, plan.kind, time.perf_counter() - started)
+    if specs is None:
+        return out
+    grad_specs = specs.grad or ()
+
+    def finish(value: Any, i: int) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        spec = specs.out[i] if i < len(specs.out) else DENSE
+        grad_spec = grad_specs[i] if i < len(grad_specs) else DENSE
+        if spec == DENSE and grad_spec == DENSE:
+            return value
+        if grad and value.requires_grad:
+            return apply_function(_Sparsify, value, spec, grad_spec)
+        return apply_spec(value, spec)
+
+    if isinstance(out, (tuple, list)):
+        return rebuild_seq(out, [finish(v, i) for i, v in enumerate(out)])
+    return finish(out, 0)
+
+
+class _InPlace(torch.autograd.Function):
+    """An in-place op on a wrapper under autograd: the dense op, written back at
+    the wrapper's stored positions. Backward is the dense op's own, with the
+    incoming gradient taken at those positions (the adjoint of the write-back)."""
+
+    @staticmethod
+    def forward(fctx: Any, call: tuple, target: SparseTensorWrapper, *others: torch.Tensor) -> Any:
+        op, args, kwargs = call
+        before = densify(target).clone()
+        dense_args, dense_kwargs = densify_tree((args, kwargs))
+        written = dense_args[0].clone()
+        op(written, *dense_args[1:], **dense_kwargs)
+        write_back(target, written)
+        fctx.mark_dirty(target)
+        fctx.call, fctx.others = call, others
+        fctx.specs = [grad_spec(target)] + [grad_spec(o) for o in others]
+        fctx.save_for_backward(before, SameFormatSparsifier(target).mask(written))
+        return target
+
+    @staticmethod
+    @once_differentiable
+    def backward(fctx: Any, grad: Any) -> Any:
+        op, args, kwargs = fctx.call
+        before, stored = fctx.saved_tensors
+        target = args[0]
+        leaves = {id(target): before.detach().requires_grad_(fctx.needs_input_grad[1])}
+        for o, need in zip(fctx.others, fctx.needs_input_grad[2:]):
+            dense = densify(o).detach()
+            leaves[id(o)] = dense.requires_grad_(need and (dense.is_floating_point() or dense.is_complex()))
+
+        def swap(tensor: torch.Tensor) -> torch.Tensor:
+            return leaves[id(tensor)] if id(tensor) in leaves else densify(tensor)
+
+        inputs = [leaves[id(target)], *[leaves[id(o)] for o in fctx.others]]
+        wanted = [t for t in inputs if t.requires_grad]
+        grads: dict[int, Any] = {}
+        if wanted:
+            with torch.enable_grad():
+                dense_args, dense_kwargs = map_tensors(swap, (args, kwargs))
+                result = dense_args[0].clone()
+                op(result, *dense_args[1:], **dense_kwargs)
+            found = torch.autograd.grad(result, wanted, densify(grad) * stored, allow_unused=True)
+            grads = {id(t): g for t, g in zip(wanted, found)}
+        out = [grads.get(id(t)) for t in inputs]
+        return (None, *[None if g is None else apply_spec(g, spec) for g, spec in zip(out, fctx.specs)])
+
+
+def inplace_with_grad(op: Any, args: tuple, kwargs: dict, bound: list, key: OpKey, plan: Plan) -> Any:
+    """An in-place call that autograd must record. A wrapper target: ``_InPlace``
+    (on a leaf that requires grad it raises, as torch does). A dense target: the
+    op runs on it under ordinary autograd, wrappers among the other arguments made
+    dense differentiably (their gradients come back in their ``grad_fmt``)."""
+    if kwargs.get("out") is not None:  # as torch
+        raise RuntimeError(f"{op_name(op)}(): functions with out=... arguments don't support automatic "
+                           "differentiation, but one of the arguments requires grad.")
+    if plan.kind is PlanKind.FALLBACK:
+        report_missing(plan.key)
+    started = time.perf_counter() if active() else 0.0
+    target = bound[0]
+    if isinstance(target, SparseTensorWrapper):
+        if target.requires_grad and target.is_leaf:
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+        others, seen = [], {id(target)}
+        for v in tensors_in((args, kwargs)):
+            if id(v) not in seen:
+                seen.add(id(v))
+                others.append(v)
+        result = apply_function(_InPlace, (op, args, kwargs), target, *others)
+    else:
+        dense_args, dense_kwargs = differentiable_dense((args, kwargs), True)
+        result = op(*dense_args, **dense_kwargs)
+    if active():
+        notify("op", key, plan.kind, time.perf_counter() - started)
+    return result

@@ -1,0 +1,143 @@
+"""Plans: how a call with given input layouts and output specs runs, resolved
+once per ``OpKey`` and cached until the registry changes.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> from sten_core.model.registry import OpKey
+    >>> key = OpKey("fwd", torch.mm, (sten.CsrTensor, torch.Tensor), None)
+    >>> str(sten.dispatch.plan_for(key).kind)
+    'impl'
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from sten_core.plugins import manager as plugins
+from sten_core.dispatch.conversions import conversion_path
+from sten_core.model.registry import Entry, OpKey, registry
+from sten_core.model.sparsifiers import KeepAll
+
+
+class PlanKind(str, enum.Enum):
+    """How a call runs (its value is the name ``explain`` and observers show)."""
+
+    IMPL = "impl"  # an implementation registered for exactly these layouts
+    GENERIC = "generic"  # one returned by a plugin's ``sten_resolve_op`` hook
+    CONVERT = "convert"  # a registered one, after lossless conversions of the inputs
+    NATIVE = "native"  # torch's own op: no wrapper among the inputs
+    FALLBACK = "fallback"  # dense: inputs densified, outputs sparsified, with a warning
+    IDENTITY = "identity"  # (sparsifiers only) nothing to do
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Plan:
+    """How a key is executed: its ``kind``, and the implementation ``entry``
+    and per-input ``conversions`` it runs."""
+
+    __slots__ = ("kind", "entry", "conversions", "key", "fixes_inline", "nargs", "direct")
+
+    def __init__(self, kind: PlanKind, key: OpKey, entry: Entry | None = None, conversions: tuple = ()):
+        self.kind = kind
+        self.key = key
+        self.entry = entry
+        self.conversions = conversions
+        # implementations produce tmp_format themselves; the rest need the inline sparsifier applied
+        self.fixes_inline = kind in (PlanKind.IMPL, PlanKind.CONVERT, PlanKind.GENERIC)
+        self.nargs = max(entry.nargs, len(key.inp)) if entry is not None else 0
+        self.direct = kind in (PlanKind.IMPL, PlanKind.GENERIC)  # runs the implementation on the inputs as they are
+
+    def __repr__(self) -> str:
+        return f"Plan({self.kind}, {self.key.describe()})"
+
+
+
+
+DENSE_OUT = ((KeepAll, torch.Tensor),)
+_inplace_ops: dict[Any, bool] = {}
+
+
+def is_inplace(op: Any, kwargs: dict) -> bool:
+    """Whether a call writes into its first argument (``add_``, ``__iadd__``) or ``out=``."""
+    if kwargs and kwargs.get("out") is not None:
+        return True
+    try:
+        return _inplace_ops[op]
+    except (KeyError, TypeError):
+        name = getattr(op, "__name__", "")
+        result = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+        try:
+            _inplace_ops[op] = result
+        except TypeError:
+            pass
+        return result
+
+
+def resolve(key: OpKey) -> Plan:
+    """Resolve ``key`` by the chain in the package docstring (uncached)."""
+    entry = registry.impls.get(key)
+    if entry is not None:
+        return Plan(PlanKind.IMPL, key, entry)
+    if key.out is None:  # an implicit call: a registered dense-output implementation comes first
+        entry = registry.impls.get(key._replace(out=DENSE_OUT))
+        if entry is not None:
+            return Plan(PlanKind.IMPL, key._replace(out=DENSE_OUT), entry)
+    hooked = plugins.get_plugin_manager().hook.sten_resolve_op(key=key)
+    if hooked is not None:
+        entry = hooked if isinstance(hooked, Entry) else Entry(hooked, len(key.inp))
+        return Plan(PlanKind.GENERIC, key, entry)
+    if key.direction == "bwd":
+        return Plan(PlanKind.FALLBACK, key)
+    if key.out is None:  # the caller let the implementation choose: dense otherwise
+        return resolve(key._replace(out=DENSE_OUT))
+    if all(layout in (torch.Tensor, None) for layout in key.inp):
+        return Plan(PlanKind.NATIVE, key)
+    best = None
+    for cand_key, entry in registry.fwd_candidates(key.op, key.out):
+        if len(cand_key.inp) != len(key.inp):
+            continue
+        steps, ok = [], True
+        for have, want in zip(key.inp, cand_key.inp):
+            if have is want:
+                steps.append(None)
+            elif have is None or want is None or want is torch.Tensor:
+                ok = False
+                break
+            else:
+                path = conversion_path(have, want)
+                if path is None:
+                    ok = False
+                    break
+                steps.append(want)
+        if ok and (best is None or sum(s is not None for s in steps) < sum(s is not None for s in best[2])):
+            best = (cand_key, entry, tuple(steps))
+    if best is not None:
+        return Plan(PlanKind.CONVERT, best[0], best[1], best[2])
+    return Plan(PlanKind.FALLBACK, key)
+
+
+def plan_for(key: OpKey) -> Plan:
+    """The plan for ``key``, resolved on first use and cached until the registry changes."""
+    plan = _cache.get(key)
+    if plan is None:
+        plan = _cache[key] = resolve(key)
+    return plan
+
+
+def plan_of(key: OpKey) -> Plan | None:
+    """The plan already resolved for ``key``, if any (``explain`` shows it)."""
+    return _cache.get(key)
+
+
+def clear_caches() -> None:
+    """Forget every resolved plan, conversion path and fast-path entry (as a registration does)."""
+    registry.changed()
+
+
+_cache: dict[OpKey, Plan] = {}
+registry.on_change(_cache.clear)

@@ -1,0 +1,157 @@
+"""Sparsifier dispatch: how a sparsifier turns one layout into another,
+resolved by the same chain as operators (registered implementation, hook,
+conversion, dense fallback) and cached per (sparsifier class, layouts).
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> w = sten.sparsify(sten.ScalarFractionSparsifier(0.5), torch.ones(2, 2), sten.CsrTensor)
+    >>> w.wrapped_tensor.nnz
+    2
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from sten_core.dispatch.conversions import conversion_path, convert, wrap
+from sten_core.dispatch.errors import DispatchError, report_missing
+from sten_core.dispatch.observers import active, notify
+from sten_core.dispatch.plan import PlanKind
+from sten_core.model.layouts import builds_from_dense
+from sten_core.model.registry import Entry, OpKey, registry
+from sten_core.model.sparsifiers import KeepAll, SameFormatSparsifier
+from sten_core.model.spec import OutputSpec
+from sten_core.model.tensor import DENSE_TYPES, WRAPPER_TYPES, SparseTensorWrapper, densify, layout_of
+from sten_core.plugins import manager as plugins
+
+
+def same_format_layout(target: SparseTensorWrapper, dense: torch.Tensor) -> Any:
+    """A layout of ``target``'s type holding ``dense`` at ``target``'s positions,
+    made by the ``SameFormatSparsifier`` implementation for that layout (an
+    in-place update of a layout without the stored-values protocol)."""
+    layout_cls = type(target.wrapped_tensor)
+    result = apply_sparsifier(SameFormatSparsifier(target), dense, layout_cls)
+    if not isinstance(result, SparseTensorWrapper) or type(result.wrapped_tensor) is not layout_cls:
+        raise DispatchError(
+            f"an in-place update of a {layout_cls.__name__} needs a SameFormatSparsifier implementation "
+            f"producing it: @sten.register_sparsifier_implementation(sparsifier=sten.SameFormatSparsifier, "
+            f"inp=torch.Tensor, out={layout_cls.__name__}); the tensor is unchanged")
+    return result.wrapped_tensor
+
+
+def _resolve_sparsifier(key: OpKey) -> tuple[PlanKind, Callable]:
+    """``(plan kind, impl)`` for a sparsifier key, by the same chain as operators."""
+    sp_cls, (inp,), out = key.op, key.inp, key.out
+    entry = registry.impls.get(key)
+    if entry is not None:
+        return PlanKind.IMPL, _call_sparsifier_entry(entry)
+    hooked = plugins.get_plugin_manager().hook.sten_resolve_op(key=key)
+    if isinstance(hooked, Entry):
+        return PlanKind.GENERIC, _call_sparsifier_entry(hooked)
+    if hooked is not None:
+        return PlanKind.GENERIC, lambda sp, t, grad_fmt=None: wrap(hooked(sp, t, grad_fmt))
+    if sp_cls is KeepAll:
+        if inp is out:
+            return PlanKind.IDENTITY, lambda sp, t, grad_fmt=None: t
+        return PlanKind.CONVERT, lambda sp, t, grad_fmt=None: convert(t, out)
+    dense_key = OpKey("sparsifier", sp_cls, (torch.Tensor,), out)
+    if inp is not torch.Tensor and dense_key in registry.impls:
+        impl = _call_sparsifier_entry(registry.impls[dense_key])
+        return PlanKind.CONVERT, lambda sp, t, grad_fmt=None: impl(sp, densify(t), grad_fmt)
+    for (k, entry) in list(registry.impls.items()):
+        if k.direction == "sparsifier" and k.op is sp_cls and k.inp[0] in (inp, torch.Tensor):
+            path = conversion_path(k.out, out) if k.out is not torch.Tensor else None
+            if path is not None:
+                impl = _call_sparsifier_entry(entry)
+                return PlanKind.CONVERT, lambda sp, t, grad_fmt=None, impl=impl: convert(impl(sp, densify(t), grad_fmt), out)
+
+    buildable = out is torch.Tensor or builds_from_dense(out)
+
+    def fallback(sp: Any, t: Any, grad_fmt: Any = None) -> Any:
+        report_missing(key)
+        # keep all values: in ``out`` when it can be built from a dense tensor, else dense
+        return convert(densify(t), out) if buildable else densify(t)
+
+    return PlanKind.FALLBACK, fallback
+
+
+def _call_sparsifier_entry(entry: Entry) -> Callable:
+    fn = entry.fn
+    if entry.arity >= 3:
+        return lambda sp, t, grad_fmt=None: wrap(fn(sp, t, grad_fmt))
+    return lambda sp, t, grad_fmt=None: wrap(fn(sp, t))
+
+
+def sparsify(sparsifier: Any, tensor: Any, out_format: type, grad_fmt: Any = None) -> Any:
+    """Apply ``sparsifier`` to ``tensor``, producing layout ``out_format``.
+
+    >>> import torch, sten_core as sten
+    >>> w = sten.sparsify(sten.ScalarFractionSparsifier(0.75), torch.randn(4, 4), sten.CooTensor)
+    >>> w.wrapped_tensor.nnz
+    4
+    """
+    if sparsifier is None or isinstance(sparsifier, (type, str, bytes, int, float, complex, torch.Tensor)):
+        raise TypeError(f"sparsifier must be a sparsifier instance (e.g. sten.KeepAll()), got {sparsifier!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor or sparse wrapper, got {type(tensor).__name__}")
+    if not isinstance(out_format, type):
+        raise TypeError(f"out_format must be a layout class, got {out_format!r}")
+    plugins.ensure_loaded()
+    return apply_sparsifier(sparsifier, tensor, out_format, grad_fmt)
+
+
+def apply_sparsifier(sparsifier: Any, tensor: torch.Tensor, out_format: type, grad_fmt: Any = None,
+              layout: Any = None) -> Any:
+    """``sparsify`` without argument checks (output specs were checked when made);
+    ``layout``: the tensor's, when the caller knows it."""
+    if layout is None:
+        layout = layout_of(tensor)
+    resolved = _sparsifier_plans.get((type(sparsifier), layout, out_format))
+    if resolved is None:
+        resolved = _sparsifier_plan(type(sparsifier), layout, out_format)
+    kind, impl = resolved
+    if active():
+        started = time.perf_counter()
+        result = impl(sparsifier, tensor, grad_fmt)
+        notify("sparsifier", OpKey("sparsifier", type(sparsifier), (layout,), out_format), kind,
+                time.perf_counter() - started)
+    else:
+        result = impl(sparsifier, tensor, grad_fmt)
+    if grad_fmt is not None and isinstance(result, SparseTensorWrapper):
+        result.grad_fmt = grad_fmt
+    return result
+
+
+def _sparsifier_plan(sp_cls: type, layout: Any, out_format: type) -> tuple[PlanKind, Callable]:
+    """Resolve (and cache, under its ``OpKey`` and a plain tuple) a sparsifier key."""
+    key = OpKey("sparsifier", sp_cls, (layout,), out_format)
+    resolved = _plans.get(key)
+    if resolved is None:
+        resolved = _plans[key] = _resolve_sparsifier(key)
+    _sparsifier_plans[(sp_cls, layout, out_format)] = resolved
+    return resolved
+
+
+def apply_spec(value: Any, spec: OutputSpec, inline_done: bool = False) -> Any:
+    """Run an output through its spec: inline sparsifier to ``tmp_format``
+    (unless already done), then the external one to ``out_format``."""
+    t = type(value)
+    if t not in DENSE_TYPES and t not in WRAPPER_TYPES and not isinstance(value, torch.Tensor):
+        return value
+    layout = None
+    if not inline_done:
+        value = apply_sparsifier(spec.inline_sparsifier, value, spec.tmp_format)
+    elif layout_of(value) is not spec.tmp_format:
+        value = convert(value, spec.tmp_format)
+    else:
+        layout = spec.tmp_format
+    return apply_sparsifier(spec.external_sparsifier, value, spec.out_format, None, layout)
+
+
+_plans: dict[OpKey, tuple] = {}
+_sparsifier_plans: dict[tuple, tuple] = {}  # (sparsifier class, layout, out format) → (kind, impl)
+registry.on_change(_plans.clear)
+registry.on_change(_sparsifier_plans.clear)

@@ -1,0 +1,191 @@
+"""The layout protocol: how a tensor's values are stored.
+
+A layout class wraps its storage and converts to and from a dense tensor. Only
+``from_dense`` and ``to_dense`` are required (the paper's hand-written
+``MyCscTensor`` is a valid layout); the rest have defaults or are optional.
+
+Layouts that store their kept values in one tensor may also implement the
+*stored-values protocol* (``values``, ``with_values``, ``gather``,
+``same_pattern``). The wrapper then runs element-wise updates (optimizer steps,
+``grad`` accumulation) on the stored values in O(nnz), keeping the pattern.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> x = sten.CsrTensor.from_dense(torch.eye(3))
+    >>> x.shape, x.nnz
+    (torch.Size([3, 3]), 3)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+class Layout:
+    """Base class of sparsity layouts (subclassing it is optional).
+
+    Subclasses implement ``from_dense`` and ``to_dense``; metadata defaults are
+    derived from them but may be overridden for speed.
+    """
+
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor) -> "Layout":
+        """Build the layout from a dense tensor, keeping its nonzeros."""
+        raise NotImplementedError(f"{cls.__name__}.from_dense")
+
+    def to_dense(self) -> torch.Tensor:
+        """Return the dense tensor this layout represents."""
+        raise NotImplementedError(f"{type(self).__name__}.to_dense")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.to_dense().shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.to_dense().dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.to_dense().device
+
+    @property
+    def nnz(self) -> int | None:
+        """Number of stored values, or ``None`` where that is meaningless."""
+        return None
+
+    # -- stored-values protocol (optional) -------------------------------
+    def values(self) -> torch.Tensor | None:
+        """The stored values as one tensor, or ``None`` if not supported."""
+        return None
+
+    def with_values(self, values: torch.Tensor) -> "Layout":
+        """A layout with this one's pattern and the given stored values."""
+        raise NotImplementedError(f"{type(self).__name__}.with_values")
+
+    def gather(self, dense: torch.Tensor) -> torch.Tensor:
+        """Values of ``dense`` at this layout's stored positions."""
+        raise NotImplementedError(f"{type(self).__name__}.gather")
+
+    def same_pattern(self, other: Any) -> bool:
+        """Whether ``other`` stores exactly the same positions."""
+        return False
+
+    # -- serialization (optional) -----------------------------------------
+    # ``state_tensors()`` returns plain tensors and the classmethod
+    # ``from_state_tensors(tensors, shape)`` rebuilds the layout from them; with
+    # both, a wrapper saves for ``torch.load(..., weights_only=True)``.
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, nnz={self.nnz})"
+
+
+@runtime_checkable
+class DenseConvertible(Protocol):
+    """The two required methods of a layout: ``from_dense`` (a classmethod) and ``to_dense``."""
+
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor) -> Any: ...
+
+    def to_dense(self) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class StoredValues(Protocol):
+    """The stored-values protocol: kept values in one tensor, replaceable and
+    readable at the stored positions (a ``values()`` of ``None`` opts out)."""
+
+    def values(self) -> torch.Tensor | None: ...
+
+    def with_values(self, values: torch.Tensor) -> Any: ...
+
+    def gather(self, dense: torch.Tensor) -> torch.Tensor: ...
+
+    def same_pattern(self, other: Any) -> bool: ...
+
+
+@runtime_checkable
+class StateTensors(Protocol):
+    """Saving as plain tensors: ``state_tensors()`` and the classmethod
+    ``from_state_tensors(tensors, shape)`` that rebuilds the layout
+    (``torch.load(..., weights_only=True)`` then reads it)."""
+
+    def state_tensors(self) -> tuple: ...
+
+    @classmethod
+    def from_state_tensors(cls, tensors: tuple, shape: tuple) -> Any: ...
+
+
+@runtime_checkable
+class Movable(Protocol):
+    """A layout that moves itself: ``to(device, dtype)`` returns the moved layout."""
+
+    def to(self, device: Any = None, dtype: Any = None) -> Any: ...
+
+
+_implements: dict[tuple[type, type], bool] = {}
+
+
+def implements(layout: Any, protocol: type) -> bool:
+    """``isinstance(layout, protocol)`` for the protocols above, cached per layout class
+    (a runtime protocol check costs microseconds; this one a dict look-up).
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> implements(sten.CsrTensor.from_dense(torch.eye(2)), StateTensors)
+        True
+    """
+    key = (type(layout), protocol)
+    found = _implements.get(key)
+    if found is None:
+        found = _implements[key] = isinstance(layout, protocol)
+    return found
+
+
+def supports_values(layout: Any) -> bool:
+    """Whether ``layout`` implements the stored-values protocol (and does not opt out)."""
+    return implements(layout, StoredValues) and layout.values() is not None
+
+
+def layout_metadata(layout: Any) -> tuple[torch.Size, torch.dtype, torch.device]:
+    """Logical (shape, dtype, device) of any layout object.
+
+    Layouts that do not report their metadata (like the paper's ``MyCscTensor``)
+    are densified once to learn it.
+    """
+    try:
+        shape, dtype, device = layout.shape, layout.dtype, layout.device
+        if isinstance(dtype, torch.dtype) and device is not None:
+            return torch.Size(shape), dtype, torch.device(device)
+    except (AttributeError, NotImplementedError):
+        pass
+    dense = layout.to_dense()
+    if not isinstance(dense, torch.Tensor):
+        dense = torch.as_tensor(dense)
+    return dense.shape, dense.dtype, dense.device
+
+
+def to_dense_tensor(layout: Any) -> torch.Tensor:
+    """``layout.to_dense()`` as a strided ``torch.Tensor`` (numpy results converted)."""
+    dense = layout.to_dense()
+    if not isinstance(dense, torch.Tensor):
+        import numpy as np
+
+        dense = torch.from_numpy(np.asarray(dense))
+    return dense
+
+
+def builds_from_dense(cls: Any) -> bool:
+    """Whether a layout class implements ``from_dense`` (not just ``Layout``'s).
+
+    Example:
+        >>> import sten_core as sten
+        >>> builds_from_dense(sten.CsrTensor), builds_from_dense(sten.Layout)
+        (True, False)
+    """
+    fn = getattr(cls, "from_dense", None)
+    if not callable(fn):
+        return False
+    return getattr(fn, "__func__", fn) is not Layout.__dict__["from_dense"].__func__

@@ -1,0 +1,298 @@
+"""The registry: every layout, implementation and conversion known to STen.
+
+Plugins fill it from their ``sten_register(registry)`` hook; users through the
+``register_*`` decorators. Each entry remembers the plugin that made it, so a
+plugin that fails half-way is removed whole.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> key = OpKey("fwd", torch.add, (torch.Tensor, torch.Tensor), ((sten.KeepAll, torch.Tensor),))
+    >>> key.describe()
+    'fwd torch.add inp=(Tensor, Tensor) out=((KeepAll, Tensor),)'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, Iterator, NamedTuple
+
+import torch
+
+from sten_core.model.signatures import op_name, signature_of
+
+
+class OpKey(NamedTuple):
+    """What a dispatch looks up.
+
+    ``direction`` is ``"fwd"``, ``"bwd"`` or ``"sparsifier"``. For ``fwd``:
+    ``inp`` are the argument layouts and ``out`` the ``(inline sparsifier class,
+    tmp_format)`` of each output (``None`` when the caller let the
+    implementation choose). For ``bwd``: ``grad_out`` are the layouts of the
+    incoming gradients and ``out`` the ``(inline class, tmp_format)`` wanted per
+    input gradient. For ``sparsifier``: ``op`` is the sparsifier class, ``inp``
+    ``(input layout,)`` and ``out`` the output layout.
+    """
+
+    direction: str
+    op: Any
+    inp: tuple
+    out: Any
+    grad_out: tuple = ()
+
+    def describe(self) -> str:
+        if self.direction == "sparsifier":
+            return f"sparsifier {_name(self.op)} inp={_name(self.inp[0])} out={_name(self.out)}"
+        text = f"{self.direction} {op_name(self.op)} inp={_names(self.inp)}"
+        if self.direction == "bwd":
+            return f"{text} grad_out={_names(self.grad_out)} grad_inp={_names(self.out)}"
+        return f"{text} out={_names(self.out)}"
+
+
+def _name(obj: Any) -> str:
+    if obj is None:
+        return "None"
+    if isinstance(obj, type):
+        return obj.__name__
+    return repr(obj)
+
+
+def _names(items: Any) -> str:
+    if items is None:
+        return "None"
+    if isinstance(items, (tuple, list)):
+        inner = ", ".join(_names(i) for i in items)
+        return f"({inner},)" if len(items) == 1 else f"({inner})"
+    return _name(items)
+
+
+# -- pattern normalisation -------------------------------------------------------
+
+def trim(pattern: tuple) -> tuple:
+    """Drop trailing ``None`` entries: ``(T, T, None, None)`` ≡ ``(T, T)``."""
+    end = len(pattern)
+    while end and pattern[end - 1] is None:
+        end -= 1
+    return tuple(pattern[:end])
+
+
+def _layout_entry(entry: Any, name: str) -> Any:
+    if entry is None:
+        return None
+    if entry is torch.nn.Parameter:
+        return torch.Tensor
+    if not isinstance(entry, type):
+        raise TypeError(f"{name}: expected a layout class, torch.Tensor or None, got {entry!r}")
+    return entry
+
+
+def _sparsifier_class(entry: Any, name: str) -> type:
+    if isinstance(entry, type):
+        return entry
+    if entry is None:
+        raise TypeError(f"{name}: expected a sparsifier class")
+    return type(entry)
+
+
+def normalize_inp(inp: Any, op: Any, name: str = "inp") -> tuple:
+    """Check an input pattern against the operator's signature and trim it."""
+    if isinstance(inp, type) or inp is None:
+        inp = (inp,)
+    if not isinstance(inp, (tuple, list)):
+        raise TypeError(f"{name} must be a tuple of layout classes / None, got {inp!r}")
+    pattern = trim(tuple(_layout_entry(e, f"{name}[{i}]") for i, e in enumerate(inp)))
+    params = signature_of(op)
+    if params is not None and len(pattern) > len(params.names):
+        raise ValueError(
+            f"{name} has {len(pattern)} entries but {op_name(op)} takes "
+            f"{len(params.names)} arguments ({', '.join(params.names)})"
+        )
+    return pattern
+
+
+def normalize_out_pairs(out: Any, name: str = "out") -> tuple:
+    """``[(SparsifierClass, tmp_format), ...]`` → tuple of class pairs."""
+    if out is None:
+        return ((_keep_all(), torch.Tensor),)
+    if isinstance(out, tuple) and len(out) in (2, 4) and not isinstance(out[0], (tuple, list)):
+        out = (out,)
+    if not isinstance(out, (tuple, list)):
+        raise TypeError(f"{name} must be a sequence of (sparsifier, format) pairs, got {out!r}")
+    pairs = []
+    for i, item in enumerate(out):
+        if item is None:
+            pairs.append(None)
+            continue
+        if not isinstance(item, (tuple, list)) or len(item) not in (2, 4):
+            raise ValueError(f"{name}[{i}] must be a (sparsifier, format) pair, got {item!r}")
+        pairs.append((_sparsifier_class(item[0], f"{name}[{i}][0]"), _layout_entry(item[1], f"{name}[{i}][1]")))
+    return trim(tuple(pairs))
+
+
+def _keep_all() -> type:
+    from sten_core.model.sparsifiers import KeepAll
+
+    return KeepAll
+
+
+def _full_length(inp: Any) -> int:
+    return len(inp) if isinstance(inp, (tuple, list)) else 1
+
+
+def _count_positional(fn: Callable) -> int:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 3
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 3
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+class Entry(NamedTuple):
+    """A registered implementation and how to call it."""
+
+    fn: Callable
+    nargs: int  # how many bound arguments it receives (its pattern's full length)
+    arity: int = 3  # positional parameters of fn (sparsifier impls take 2 or 3)
+
+
+class Registry:
+    """All registrations, by kind, each tagged with its owner plugin."""
+
+    def __init__(self) -> None:
+        self.layouts: dict[str, type] = {}
+        self.impls: dict[OpKey, Entry] = {}
+        self.conversions: dict[tuple[type, type], Callable] = {}
+        self.compiled: dict[tuple, Callable] = {}  # (operator, input layouts) -> traceable kernel
+        self._owners: dict[Any, str] = {}
+        self._owner = "user"
+        self._listeners: list[Callable[[], None]] = []
+
+    # -- bookkeeping -------------------------------------------------------------
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` after every change (the dispatcher clears its cache)."""
+        self._listeners.append(callback)
+
+    def changed(self) -> None:
+        """Tell the listeners that what they derived from the registry is stale."""
+        for callback in self._listeners:
+            callback()
+
+    @contextlib.contextmanager
+    def owner(self, name: str) -> Iterator["Registry"]:
+        """Tag registrations made inside the block with plugin ``name``."""
+        previous, self._owner = self._owner, name
+        try:
+            yield self
+        finally:
+            self._owner = previous
+
+    def remove_owner(self, name: str) -> None:
+        """Undo every registration of plugin ``name``."""
+        for entry, owner in list(self._owners.items()):
+            if owner != name:
+                continue
+            kind, key = entry
+            getattr(self, kind).pop(key, None)
+            del self._owners[entry]
+        self.changed()
+
+    def owner_of(self, kind: str, key: Any) -> str | None:
+        """The plugin (or ``"user"`` context) that registered ``key`` of ``kind``
+        (``"impls"``, ``"layouts"``, ``"conversions"``), if known."""
+        return self._owners.get((kind, key))
+
+    def owned_by(self, name: str, kind: str) -> list:
+        return [key for (k, key), owner in self._owners.items() if owner == name and k == kind]
+
+    def _put(self, kind: str, key: Any, value: Any) -> None:
+        getattr(self, kind)[key] = value
+        self._owners[(kind, key)] = self._owner
+        self.changed()
+
+    # -- layouts -------------------------------------------------------------------
+    def register_layout(self, cls: type, name: str | None = None) -> type:
+        """Make ``cls`` known by ``name`` (default: the class name)."""
+        if not isinstance(cls, type):
+            raise TypeError(f"layout must be a class, got {cls!r}")
+        for method in ("from_dense", "to_dense"):
+            if not callable(getattr(cls, method, None)):
+                raise TypeError(f"layout {cls.__name__} must define {method}()")
+        name = name or cls.__name__
+        previous = self.layouts.get(name)
+        if previous is not None and previous is not cls and _qualified(previous) != _qualified(cls):
+            owner = self._owners.get(("layouts", name), "user")
+            raise ValueError(
+                f"layout name {name!r} is taken: {_qualified(previous)} (registered by {owner!r}) and "
+                f"{_qualified(cls)} (by {self._owner!r}) would overwrite each other and checkpoints would "
+                f"load the wrong class; register one under another name: "
+                f"registry.register_layout({cls.__name__}, name='<package>.{cls.__name__}')"
+            )
+        self._put("layouts", name, cls)
+        return cls
+
+    def layout(self, name: str) -> type:
+        """The layout class registered as ``name`` (ValueError lists the valid ones)."""
+        try:
+            return self.layouts[name]
+        except KeyError:
+            raise ValueError(
+                f"unknown layout {name!r}; known layouts: {', '.join(sorted(self.layouts)) or 'none'}"
+            ) from None
+
+    # -- implementations ---------------------------------------------------------
+    def register_fwd_op_impl(self, operator: Any, inp: Any, out: Any, impl: Callable) -> Callable:
+        if not callable(operator):
+            raise TypeError(f"operator must be a callable torch operator, got {operator!r}")
+        if isinstance(out, (list, tuple)) and len(out) == 0:
+            out = None  # the original STen's out=[]: the default dense output
+        key = OpKey("fwd", operator, normalize_inp(inp, operator), normalize_out_pairs(out))
+        self._put("impls", key, Entry(impl, _full_length(inp)))
+        return impl
+
+    def register_bwd_op_impl(self, operator: Any, grad_out: Any, grad_inp: Any, inp: Any, impl: Callable) -> Callable:
+        if not callable(operator):
+            raise TypeError(f"operator must be a callable torch operator, got {operator!r}")
+        grad_out = tuple(_layout_entry(g, "grad_out") for g in (grad_out if isinstance(grad_out, (tuple, list)) else (grad_out,)))
+        grads = normalize_out_pairs(grad_inp, "grad_inp")
+        pattern = normalize_inp(inp, operator)
+        params = signature_of(operator)
+        if params is not None and len(grads) > max(len(pattern), len(params.names)):
+            raise ValueError(f"grad_inp has {len(grads)} entries but {op_name(operator)} takes {len(params.names)} arguments")
+        key = OpKey("bwd", operator, pattern, grads, grad_out)
+        self._put("impls", key, Entry(impl, _full_length(inp)))
+        return impl
+
+    def register_sparsifier_implementation(self, sparsifier: type, inp: type, out: type, impl: Callable) -> Callable:
+        sp = _sparsifier_class(sparsifier, "sparsifier")
+        key = OpKey("sparsifier", sp, (_layout_entry(inp, "inp"),), _layout_entry(out, "out"))
+        self._put("impls", key, Entry(impl, 1, _count_positional(impl)))
+        return impl
+
+    def register_conversion(self, src: type, dst: type, fn: Callable[[Any], Any]) -> Callable:
+        """Register a lossless conversion ``fn(src_layout_obj) -> dst_layout_obj``."""
+        self._put("conversions", (_layout_entry(src, "src"), _layout_entry(dst, "dst")), fn)
+        return fn
+
+    def register_compiled_impl(self, operator: Any, inp: Any, impl: Callable) -> Callable:
+        """Register what a call of ``operator`` with input layouts ``inp`` runs while
+        ``torch.compile`` traces it: ``impl(*args, **kwargs)``, traceable code (torch
+        ops and custom operators on the layouts' plain tensors); see ``sten_core.dispatch.compiled``."""
+        if not callable(operator):
+            raise TypeError(f"operator must be a callable torch operator, got {operator!r}")
+        if not callable(impl):
+            raise TypeError(f"impl must be callable, got {impl!r}")
+        self._put("compiled", (operator, normalize_inp(inp, operator)), impl)
+        return impl
+
+    def fwd_candidates(self, op: Any, out: Any) -> list[tuple[OpKey, Entry]]:
+        return [(k, v) for k, v in self.impls.items() if k.direction == "fwd" and k.op is op and k.out == out]
+
+
+registry = Registry()
+
+
+def _qualified(cls: type) -> str:
+    """``module.QualName`` of a class (a re-imported module gives the same string)."""
+    return f"{cls.__module__}.{cls.__qualname__}"

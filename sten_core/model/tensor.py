@@ -1,0 +1,418 @@
+"""Sparse tensor and parameter wrappers.
+
+A ``SparseTensorWrapper`` is a ``torch.Tensor`` subclass with no storage of its
+own: it reports the true logical shape, dtype, device and ``requires_grad`` of
+the layout object it wraps (``.wrapped_tensor``), and routes every torch
+operation on it to the STen dispatcher (``__torch_function__``). Nothing in
+torch is patched.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(3)))
+    >>> w.shape, w.dtype
+    (torch.Size([3, 3]), torch.float32)
+    >>> torch.mm(w, torch.ones(3, 2)).sum().item()
+    6.0
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from sten_core.model.layouts import layout_metadata, supports_values, to_dense_tensor
+
+aten = torch.ops.aten
+
+
+class SparseTensorWrapper(torch.Tensor):
+    """A tensor whose values live in a sparse layout object.
+
+    Args:
+        wrapped_tensor: the layout object (e.g. ``CsrTensor``).
+        requires_grad: whether autograd tracks it.
+        grad_fmt: the output spec ``(inline_sparsifier, tmp_format,
+            external_sparsifier, out_format)`` of its gradient; ``None`` is dense.
+    """
+
+    grad_fmt: Any
+    _cell: list  # [layout]: shared by a wrapper and its aliases (``detach()``)
+
+    @staticmethod
+    def __new__(cls, wrapped_tensor: Any, requires_grad: bool = False, grad_fmt: Any = None):
+        if isinstance(wrapped_tensor, torch.Tensor):
+            raise TypeError(
+                "wrapped_tensor must be a layout object (e.g. sten.CsrTensor.from_dense(t)), "
+                f"got {type(wrapped_tensor).__name__}"
+            )
+        shape, dtype, device = layout_metadata(wrapped_tensor)
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
+        )
+        self._cell = [wrapped_tensor]
+        self.grad_fmt = grad_fmt
+        return self
+
+    @property
+    def wrapped_tensor(self) -> Any:
+        """The layout object holding the values."""
+        return self._cell[0]
+
+    @wrapped_tensor.setter
+    def wrapped_tensor(self, layout: Any) -> None:
+        """Replace the layout object: an in-place change, seen by every alias
+        (``detach()``) and by autograd (the version counter is bumped)."""
+        self._cell[0] = layout
+        _bump_version(self)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @staticmethod
+    def wrapped_from_dense(wrapped_tensor: Any, dense: torch.Tensor, grad_fmt: Any = None) -> "SparseTensorWrapper":
+        """Wrap ``wrapped_tensor``, made from ``dense``; takes its ``requires_grad``."""
+        if not isinstance(dense, torch.Tensor):
+            raise TypeError(f"dense must be a torch.Tensor, got {type(dense).__name__}")
+        return SparseTensorWrapper(wrapped_tensor, requires_grad=dense.requires_grad, grad_fmt=grad_fmt)
+
+    def to_dense(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        """The dense tensor this wrapper represents; differentiable (as
+        ``torch.Tensor.to_dense`` is) when the wrapper requires grad and grad
+        mode is on, its gradient then coming back in the wrapper's ``grad_fmt``."""
+        if torch.is_grad_enabled() and self.requires_grad:
+            return services.dense_with_grad(self)
+        return to_dense_tensor(self.wrapped_tensor)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        extra = ", requires_grad=True" if self.requires_grad else ""
+        if self.grad_fn is not None:
+            extra = f", grad_fn=<{type(self.grad_fn).__name__}>"
+        return f"{type(self).__name__}({self.wrapped_tensor!r}{extra})"
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return services.reduce_wrapper(self)
+
+    def __deepcopy__(self, memo: dict) -> "SparseTensorWrapper":
+        new = type(self)(copy.deepcopy(self.wrapped_tensor, memo), self.requires_grad, self.grad_fmt)
+        memo[id(self)] = new
+        return new
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        handler = _HANDLERS.get(func)
+        if handler is None:
+            if _is_compiling():  # Dynamo is tracing: the compiled implementation, if any
+                out = services.compiled_call(func, args, kwargs or {})
+                if out is not services.MISSING:
+                    return out
+            return services.dispatch_call(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        if handler is _PASS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        return handler(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Aten-level operations reach here from autograd's own machinery
+        (detach, gradient accumulation, clone); anything else runs densely."""
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        first = args[0] if args else None
+        if packet in (aten.detach, aten.alias, aten.view_as) and isinstance(first, SparseTensorWrapper):
+            return _alias(first)
+        if packet is aten.clone and isinstance(first, SparseTensorWrapper):
+            return type(first)(_copy_layout(first.wrapped_tensor), False, first.grad_fmt)
+        if packet in (aten.add, aten.add_) and len(args) >= 2 and not kwargs.get("alpha", 1) != 1:
+            result = _add_same_pattern(args[0], args[1], inplace=packet is aten.add_)
+            if result is not None:
+                return result
+        dense_args, dense_kwargs = densify_tree((args, kwargs))
+        out = func(*dense_args, **dense_kwargs)
+        if func._schema.is_mutable and isinstance(first, SparseTensorWrapper):
+            return write_back(first, dense_args[0])
+        return out
+
+
+class SparseParameterWrapper(SparseTensorWrapper):
+    """A ``SparseTensorWrapper`` that ``nn.Module`` registers as a parameter.
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> m = torch.nn.Linear(4, 3)
+        >>> m.weight = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(m.weight.detach()))
+        >>> isinstance(m.weight, torch.nn.Parameter), len(list(m.parameters()))
+        (True, 2)
+    """
+
+    @staticmethod
+    def __new__(cls, wrapped_tensor: Any, requires_grad: bool = True, grad_fmt: Any = None):
+        if isinstance(wrapped_tensor, SparseTensorWrapper):
+            grad_fmt = grad_fmt if grad_fmt is not None else wrapped_tensor.grad_fmt
+            wrapped_tensor = wrapped_tensor.wrapped_tensor
+        self = SparseTensorWrapper.__new__(cls, wrapped_tensor, requires_grad, grad_fmt)
+        self._is_param = True
+        return self
+
+
+def write_back(target: SparseTensorWrapper, dense: torch.Tensor) -> SparseTensorWrapper:
+    """Store the result of a dense in-place computation into ``target``: at its
+    stored positions when the layout allows (pattern kept), else re-built by the
+    layout's ``SameFormatSparsifier`` implementation (through dispatch, so a
+    user layout's registered one is used)."""
+    layout = target.wrapped_tensor
+    if supports_values(layout):
+        values = layout.values()
+        values.copy_(layout.gather(dense).to(values.dtype))
+        target.wrapped_tensor = layout.with_values(values)
+    else:
+        target.wrapped_tensor = services.same_format_layout(target, dense)
+    return target
+
+
+def _bump_version(tensor: torch.Tensor) -> None:
+    """Tell autograd that ``tensor`` changed in place (saved copies of it are stale)."""
+    try:
+        torch._C._increment_version((tensor,))
+    except (RuntimeError, TypeError):  # inference tensors have no version counter
+        pass
+
+
+def _alias(wrapper: SparseTensorWrapper) -> SparseTensorWrapper:
+    """A wrapper without autograd history sharing ``wrapper``'s layout cell:
+    an in-place change through either is seen by both (``w.detach().copy_(t)``)."""
+    new = SparseTensorWrapper.__new__(SparseTensorWrapper, wrapper.wrapped_tensor, False, wrapper.grad_fmt)
+    new._cell = wrapper._cell
+    return new
+
+
+class WrapperServices:
+    """What the wrapper needs from the layers built on this module, installed
+    by them when imported (``sten_core.dispatch``: ``dispatch_call``,
+    ``dense_with_grad``, ``same_format_layout``, ``convert``;
+    ``sten_core.dispatch.compiled``: ``compiled_call``, ``MISSING``;
+    ``sten_core.training.serialization``: ``reduce_wrapper``), so the
+    programming model imports nothing above it.
+
+    Example:
+        >>> import sten_core
+        >>> sten_core.model.tensor.services.dispatch_call.__name__
+        'dispatch_call'
+    """
+
+    dispatch_call: Any = None
+    dense_with_grad: Any = None
+    same_format_layout: Any = None
+    convert: Any = None
+    compiled_call: Any = None
+    MISSING: Any = None
+    reduce_wrapper: Any = None
+
+    def install(self, **services: Any) -> None:
+        for name, service in services.items():
+            if not hasattr(WrapperServices, name):
+                raise TypeError(f"unknown wrapper service {name!r}")
+            setattr(self, name, service)
+
+
+services = WrapperServices()
+_is_compiling = torch.compiler.is_compiling
+
+
+def _rebuild(cls: type, wrapped: Any, requires_grad: bool, grad_fmt: Any) -> SparseTensorWrapper:
+    return cls(wrapped, requires_grad, grad_fmt)
+
+
+def _copy_layout(layout: Any) -> Any:
+    if supports_values(layout):
+        return layout.with_values(layout.values().clone())
+    return copy.deepcopy(layout)
+
+
+def _add_same_pattern(a: Any, b: Any, inplace: bool) -> Any:
+    """``a + b`` on stored values when both are wrappers with one pattern."""
+    if not (isinstance(a, SparseTensorWrapper) and isinstance(b, SparseTensorWrapper)):
+        return None
+    la, lb = a.wrapped_tensor, b.wrapped_tensor
+    if type(la) is not type(lb) or not supports_values(la) or not la.same_pattern(lb):
+        return None
+    if inplace:
+        la.values().add_(lb.values())
+        a.wrapped_tensor = la.with_values(la.values())
+        return a
+    return SparseTensorWrapper(la.with_values(la.values() + lb.values()), False, a.grad_fmt)
+
+
+WRAPPER_TYPES = frozenset({SparseTensorWrapper, SparseParameterWrapper})
+"""The wrapper classes themselves: ``type(x) in WRAPPER_TYPES`` is much cheaper than
+``isinstance(x, torch.Tensor)`` (torch's metaclass check), so hot paths test it first."""
+DENSE_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+PLAIN_TYPES = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.Size})
+"""Argument types that are never tensors."""
+
+
+def detached(value: Any) -> Any:
+    """``value`` as implementations see it: without autograd history.
+
+    A wrapper's detached twin (same layout object and ``grad_fmt``) is made
+    once and kept on the wrapper while both stay the same, so recording an
+    autograd node does not build a new wrapper per input per call (callers
+    must not hand the twin out: see ``dispatch.call.own_outputs``). Plain tensors
+    are ``detach()``-ed; anything else is returned as is. Call it with
+    subclass torch functions disabled (``requires_grad`` is read).
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> w = sten.SparseTensorWrapper(sten.DenseTensor.from_dense(torch.ones(2)), requires_grad=True)
+        >>> with torch._C.DisableTorchFunctionSubclass():
+        ...     d = detached(w)
+        ...     (d.requires_grad, d.wrapped_tensor is w.wrapped_tensor, detached(w) is d)
+        (False, True, True)
+    """
+    t = type(value)
+    if t in PLAIN_TYPES:
+        return value
+    if t in WRAPPER_TYPES or (t not in DENSE_TYPES and isinstance(value, SparseTensorWrapper)):
+        if not value.requires_grad:
+            return value
+        layout, grad_fmt = value.wrapped_tensor, value.grad_fmt
+        cached = value.__dict__.get("_sten_detached")  # (layout, grad_fmt, twin)
+        if cached is None or cached[0] is not layout or cached[1] is not grad_fmt:
+            cached = value.__dict__["_sten_detached"] = (layout, grad_fmt, SparseTensorWrapper(layout, False, grad_fmt))
+        return cached[2]
+    if (t in DENSE_TYPES or isinstance(value, torch.Tensor)) and value.requires_grad:
+        return value.detach()
+    return value
+
+
+def layout_of(value: Any) -> Any:
+    """The layout class of a call argument: a layout class, ``torch.Tensor`` or ``None``."""
+    t = type(value)
+    if t in WRAPPER_TYPES:
+        return type(value.wrapped_tensor)
+    if t in DENSE_TYPES:
+        return torch.Tensor
+    if t in PLAIN_TYPES:
+        return None
+    if isinstance(value, SparseTensorWrapper):
+        return type(value.wrapped_tensor)
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor
+    return None
+
+
+def detach_at(values: list, positions: Any) -> list:
+    """``values`` with the tensors at ``positions`` detached (see ``detached``)."""
+    values = list(values)
+    with torch._C.DisableTorchFunctionSubclass():
+        for i in positions:
+            values[i] = detached(values[i])
+    return values
+
+
+def densify(value: Any) -> Any:
+    """A wrapper's dense tensor (keeping nothing of autograd); others unchanged."""
+    if type(value) in WRAPPER_TYPES or isinstance(value, SparseTensorWrapper):
+        return to_dense_tensor(value.wrapped_tensor)
+    return value
+
+
+def densify_tree(tree: Any) -> Any:
+    """``densify`` applied through tuples, lists and dicts."""
+    return map_tensors(densify, tree)
+
+
+def map_tensors(fn: Any, tree: Any, leaf: type | None = None) -> Any:
+    """``tree`` (lists, tuples, named tuples, torch return types, dicts) with each
+    tensor ``t`` in it replaced by ``fn(t)``; with ``leaf``, each instance of that
+    class instead.
+
+    Example:
+        >>> map_tensors(lambda t: t * 2, {"a": [torch.ones(1), 3]})
+        {'a': [tensor([2.]), 3]}
+    """
+    t = type(tree)
+    if leaf is not None:
+        if t is leaf:
+            return fn(tree)
+    elif t in DENSE_TYPES or t in WRAPPER_TYPES or (t not in PLAIN_TYPES and isinstance(tree, torch.Tensor)):
+        return fn(tree)
+    if t is list or t is tuple or (isinstance(tree, (list, tuple)) and not isinstance(tree, torch.Size)):
+        return rebuild_seq(tree, [map_tensors(fn, v, leaf) for v in tree])
+    if isinstance(tree, dict):
+        return {k: map_tensors(fn, v, leaf) for k, v in tree.items()}
+    return tree
+
+
+def rebuild_seq(like: Any, items: list) -> Any:
+    """A list, tuple, named tuple or torch return type like ``like`` with ``items``."""
+    t = type(like)
+    if t is list or t is tuple:
+        return t(items)
+    if hasattr(like, "_fields"):
+        return t(*items)
+    try:
+        return t(items)  # torch.return_types (structseq)
+    except TypeError:
+        return tuple(items)
+
+
+def _detach(self: SparseTensorWrapper) -> SparseTensorWrapper:
+    """``w.detach()``: an alias (same layout cell, same version counter) without history."""
+    with torch._C.DisableTorchFunctionSubclass():
+        out = torch.Tensor.detach(self)
+    out.grad_fmt = None
+    return out
+
+
+def _to_dense_method(self: SparseTensorWrapper, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self.to_dense()
+
+
+def _get_data(self: SparseTensorWrapper) -> SparseTensorWrapper:
+    """``w.data``: the same values without history (an alias of the layout cell;
+    unlike ``detach()``, autograd does not see changes made through it)."""
+    return _alias(self)
+
+
+def _set_data(self: SparseTensorWrapper, value: torch.Tensor) -> None:
+    """``w.data = t``: a wrapper's layout, or a dense tensor stored in ``w``'s
+    format; shape, dtype and device follow the new value (``Module._apply``)."""
+    if isinstance(value, SparseTensorWrapper):
+        layout = value.wrapped_tensor
+    elif isinstance(value, torch.Tensor):
+        layout = services.convert(value.detach(), type(self.wrapped_tensor)).wrapped_tensor
+    else:
+        raise TypeError(f"data must be a tensor, got {type(value).__name__}")
+    shape, dtype, device = layout_metadata(layout)
+    if (shape, dtype, device) != (self.shape, self.dtype, self.device):
+        shell = SparseTensorWrapper(layout)
+        with torch._C.DisableTorchFunctionSubclass():
+            torch.Tensor.data.__set__(self, shell)  # the tensor's own metadata
+    self.wrapped_tensor = layout
+
+
+_T = torch.Tensor
+_PASSTHROUGH = {
+    _T.requires_grad.__set__, _T.grad.__set__,
+    _T.size, _T.dim, _T.numel, _T.nelement, _T.element_size, _T.stride, _T.is_contiguous,
+    _T.is_floating_point, _T.is_complex, _T.get_device, _T.requires_grad_, _T.retain_grad,
+    _T.register_hook, _T.register_post_accumulate_grad_hook, _T.backward, _T.__hash__,
+    _T.__len__, _T.data_ptr, _T._is_view, _T.__setstate__, _T.dim_order, _T.is_inference,
+    torch.is_complex, torch.is_floating_point, torch.numel, torch.is_tensor,
+    torch.autograd.backward, torch.autograd.grad, torch._has_compatible_shallow_copy_type,
+}
+for _name in ("shape", "dtype", "device", "requires_grad", "grad", "grad_fn", "is_leaf", "layout",
+              "ndim", "is_cuda", "is_sparse", "is_quantized", "is_meta", "_version", "is_nested",
+              "names", "output_nr", "_base", "retains_grad", "_post_accumulate_grad_hooks",
+              "_backward_hooks", "is_mkldnn", "is_sparse_csr", "is_xpu", "is_mps", "itemsize",
+              "nbytes", "is_cpu", "_is_param"):
+    _prop = getattr(_T, _name, None)
+    if _prop is not None and hasattr(_prop, "__get__"):
+        _PASSTHROUGH.add(_prop.__get__)
+_SPECIAL = {_T.detach: _detach, _T.to_dense: _to_dense_method, _T.data.__get__: _get_data,
+            _T.data.__set__: _set_data}
+_PASS = object()  # marks functions that run as on any tensor (metadata)
+_HANDLERS: dict = {**{f: _PASS for f in _PASSTHROUGH}, **_SPECIAL}

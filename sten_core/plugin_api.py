@@ -1,0 +1,63 @@
+"""The public API for plugins: everything a layout plugin imports from STen,
+and the only module it imports (``tests/test_architecture.py`` checks the
+plugins in this repository).
+
+- hooks: ``hookimpl`` and the records hooks take (``BenchLayout``);
+- the programming model: ``Layout`` and the protocols a layout may implement
+  (``DenseConvertible``, ``StoredValues``, ``StateTensors``, ``Movable``;
+  ``implements(layout, Protocol)`` checks them), the wrappers, sparsifiers,
+  the registry and its keys, the built-in torch layouts;
+- dispatch: ``sparsify``, ``convert``, errors and the failure mode;
+- helpers for the code every plugin writes: argument checks that name the
+  argument (``check_tensor``, ``check_nm``), the inputs and flags of an
+  implementation (``linear_inputs``, ``needs_grad``, ``wrap_layout``,
+  ``bias_grad``), and the registration of a product with a sparse weight
+  (``register_weight_product``: forward and backward of ``F.linear`` with
+  and without a bias, or of ``mm`` / ``matmul``).
+
+Example (a plugin module):
+    >>> import torch
+    >>> from sten_core import plugin_api as sten
+    >>> @sten.hookimpl
+    ... def sten_register(registry):
+    ...     sten.register_weight_product(registry, torch.nn.functional.linear, MyLayout,
+    ...                                  forward=my_linear, backward=my_linear_backward)  # doctest: +SKIP
+    >>> sten.check_nm(2, 4)
+    (2, 4)
+"""
+
+from __future__ import annotations
+
+from sten_core.builtin.torch_layouts import CooTensor, CscTensor, CsrTensor, DenseTensor
+from sten_core.dispatch import (DispatchError, DispatchWarning, convert, failure_mode, get_dispatch_failure,
+                                lossy_fallback, set_dispatch_failure, sparsify)
+from sten_core.model.helpers import (FLOAT_DTYPES, bias_grad, check_nm, check_tensor, linear_inputs, needs_grad,
+                                     register_weight_product, wrap_layout)
+from sten_core.model.layouts import (DenseConvertible, Layout, Movable, StateTensors, StoredValues,
+                                     builds_from_dense, implements, layout_metadata, supports_values,
+                                     to_dense_tensor)
+from sten_core.model.registry import Entry, OpKey, Registry, normalize_inp, normalize_out_pairs, registry, trim
+from sten_core.model.signatures import op_name
+from sten_core.model.sparsifiers import (BLOCKING, BUILTIN_SPARSIFIERS, BlockwiseFractionSparsifier, KeepAll,
+                                         PerBlockFractionSparsifier, RandomFractionSparsifier,
+                                         SameFormatSparsifier, ScalarFractionSparsifier,
+                                         ScalarThresholdSparsifier, Sparsifier, block_keep_mask, nm_keep_mask)
+from sten_core.model.spec import OutputSpec
+from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper, densify
+from sten_core.plugins import register_plugin, unregister_plugin
+from sten_core.plugins.bench_layouts import BenchLayout, nm_for_sparsity, nm_label
+from sten_core.plugins.hookspecs import hookimpl
+
+__all__ = [
+    "BLOCKING", "BUILTIN_SPARSIFIERS", "BenchLayout", "BlockwiseFractionSparsifier", "CooTensor", "CscTensor",
+    "CsrTensor", "DenseConvertible", "DenseTensor", "DispatchError", "DispatchWarning", "Entry", "FLOAT_DTYPES",
+    "KeepAll", "Layout", "Movable", "OpKey", "OutputSpec", "PerBlockFractionSparsifier",
+    "RandomFractionSparsifier", "Registry", "SameFormatSparsifier", "ScalarFractionSparsifier",
+    "ScalarThresholdSparsifier", "SparseParameterWrapper", "SparseTensorWrapper", "Sparsifier", "StateTensors",
+    "StoredValues", "bias_grad", "block_keep_mask", "builds_from_dense", "check_nm", "check_tensor", "convert",
+    "densify", "failure_mode", "get_dispatch_failure", "hookimpl", "implements", "layout_metadata",
+    "linear_inputs", "lossy_fallback", "needs_grad", "nm_for_sparsity", "nm_keep_mask", "nm_label",
+    "normalize_inp", "normalize_out_pairs", "op_name", "register_plugin", "register_weight_product", "registry",
+    "set_dispatch_failure", "sparsify", "supports_values", "to_dense_tensor", "trim", "unregister_plugin",
+    "wrap_layout",
+]

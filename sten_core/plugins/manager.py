@@ -1,0 +1,273 @@
+"""Plugin discovery and loading.
+
+Plugins are found through entry points in the group ``sten`` and loaded lazily,
+on the first dispatch or registry look-up. A plugin that fails to import or
+register is reported with a ``PluginLoadWarning`` and skipped; the others keep
+working. Environment variables:
+
+- ``STEN_PLUGINS=a,b``: load only these entry points (a name that is not
+  installed is reported, naming the installed ones);
+- ``STEN_DISABLE_PLUGINS=a,b``: never load these;
+- ``STEN_STRICT_PLUGINS=1``: a load error raises instead of warning (after the
+  other plugins are loaded, so one broken plugin does not take the rest down).
+
+Loading is thread-safe: a thread that asks while another one loads waits until
+the registry is complete. A plugin with a hook that is not in the spec (a
+misspelling such as ``sten_regster``) fails to load with the name it meant.
+
+Tests register a plugin without installing it:
+
+    >>> import sten_core
+    >>> sten_core.plugins.manager.register_plugin(my_module, name="mine")   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import os
+import threading
+import warnings
+from typing import Any
+
+import pluggy
+
+from sten_core.plugins import hookspecs
+from sten_core.model.registry import registry
+
+ENTRY_POINT_GROUP = "sten"
+BUILTIN_PLUGINS = {"builtin": "sten_core.builtin.plugin", "pruning": "sten_core.training.pruning.plugin"}
+"""The plugins that are part of sten-core, loaded by module name before the installed ones."""
+
+
+class PluginLoadWarning(UserWarning):
+    """A plugin failed to load and was skipped."""
+
+
+class PluginLoadError(RuntimeError):
+    """A plugin failed to load under ``STEN_STRICT_PLUGINS=1``."""
+
+
+_pm: pluggy.PluginManager | None = None
+_loaded = False  # set only when every plugin has been loaded (or reported)
+_loading_thread: int | None = None  # the thread loading now (its own re-entry returns at once)
+_lock = threading.RLock()
+failed: dict[str, str] = {}
+
+
+def _names_from_env(var: str) -> set[str] | None:
+    value = os.environ.get(var)
+    if value is None:
+        return None
+    return {name.strip() for name in value.split(",") if name.strip()}
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The pluggy manager with the hook specs (plugins are not loaded here)."""
+    global _pm
+    if _pm is None:
+        pm = pluggy.PluginManager(hookspecs.PROJECT)
+        pm.add_hookspecs(hookspecs)
+        # historic: each plugin's sten_register runs when it is registered, inside registry.owner(name)
+        pm.hook.sten_register.call_historic(kwargs={"registry": registry})
+        _pm = pm
+    return _pm
+
+
+def _strict() -> bool:
+    return os.environ.get("STEN_STRICT_PLUGINS", "") not in ("", "0")
+
+
+def _report(name: str, error: BaseException, deferred: list | None = None) -> None:
+    """Record a failed plugin; warn, or raise under ``STEN_STRICT_PLUGINS=1``
+    (collected into ``deferred`` when given, raised by the caller at the end)."""
+    message = f"sten plugin {name!r} failed to load and was skipped: {type(error).__name__}: {error}"
+    failed[name] = f"{type(error).__name__}: {error}"
+    if _strict():
+        if deferred is not None:
+            deferred.append((message, error))
+            return
+        raise PluginLoadError(message) from error
+    warnings.warn(message, PluginLoadWarning, stacklevel=3)
+
+
+class UnknownHookError(ValueError):
+    """A plugin implements a hook that the ``sten`` hook specs do not define."""
+
+
+def _check_hooks(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    """Raise ``UnknownHookError`` for a hook implementation without a spec
+    (pluggy's ``check_pending``, for this plugin only)."""
+    known = sorted(n for n in dir(hookspecs) if n.startswith("sten_") and callable(getattr(hookspecs, n)))
+    for caller in pm.get_hookcallers(plugin) or []:
+        if caller.spec is not None:
+            continue
+        for impl in caller.get_hookimpls():
+            if impl.plugin is plugin and not impl.optionalhook:
+                close = difflib.get_close_matches(caller.name, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise UnknownHookError(
+                    f"plugin {name!r} implements {caller.name!r}, which is not a sten hook{hint} "
+                    f"(the hooks are: {', '.join(known)})"
+                )
+
+
+def _register_into(pm: pluggy.PluginManager, plugin: Any, name: str, deferred: list | None = None) -> bool:
+    """Register ``plugin`` (its historic ``sten_register`` runs then, owned by
+    ``name``); undo everything on error."""
+    try:
+        with registry.owner(name):
+            pm.register(plugin, name=name)
+            _check_hooks(pm, plugin, name)
+            pm.check_pending()
+    except Exception as error:  # a hook signature mismatch, a duplicate name, an unknown hook, sten_register
+        registry.remove_owner(name)
+        if pm.is_registered(plugin):
+            pm.unregister(plugin)
+        _report(name, error, deferred)
+        return False
+    registry.changed()  # its hooks (sten_resolve_op, conversions) may change cached plans
+    failed.pop(name, None)
+    return True
+
+
+def register_plugin(plugin: Any, name: str | None = None) -> bool:
+    """Register a plugin object or module directly (no entry point needed).
+
+    Returns whether it loaded; a failure is reported as for installed plugins.
+    """
+    ensure_loaded()
+    with _lock:
+        name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
+        pm = get_plugin_manager()
+        if pm.has_plugin(name):
+            unregister_plugin(name)
+        return _register_into(pm, plugin, name)
+
+
+def unregister_plugin(name: str) -> None:
+    """Remove plugin ``name`` and everything it registered."""
+    pm = get_plugin_manager()
+    plugin = pm.get_plugin(name)
+    if plugin is not None:
+        pm.unregister(plugin)
+    registry.remove_owner(name)
+
+
+def loaded() -> bool:
+    """Whether every plugin has been loaded (or reported)."""
+    return _loaded
+
+
+def ensure_loaded() -> None:
+    """Load the built-in plugin and the installed ones, once.
+
+    Other threads calling meanwhile wait until loading has finished; under
+    ``STEN_STRICT_PLUGINS=1`` every plugin is tried and then one
+    ``PluginLoadError`` names all that failed.
+    """
+    global _loaded, _loading_thread
+    if _loaded:
+        return
+    with _lock:
+        if _loaded or _loading_thread == threading.get_ident():
+            return  # loaded meanwhile, or this thread's own plugin asks while it loads
+        _loading_thread = threading.get_ident()
+        deferred: list = []
+        try:
+            _load_all(deferred)
+        finally:
+            _loading_thread = None
+            _loaded = True
+        if deferred:
+            messages = "; ".join(message for message, _ in deferred)
+            raise PluginLoadError(messages) from deferred[0][1]
+
+
+def _load_all(deferred: list) -> None:
+    pm = get_plugin_manager()
+    for name, module in BUILTIN_PLUGINS.items():
+        _register_into(pm, importlib.import_module(module), name, deferred)
+    only = _names_from_env("STEN_PLUGINS")
+    disabled = _names_from_env("STEN_DISABLE_PLUGINS") or set()
+    entry_points = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    if only:
+        installed = {ep.name for ep in entry_points} | set(BUILTIN_PLUGINS)
+        unknown = sorted(only - installed)
+        if unknown:
+            error = LookupError(
+                f"STEN_PLUGINS names {', '.join(map(repr, unknown))}, which {'is' if len(unknown) == 1 else 'are'} "
+                f"not installed; installed plugins: {', '.join(sorted(installed))}"
+            )
+            for name in unknown:
+                _report(name, error, deferred)
+    for ep in entry_points:
+        if (only is not None and ep.name not in only) or ep.name in disabled or pm.has_plugin(ep.name):
+            continue
+        try:
+            module = ep.load()
+        except Exception as error:
+            _report(ep.name, error, deferred)
+            continue
+        _register_into(pm, module, ep.name, deferred)
+
+
+def reset() -> None:
+    """Forget all plugins (tests use it to reload with other environment variables)."""
+    global _pm, _loaded
+    with _lock:
+        if _pm is not None:
+            for name, _ in list(_pm.list_name_plugin()):
+                registry.remove_owner(name)
+        _pm, _loaded = None, False
+        failed.clear()
+
+
+def _distribution_version(plugin: Any) -> str | None:
+    module = getattr(plugin, "__name__", "") or ""
+    top = module.split(".")[0]
+    try:
+        for dist_name in importlib.metadata.packages_distributions().get(top, []):
+            return importlib.metadata.version(dist_name)
+    except Exception:
+        return None
+    return None
+
+
+def _plugin_info(pm: pluggy.PluginManager, plugin: Any, name: str) -> dict:
+    """The plugin's ``sten_plugin_info()``; an error or a non-dict reads as unavailable."""
+    for impl in pm.hook.sten_plugin_info.get_hookimpls():
+        if impl.plugin is not plugin:
+            continue
+        try:
+            info = impl.function()
+        except Exception as error:
+            return {"available": False, "reason": f"sten_plugin_info() raised {type(error).__name__}: {error}"}
+        if info is None:
+            return {}
+        if not isinstance(info, dict):
+            return {"available": False, "reason": f"sten_plugin_info() returned {type(info).__name__}, not a dict"}
+        return info
+    return {}
+
+
+def plugin_report() -> list[dict]:
+    """One dict per plugin: name, version, available, reason, layouts, hooks."""
+    ensure_loaded()
+    pm = get_plugin_manager()
+    rows = []
+    for name, plugin in pm.list_name_plugin():
+        info = _plugin_info(pm, plugin, name)
+        rows.append(
+            {
+                "name": info.get("name", name),
+                "version": info.get("version") or _distribution_version(plugin),
+                "available": bool(info.get("available", True)),
+                "reason": info.get("reason"),
+                "layouts": sorted(registry.owned_by(name, "layouts")),
+                "hooks": sorted(h.name for h in pm.get_hookcallers(plugin) or []),
+            }
+        )
+    for name, error in failed.items():
+        rows.append({"name": name, "version": None, "available": False, "reason": f"failed to load: {error}", "layouts": [], "hooks": []})
+    return rows

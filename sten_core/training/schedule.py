@@ -1,0 +1,671 @@
+"""Sparsity during training: schedules and the ``SparsityScheduler``.
+
+A *schedule* says, for every training step, the target sparsity of a weight
+and whether its kept positions are recomputed at that step. The scheduler
+re-applies a weight sparsifier on that schedule, stores the weight in the
+configured layout, and keeps the optimizer's state consistent: state at
+dropped positions is removed, state at newly kept positions starts at zero
+(the optimizer's step counter is kept). Masks move one tensor at a time, each
+in O(size of that tensor).
+
+Step semantics: ``add`` applies the schedule of step 0; ``step()`` (call it
+once per training step, after ``optimizer.step()``) advances to the next step
+and applies its schedule, using the gradients of the step just taken.
+
+Schedules:
+
+* ``OneShot(sparsity, step=0)``: prune once.
+* ``GradualPruning(initial, final, start, end, every)``: gradual magnitude pruning
+  with the cubic schedule of Zhu & Gupta (2017),
+  ``s_t = s_f + (s_i - s_f) (1 - (t - start) / (end - start))**3``.
+* ``PruneRegrow(sparsity, drop_fraction, start, end, every)``: RigL (Evci et
+  al. 2020): drop the smallest magnitudes, regrow by gradient magnitude, at
+  constant sparsity; regrown weights and their optimizer state start at 0.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> from sten_core.training.schedule import GradualPruning, SparsityScheduler
+    >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> sched = SparsityScheduler(model, opt)
+    >>> sched.add("0.weight", GradualPruning(0.0, 0.75, start=0, end=4), layout=sten.CsrTensor)
+    >>> for _ in range(4):
+    ...     model(torch.randn(2, 16)).sum().backward(); opt.step(); opt.zero_grad(); sched.step()
+    >>> model[0].weight.wrapped_tensor.nnz, sched.target_nnz("0.weight")
+    (64, 64)
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from sten_core.model.layouts import supports_values, to_dense_tensor
+from sten_core.training.scores import ScoreSparsifier, check_inputs, needs_of
+from sten_core.model.sparsifiers import ScalarFractionSparsifier, Sparsifier
+from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper
+
+
+def _int(value: Any, name: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _sparsity(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number in [0, 1), got {type(value).__name__}")
+    value = float(value)
+    if not (0.0 <= value < 1.0):
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+    return value
+
+
+def _range(start: Any, end: Any) -> tuple[int, int]:
+    start, end = _int(start, "start"), _int(end, "end")
+    if end <= start:
+        raise ValueError(f"the step range is empty: start={start}, end={end} (need start < end)")
+    return start, end
+
+
+# -- schedules ---------------------------------------------------------------------
+
+class Schedule:
+    """Target sparsity per step; subclasses implement ``sparsity`` and ``updates``."""
+
+    regrows: ClassVar[bool] = False
+
+    def sparsity(self, step: int) -> float:
+        """The target sparsity at ``step``."""
+        raise NotImplementedError
+
+    def updates(self, step: int) -> bool:
+        """Whether the kept positions are recomputed at ``step``."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+
+class OneShot(Schedule):
+    """Prune to ``sparsity`` at ``step`` (dense before), then keep the mask.
+
+    >>> OneShot(0.9, step=2).sparsity(1), OneShot(0.9, step=2).sparsity(2)
+    (0.0, 0.9)
+    """
+
+    def __init__(self, sparsity: float, step: int = 0):
+        self.final = _sparsity(sparsity, "sparsity")
+        self.step = _int(step, "step")
+
+    def sparsity(self, step: int) -> float:
+        return self.final if step >= self.step else 0.0
+
+    def updates(self, step: int) -> bool:
+        return step == self.step
+
+
+class GradualPruning(Schedule):
+    """Zhu & Gupta's cubic schedule from ``initial`` to ``final`` sparsity,
+    updated every ``every`` steps in ``[start, end]``.
+
+    >>> s = GradualPruning(0.0, 0.9, start=0, end=100, every=10)
+    >>> [round(s.sparsity(t), 4) for t in (0, 5, 10, 50, 100, 200)]
+    [0.0, 0.0, 0.2439, 0.7875, 0.9, 0.9]
+    """
+
+    def __init__(self, initial: float = 0.0, final: float = 0.9, start: int = 0, end: int = 1000, every: int = 1):
+        self.initial = _sparsity(initial, "initial sparsity")
+        self.final = _sparsity(final, "final sparsity")
+        if self.final < self.initial:
+            raise ValueError(f"final sparsity {self.final} must be >= initial sparsity {self.initial}")
+        self.start, self.end = _range(start, end)
+        self.every = _int(every, "every", 1)
+
+    def _last_update(self, step: int) -> int:
+        if step <= self.start:
+            return self.start
+        if step >= self.end:
+            return self.end
+        return self.start + (step - self.start) // self.every * self.every
+
+    def sparsity(self, step: int) -> float:
+        t = self._last_update(step)
+        frac = (t - self.start) / (self.end - self.start)
+        return self.final + (self.initial - self.final) * (1.0 - frac) ** 3
+
+    def updates(self, step: int) -> bool:
+        return self.start <= step <= self.end and (step == self.end or (step - self.start) % self.every == 0)
+
+
+class PruneRegrow(Schedule):
+    """RigL-style prune-and-regrow at constant ``sparsity``.
+
+    At steps ``start + k * every`` before ``end``, the ``drop_fraction(t)`` of
+    kept weights with the smallest score (magnitude by default) are dropped
+    and as many positions that were not kept are regrown, those with the
+    largest gradient magnitude. ``drop_fraction`` decays with a cosine from
+    ``drop_fraction`` at ``start`` to 0 at ``end`` (``decay="constant"`` keeps it).
+
+    >>> s = PruneRegrow(0.9, drop_fraction=0.3, start=0, end=100, every=25)
+    >>> [t for t in range(100) if s.updates(t)], round(s.drop_fraction_at(50), 3)
+    ([25, 50, 75], 0.15)
+    """
+
+    regrows = True
+
+    def __init__(self, sparsity: float, drop_fraction: float = 0.3, start: int = 0, end: int = 1000,
+                 every: int = 100, decay: str = "cosine"):
+        self.final = _sparsity(sparsity, "sparsity")
+        if isinstance(drop_fraction, bool) or not isinstance(drop_fraction, (int, float)) or not 0.0 <= drop_fraction <= 1.0:
+            raise ValueError(f"drop_fraction must be a number in [0, 1], got {drop_fraction!r}")
+        self.drop_fraction = float(drop_fraction)
+        self.start, self.end = _range(start, end)
+        self.every = _int(every, "every", 1)
+        if decay not in ("cosine", "constant"):
+            raise ValueError(f"decay must be 'cosine' or 'constant', got {decay!r}")
+        self.decay = decay
+
+    def sparsity(self, step: int) -> float:
+        return self.final
+
+    def updates(self, step: int) -> bool:
+        return self.start < step < self.end and (step - self.start) % self.every == 0
+
+    def drop_fraction_at(self, step: int) -> float:
+        """The fraction of kept weights replaced at ``step``."""
+        if self.decay == "constant":
+            return self.drop_fraction
+        frac = (step - self.start) / (self.end - self.start)
+        return self.drop_fraction / 2 * (1 + math.cos(math.pi * frac))
+
+
+# -- masks and layouts ---------------------------------------------------------------
+
+def selector_at(sparsifier: Any, sparsity: float) -> Any:
+    """The sparsifier choosing the kept positions at ``sparsity`` from
+    non-negative ranks, or ``None`` where everything is kept.
+
+    Fraction sparsifiers get ``fraction=sparsity``; n:m ones (``n``, ``m``
+    attributes) keep ``n = round(m * (1 - sparsity))`` of every ``m``; score
+    sparsifiers choose unstructured.
+    """
+    if sparsity == 0.0:
+        return None
+    if isinstance(sparsifier, ScoreSparsifier) or sparsifier is None:
+        return ScalarFractionSparsifier(sparsity)
+    if hasattr(sparsifier, "fraction"):
+        new = copy.copy(sparsifier)
+        new.fraction = sparsity
+        return new
+    if hasattr(sparsifier, "n") and hasattr(sparsifier, "m"):
+        n = round(sparsifier.m * (1.0 - sparsity))
+        if n >= sparsifier.m:
+            return None
+        new = copy.copy(sparsifier)
+        new.n = n
+        return new
+    return sparsifier
+
+
+def ranks(scores: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Distinct positive ranks of ``scores`` (highest score → largest rank; among
+    equal scores the earliest ranks higher); 0 where ``allowed`` is False."""
+    flat = scores.detach().reshape(-1)
+    if flat.dtype not in (torch.float32, torch.float64):
+        flat = flat.float()
+    order = torch.argsort(flat, descending=True, stable=True)
+    dtype = torch.float32 if flat.numel() < (1 << 24) else torch.float64
+    out = torch.empty(flat.numel(), dtype=dtype, device=flat.device)
+    out[order] = torch.arange(flat.numel(), 0, -1, dtype=dtype, device=flat.device)
+    out = out.view(scores.shape)
+    if allowed is not None:
+        out = out * allowed
+    return out
+
+
+def stored_mask(value: Any) -> torch.Tensor:
+    """Boolean mask of the positions a wrapper (or dense tensor) stores."""
+    if not isinstance(value, SparseTensorWrapper):
+        return torch.ones(value.shape, dtype=torch.bool, device=value.device)
+    layout = value.wrapped_tensor
+    mask_fn = getattr(layout, "mask", None)
+    if callable(mask_fn):
+        return mask_fn().to(torch.bool)
+    if supports_values(layout):
+        ones = layout.with_values(torch.ones_like(layout.values()))
+        return to_dense_tensor(ones) != 0
+    return to_dense_tensor(layout) != 0
+
+
+def layout_from_mask(layout: type, dense: torch.Tensor, mask: torch.Tensor, params: dict | None = None) -> Any:
+    """A ``layout`` object storing exactly the positions of ``mask`` (kept zeros
+    included) with the values of ``dense``.
+
+    Built in for COO, CSR and CSC; a layout whose ``from_dense`` takes ``mask``
+    gets it (with the keyword arguments of ``params`` it accepts, e.g. ``n``,
+    ``m``, ``dim``); any other is ``from_dense(dense * mask)``.
+
+    >>> import sten_core as sten
+    >>> layout_from_mask(sten.CsrTensor, torch.zeros(2, 2), torch.eye(2, dtype=torch.bool)).nnz
+    2
+    """
+    from sten_core.builtin.torch_layouts import CooTensor, CscTensor, CsrTensor
+
+    dense = dense.detach()
+    mask = mask.to(device=dense.device, dtype=torch.bool)
+    if layout in (CsrTensor, CscTensor, CooTensor):
+        source = dense.t() if layout is CscTensor else dense
+        keep = mask.t() if layout is CscTensor else mask
+        idx = keep.nonzero().t()
+        values = source[keep]
+        if layout is CooTensor:
+            return CooTensor(torch.sparse_coo_tensor(idx, values, dense.shape, is_coalesced=True, check_invariants=False))
+        counts = keep.sum(1)
+        crow = torch.zeros(keep.shape[0] + 1, dtype=torch.int64, device=dense.device)
+        crow[1:] = torch.cumsum(counts, 0)
+        make = torch.sparse_csr_tensor if layout is CsrTensor else torch.sparse_csc_tensor
+        return layout(make(crow, idx[1].contiguous(), values, dense.shape, check_invariants=False))
+    params = dict(params or {})
+    try:
+        accepted = inspect.signature(layout.from_dense).parameters
+    except (TypeError, ValueError):
+        accepted = {}
+    kwargs = {k: v for k, v in params.items() if k in accepted and k != "mask"}
+    masked = dense * mask
+    if "mask" in accepted:
+        return layout.from_dense(masked, mask=mask, **kwargs)
+    return layout.from_dense(masked, **kwargs)
+
+
+# -- the scheduler -------------------------------------------------------------------
+
+@dataclass
+class _Entry:
+    name: str
+    module: torch.nn.Module
+    attr: str
+    schedule: Schedule
+    layout: type
+    sparsifier: Any
+    mask: torch.Tensor | None = None
+    score: torch.Tensor | None = None
+    masked_dense: bool = False  # layout stores more than the mask: re-mask after each step
+    history: list = field(default_factory=list)
+    targets: dict = field(default_factory=dict)  # sparsity -> kept count (target_nnz cache)
+
+    @property
+    def param(self) -> Any:
+        return getattr(self.module, self.attr)
+
+
+class SparsityScheduler:
+    """Re-applies weight sparsifiers on schedules during training.
+
+    Args:
+        model: the ``nn.Module`` whose weights are scheduled.
+        optimizer: its optimizer (optional); its state follows the masks.
+
+    Call ``add`` per weight, then ``step()`` once per training step, after
+    ``optimizer.step()``.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.model, self.optimizer = model, optimizer
+        self.step_count = 0
+        self.entries: dict[str, _Entry] = {}
+
+    # -- configuration ----------------------------------------------------------
+    def add(self, name: str, schedule: Schedule, layout: type | None = None, sparsifier: Any = None) -> None:
+        """Schedule weight ``name``; applies the schedule's step-0 sparsity now.
+
+        Args:
+            name: fully-qualified parameter name (``"fc1.weight"``).
+            schedule: a ``Schedule`` (``OneShot``, ``GradualPruning``, ``PruneRegrow``).
+            layout: the storage layout (``sten.CsrTensor``, ``NMTensor``,
+                ``torch.Tensor`` for a masked dense weight, ...); default: the
+                weight's current layout, or ``CsrTensor`` for a dense weight.
+            sparsifier: the criterion and structure (default: magnitude,
+                unstructured): ``ScalarFractionSparsifier``, an n:m sparsifier
+                (``PerBlockFractionSparsifier``/``NMSparsifier``; the schedule
+                sets ``n``), or a score sparsifier (``TaylorSparsifier``, ...).
+        """
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under every name
+        if not isinstance(name, str) or name not in params:
+            names = dict(self.model.named_parameters())
+            raise ValueError(f"unknown weight {name!r}; the model's parameters are: {', '.join(names)}")
+        if name in self.entries:
+            raise ValueError(f"weight {name!r} is already scheduled")
+        tie = next((other for other, e in self.entries.items() if e.param is params[name]), None)
+        if tie is not None:
+            raise ValueError(f"weight {name!r} is tied to {tie!r} (one parameter under two names), which is already "
+                             "scheduled; the schedule applies to both names")
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule must be a Schedule (OneShot, GradualPruning, PruneRegrow), got {type(schedule).__name__}")
+        if sparsifier is not None and (isinstance(sparsifier, type) or not isinstance(sparsifier, Sparsifier) and not callable(getattr(sparsifier, "mask", None))):
+            raise TypeError(f"sparsifier must be a sparsifier instance, got {sparsifier!r}")
+        param = params[name]
+        if layout is None:
+            from sten_core.builtin.torch_layouts import CsrTensor
+
+            layout = type(param.wrapped_tensor) if isinstance(param, SparseTensorWrapper) else CsrTensor
+        if not isinstance(layout, type):
+            raise TypeError(f"layout must be a layout class, got {layout!r}")
+        if layout is not torch.Tensor and not callable(getattr(layout, "from_dense", None)):
+            raise TypeError(f"layout {layout.__name__} has no from_dense")
+        if schedule.regrows and not isinstance(selector_at(sparsifier, 0.5), ScalarFractionSparsifier):
+            raise ValueError(f"PruneRegrow needs an unstructured sparsifier (magnitude or score), got {sparsifier!r}")
+        path, _, attr = name.rpartition(".")
+        entry = _Entry(name, self.model.get_submodule(path), attr, schedule, layout, sparsifier)
+        entry.mask = stored_mask(param)
+        self.entries[name] = entry
+        try:
+            self._apply(entry, 0, force=True)
+        except Exception:
+            del self.entries[name]
+            raise
+
+    # -- training ----------------------------------------------------------------
+    def step(self) -> None:
+        """Advance one training step: accumulate running scores, then move
+        the masks of the weights whose schedule updates at the new step."""
+        for entry in self.entries.values():
+            if "score" in needs_of(entry.sparsifier):
+                grad = self._grad(entry, "its running score")
+                inc = entry.sparsifier.score_increment(entry.param.to_dense() if isinstance(entry.param, SparseTensorWrapper)
+                                                       else entry.param.detach(), grad)
+                entry.score = inc if entry.score is None else entry.score + inc
+        self.step_count += 1
+        for entry in self.entries.values():
+            self._apply(entry, self.step_count)
+
+    def target_nnz(self, name: str, step: int | None = None) -> int:
+        """How many positions of ``name`` the schedule keeps at ``step`` (default: now)."""
+        entry = self._entry(name)
+        step = self.step_count if step is None else step
+        sparsity = entry.schedule.sparsity(step)
+        cached = entry.targets.get(sparsity)
+        if cached is not None:
+            return cached
+        selector = selector_at(entry.sparsifier, sparsity)
+        numel = entry.param.numel()
+        if selector is None:
+            count = numel
+        else:
+            count = int(selector.mask(torch.arange(numel, 0, -1, dtype=torch.float32).view(entry.param.shape)).sum())
+        entry.targets[sparsity] = count
+        return count
+
+    def nnz(self, name: str) -> int:
+        """How many positions of ``name`` are kept now."""
+        return int(self._entry(name).mask.sum())
+
+    def sparsity(self, name: str) -> float:
+        """The current sparsity of ``name`` (1 - kept / size)."""
+        entry = self._entry(name)
+        return 1.0 - self.nnz(name) / entry.mask.numel()
+
+    def mask(self, name: str) -> torch.Tensor:
+        """The current boolean keep-mask of ``name`` (a copy)."""
+        return self._entry(name).mask.clone()
+
+    # -- checkpoints ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The scheduler's progress, for ``torch.save`` (plain tensors and numbers:
+        ``torch.load`` reads it with ``weights_only=True``).
+
+        Holds the step count and, per scheduled weight, its keep-mask, running
+        score, history and the sparsifier's own state; the schedules, layouts and
+        sparsifiers themselves are configured by ``add`` when resuming.
+        """
+        entries = {}
+        for name, entry in self.entries.items():
+            sp_state = entry.sparsifier.state_dict() if callable(getattr(entry.sparsifier, "state_dict", None)) else None
+            entries[name] = {
+                "schedule": repr(entry.schedule),
+                "layout": _class_name(entry.layout),
+                "sparsifier": repr(entry.sparsifier),
+                "sparsifier_state": sp_state,
+                "mask": entry.mask.detach().clone(),
+                "score": None if entry.score is None else entry.score.detach().clone(),
+                "masked_dense": entry.masked_dense,
+                "history": [list(h) for h in entry.history],
+            }
+        return {"step_count": self.step_count, "entries": entries}
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        """Resume from ``state_dict()``: call ``add`` for the same weights first, and
+        load the model and optimizer states before (or after) this one.
+
+        With ``strict`` the scheduled weights, schedules, layouts and sparsifiers
+        must be the ones saved; otherwise only the weights present in both are
+        restored.
+
+        >>> import torch, sten_core as sten
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+        >>> sched = SparsityScheduler(model)
+        >>> sched.add("0.weight", OneShot(0.5), layout=sten.CsrTensor)
+        >>> sched.step(); state = sched.state_dict()
+        >>> again = SparsityScheduler(torch.nn.Sequential(torch.nn.Linear(8, 8)))
+        >>> again.add("0.weight", OneShot(0.5), layout=sten.CsrTensor)
+        >>> again.load_state_dict(state); again.step_count
+        1
+        """
+        if not isinstance(state_dict, dict) or not {"step_count", "entries"} <= set(state_dict):
+            raise ValueError("state_dict must be a SparsityScheduler.state_dict() (with 'step_count' and 'entries')")
+        saved = state_dict["entries"]
+        if strict and set(saved) != set(self.entries):
+            missing, unexpected = sorted(set(saved) - set(self.entries)), sorted(set(self.entries) - set(saved))
+            raise ValueError(
+                f"state_dict schedules other weights: saved but not added here: {', '.join(missing) or 'none'}; "
+                f"added here but not saved: {', '.join(unexpected) or 'none'} (call add() for the saved weights, "
+                "or load with strict=False)"
+            )
+        for name, entry in self.entries.items():
+            if name not in saved:
+                continue
+            state = saved[name]
+            if strict:
+                here = {"schedule": repr(entry.schedule), "layout": _class_name(entry.layout),
+                        "sparsifier": repr(entry.sparsifier)}
+                for key, value in here.items():
+                    if state[key] != value:
+                        raise ValueError(f"{name!r}: the checkpoint's {key} is {state[key]}, this scheduler's is "
+                                         f"{value} (add() it as it was saved, or load with strict=False)")
+            mask = state["mask"]
+            if not isinstance(mask, torch.Tensor) or mask.shape != entry.mask.shape:
+                raise ValueError(f"{name!r}: the saved mask has shape {tuple(getattr(mask, 'shape', ()))}, "
+                                 f"the weight {tuple(entry.mask.shape)}")
+            entry.mask = mask.to(device=entry.mask.device, dtype=torch.bool).clone()
+            entry.score = None if state["score"] is None else state["score"].clone()
+            entry.masked_dense = bool(state["masked_dense"])
+            entry.history = [tuple(h) for h in state["history"]]
+            if state["sparsifier_state"] is not None and callable(getattr(entry.sparsifier, "load_state_dict", None)):
+                entry.sparsifier.load_state_dict(state["sparsifier_state"])
+        self.step_count = _int(state_dict["step_count"], "state_dict['step_count']")
+
+    # -- internals ---------------------------------------------------------------
+    def _entry(self, name: str) -> _Entry:
+        if name not in self.entries:
+            raise ValueError(f"weight {name!r} is not scheduled; scheduled: {', '.join(self.entries) or 'none'}")
+        return self.entries[name]
+
+    def _grad(self, entry: _Entry, purpose: str) -> torch.Tensor:
+        grad = entry.param.grad
+        if grad is None:
+            raise ValueError(
+                f"{type(entry.sparsifier).__name__ if entry.sparsifier is not None else 'the schedule'} needs the gradient "
+                f"of {entry.name!r} for {purpose} at step {self.step_count}, but it has none: call "
+                "SparsityScheduler.step() after loss.backward() (and before optimizer.zero_grad()), and "
+                "start schedules that need gradients at a step >= 1"
+            )
+        if isinstance(grad, SparseTensorWrapper):
+            return grad.to_dense()
+        return grad.detach()
+
+    def _inputs(self, entry: _Entry) -> dict[str, Any]:
+        needs = needs_of(entry.sparsifier)
+        inputs: dict[str, Any] = {}
+        if "grad" in needs:
+            inputs["grad"] = self._grad(entry, "its score")
+        if "step" in needs:
+            inputs["step"] = self.step_count
+        if "score" in needs:
+            inputs["score"] = entry.score
+            if entry.score is None:
+                check_inputs(entry.sparsifier, inputs, f"{entry.name!r} at step {self.step_count} (no optimizer step "
+                                                       "has been taken yet to accumulate it)")
+        return inputs
+
+    def _scores(self, entry: _Entry, dense: torch.Tensor) -> torch.Tensor:
+        sp = entry.sparsifier
+        if isinstance(sp, ScoreSparsifier) or callable(getattr(sp, "score", None)):
+            return sp.scores(dense, **self._inputs(entry)) if hasattr(sp, "scores") else sp.score(dense, **self._inputs(entry))
+        return dense.abs()
+
+    def _apply(self, entry: _Entry, step: int, force: bool = False) -> None:
+        schedule = entry.schedule
+        if not (force or schedule.updates(step)):
+            self._remask(entry, stored_too=entry.masked_dense)
+            return
+        param = entry.param
+        with torch.no_grad():
+            dense = param.to_dense() if isinstance(param, SparseTensorWrapper) else param.detach()
+            old = entry.mask.to(dense.device)
+            sparsity = schedule.sparsity(step)
+            selector = selector_at(entry.sparsifier, sparsity)
+            if schedule.regrows and not force:
+                new = self._regrow(entry, dense, old, step)
+            elif selector is None:
+                new = old.clone()
+                if not bool(new.all()):
+                    raise ValueError(f"{entry.name!r} is already sparser than {sparsity} and {type(schedule).__name__} only prunes")
+            else:
+                new = selector.mask(ranks(self._scores(entry, dense), old)).to(torch.bool)
+                if bool((new & ~old).any()):
+                    raise ValueError(f"{entry.name!r} is already sparser than {sparsity} (keeps {int(old.sum())} of "
+                                     f"{old.numel()}); {type(schedule).__name__} only prunes")
+            self._install(entry, dense, old, new, selector)
+        entry.history.append((step, int(new.sum())))
+
+    def _regrow(self, entry: _Entry, dense: torch.Tensor, old: torch.Tensor, step: int) -> torch.Tensor:
+        if isinstance(entry.param.grad, SparseTensorWrapper):
+            raise ValueError(f"{type(entry.schedule).__name__} regrows by the dense gradient of {entry.name!r}, but its "
+                             "gradient is stored sparse (a weight-gradient format is set); leave its grad_fmt None")
+        grad = self._grad(entry, f"regrowing ({type(entry.schedule).__name__})")
+        kept = int(old.sum())
+        drop = round(entry.schedule.drop_fraction_at(step) * kept)
+        drop = min(drop, old.numel() - kept)
+        if drop == 0:
+            return old.clone()
+        survive_rank = ranks(self._scores(entry, dense), old).reshape(-1)
+        survivors = torch.zeros_like(survive_rank, dtype=torch.bool)
+        survivors[torch.topk(survive_rank, kept - drop).indices] = True
+        grow_rank = ranks(grad.abs(), ~old).reshape(-1)
+        grown = torch.zeros_like(survivors)
+        grown[torch.topk(grow_rank, drop).indices] = True
+        return (survivors | grown).view(old.shape)
+
+    def _install(self, entry: _Entry, dense: torch.Tensor, old: torch.Tensor, new: torch.Tensor, selector: Any) -> None:
+        """Store the weight with mask ``new``; dropped values and state go, newly
+        kept positions start at zero. One tensor at a time."""
+        param = entry.param
+        keep = new & old
+        params = selector.params() if selector is not None else (entry.sparsifier.params() if entry.sparsifier is not None else {})
+        if entry.layout is torch.Tensor:
+            if isinstance(param, SparseTensorWrapper):
+                raise ValueError(f"{entry.name!r} is a sparse wrapper; a masked dense layout needs a dense weight")
+            param.data.mul_(keep.to(param.dtype))
+            entry.masked_dense = True
+        else:
+            try:
+                layout_obj = layout_from_mask(entry.layout, dense * keep, new, params)
+            except ValueError as err:
+                raise ValueError(f"layout {entry.layout.__name__} cannot store {entry.name!r} at sparsity "
+                                 f"{1 - int(new.sum()) / new.numel():.4g}: {err}") from err
+            nnz = getattr(layout_obj, "nnz", None)
+            if nnz is not None and nnz < int(new.sum()):
+                raise ValueError(f"layout {entry.layout.__name__} cannot store {entry.name!r} at sparsity "
+                                 f"{1 - int(new.sum()) / new.numel():.4g} (it stores {nnz} of the {int(new.sum())} "
+                                 f"kept positions; configure a sparsifier whose structure it holds)")
+            entry.masked_dense = nnz is not None and nnz != int(new.sum())
+            if isinstance(param, SparseTensorWrapper):
+                param.wrapped_tensor = layout_obj
+            else:
+                self._replace_param(entry, param, SparseParameterWrapper(layout_obj, requires_grad=param.requires_grad))
+        entry.mask = new
+        self._remap_state(entry, keep, new, params)
+        if entry.masked_dense:
+            self._remask(entry, stored_too=True)
+
+    def _remap_state(self, entry: _Entry, keep: torch.Tensor, new: torch.Tensor, params: dict) -> None:
+        param = entry.param
+        if self.optimizer is None or param not in self.optimizer.state:
+            return
+        state = self.optimizer.state[param]
+        for key, value in list(state.items()):
+            if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+                continue  # the step counter and scalars stay
+            if isinstance(value, SparseTensorWrapper):
+                layout_obj = layout_from_mask(type(param.wrapped_tensor), value.to_dense() * keep, new, params)
+                state[key] = SparseTensorWrapper(layout_obj, False, value.grad_fmt)
+            else:
+                value.mul_(keep.to(value.dtype))
+
+    def _remask(self, entry: _Entry, stored_too: bool) -> None:
+        """Zero the dropped positions of dense optimizer state (SGD's momentum
+        of a sparse weight sees the dense gradient) and, with ``stored_too``,
+        of a weight and state whose layout stores the dropped positions too."""
+        param, mask = entry.param, entry.mask
+        with torch.no_grad():
+            targets = [param] if stored_too else []
+            if self.optimizer is not None and param in self.optimizer.state:
+                targets += [v for v in self.optimizer.state[param].values()
+                            if isinstance(v, torch.Tensor) and v.shape == param.shape
+                            and (stored_too or not isinstance(v, SparseTensorWrapper))]
+            for t in targets:
+                if isinstance(t, SparseTensorWrapper):
+                    layout = t.wrapped_tensor
+                    if supports_values(layout):
+                        layout.values().mul_(layout.gather(mask.to(layout.dtype)))
+                    else:
+                        t.wrapped_tensor = type(layout).from_dense(t.to_dense() * mask)
+                else:
+                    t.mul_(mask.to(t.dtype))
+
+    def _replace_param(self, entry: _Entry, old: torch.Tensor, new: SparseParameterWrapper) -> None:
+        """Swap a dense parameter for its sparse wrapper in the module and the optimizer."""
+        from sten_core.training.builder import _places_of
+
+        if old.grad is not None:
+            new.grad = old.grad  # a dense gradient, as backward gives a sparse weight with no grad_fmt
+        for module, attr in _places_of(self.model, old) or [(entry.module, entry.attr)]:  # every name of a tied weight
+            setattr(module, attr, new)
+        if self.optimizer is None:
+            return
+        for group in self.optimizer.param_groups:
+            group["params"] = [new if p is old else p for p in group["params"]]
+        if old in self.optimizer.state:
+            self.optimizer.state[new] = self.optimizer.state.pop(old)
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+__all__ = [
+    "GradualPruning", "OneShot", "PruneRegrow", "Schedule", "SparsityScheduler", "layout_from_mask", "ranks",
+    "selector_at", "stored_mask",
+]

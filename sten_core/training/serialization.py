@@ -1,0 +1,87 @@
+"""Saving and loading sparse tensors and models.
+
+A wrapper pickles as its layout's name, logical shape and plain tensors
+(``layout.state_tensors()``; rebuilt by ``Layout.from_state_tensors``), so
+``torch.load(..., weights_only=True)`` reads a sparse model's state dict: the
+one rebuild function is registered as a safe global for ``torch.load``.
+Layouts without ``state_tensors`` pickle whole (``weights_only=False``).
+
+Loading a *dense* state dict into a sparse model keeps each sparse parameter's
+pattern and reads the dense values at it; ``load_dense_state_dict(..., builder=sb)``
+re-runs the builder's sparsifiers instead. ``densify_state_dict`` turns a sparse
+state dict into one a dense model loads.
+
+Example:
+    >>> import io, torch, sten_core as sten
+    >>> w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(2)))
+    >>> buf = io.BytesIO(); torch.save({"w": w}, buf); _ = buf.seek(0)
+    >>> torch.load(buf, weights_only=True)["w"].to_dense().tolist()
+    [[1.0, 0.0], [0.0, 1.0]]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sten_core.model.layouts import StateTensors, implements
+from sten_core.model.registry import registry
+from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper, _rebuild, services
+from sten_core.plugins import manager as plugins
+
+
+def _layout_name(cls: type) -> str | None:
+    for name, registered in registry.layouts.items():
+        if registered is cls:
+            return name
+    return None
+
+
+def rebuild_sparse(is_param: bool, layout_name: str, shape: tuple, tensors: tuple, requires_grad: bool) -> SparseTensorWrapper:
+    """Inverse of ``reduce_wrapper`` (a safe global for ``torch.load``)."""
+    plugins.ensure_loaded()
+    layout = registry.layout(layout_name).from_state_tensors(tuple(tensors), tuple(shape))
+    cls = SparseParameterWrapper if is_param else SparseTensorWrapper
+    return cls(layout, requires_grad)
+
+
+def reduce_wrapper(wrapper: SparseTensorWrapper) -> tuple:
+    """The pickle form of a wrapper: plain tensors where the layout allows.
+
+    A wrapper with a ``grad_fmt`` (sparsifier objects) pickles whole; state
+    dicts hold detached wrappers, which have none.
+    """
+    layout = wrapper.wrapped_tensor
+    plugins.ensure_loaded()
+    name = _layout_name(type(layout))
+    if wrapper.grad_fmt is None and name is not None and implements(layout, StateTensors):
+        args = (isinstance(wrapper, SparseParameterWrapper), name, tuple(wrapper.shape),
+                tuple(layout.state_tensors()), wrapper.requires_grad)
+        return (rebuild_sparse, args)
+    return (_rebuild, (type(wrapper), layout, wrapper.requires_grad, wrapper.grad_fmt))
+
+
+def densify_state_dict(state_dict: dict) -> dict:
+    """A copy of ``state_dict`` with every sparse wrapper made dense (for a dense model)."""
+    return {k: (v.to_dense() if isinstance(v, SparseTensorWrapper) else v) for k, v in state_dict.items()}
+
+
+def load_dense_state_dict(model: torch.nn.Module, state_dict: dict, builder: Any = None, strict: bool = True) -> Any:
+    """Load a dense model's ``state_dict`` into the sparse ``model``.
+
+    Without ``builder`` each sparse parameter keeps its pattern (values read at
+    it); with a ``SparsityBuilder`` its weights are sparsified anew from the
+    loaded values, by the builder's settings.
+    """
+    if builder is None:
+        return model.load_state_dict(state_dict, strict=strict)
+    state = dict(state_dict)
+    for name in builder.weights:
+        if name in state:
+            state[name] = builder.sparse_weight(name, state[name])
+    return model.load_state_dict(state, strict=strict)
+
+
+torch.serialization.add_safe_globals([rebuild_sparse])
+services.install(reduce_wrapper=reduce_wrapper)
