@@ -374,6 +374,14 @@ class ColumnGroupedNMTensor(_Base):
             t = cls._trusted(torch.zeros(1), columns, tensor.shape, n, m, g, values_later=True)
         return t.with_values(t.gather(tensor.detach()))
 
+    @classmethod
+    def pruning_sparsifier(cls, method: str, **options: Any) -> Any:
+        """The sparsifier ``sten.prune(..., out_format=ColumnGroupedNMTensor)`` uses for
+        ``method`` (see :func:`sten_nm.pruning.pruning_sparsifier`)."""
+        from .pruning import pruning_sparsifier
+
+        return pruning_sparsifier(method, **options)
+
     # -- metadata ----------------------------------------------------------------
     @property
     def shape(self) -> torch.Size:
