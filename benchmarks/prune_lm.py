@@ -1,6 +1,11 @@
 """One-shot pruning of two trained models by magnitude, Wanda and SparseGPT
 (``sten.prune``), at 50 % unstructured and 2:4; nothing is downloaded.
 
+With sten_nm installed, each method also prunes into the paper's grouped n:m format
+(``ColumnGroupedNMTensor``, 2:4 along the output rows, columns in chunks where each of
+the 6 row patterns owns ``g`` columns): the "2:4 grouped" rows, evaluated through that
+layout's own product.
+
 1. A byte-level causal transformer language model trained on CPU on the Python
    standard library's own top-level source files (``sysconfig`` ``stdlib``,
    ``*.py``, sorted by name; every 10th file is the held-out split). Perplexity
@@ -43,6 +48,18 @@ SETTINGS = [("dense", None, None, True), ("magnitude", 0.5, None, True), ("wanda
             ("sparsegpt", 0.5, None, True), ("magnitude", None, (2, 4), True), ("wanda", None, (2, 4), True),
             ("sparsegpt", None, (2, 4), True), ("wanda", 0.5, None, False), ("wanda", None, (2, 4), False),
             ("sparsegpt", 0.5, None, False), ("sparsegpt", None, (2, 4), False)]
+
+# the paper's grouped n:m (sten_nm.ColumnGroupedNMTensor), per method: (method, pattern)
+GROUPED = [("magnitude", (2, 4)), ("wanda", (2, 4)), ("sparsegpt", (2, 4))]
+
+
+def grouped_layout() -> type | None:
+    """``sten_nm.ColumnGroupedNMTensor``, or ``None`` where sten_nm is not installed."""
+    try:
+        from sten_nm import ColumnGroupedNMTensor
+    except Exception:
+        return None
+    return ColumnGroupedNMTensor
 
 
 @dataclass
@@ -212,6 +229,16 @@ def run_lm(cfg: LMConfig, max_bytes: int | None, log: bool = True) -> dict[str, 
                      "prune_seconds": seconds})
         if log:
             print(f"  {method:9s} {rows[-1]['pattern']:5s} ppl {rows[-1]['perplexity']:.3f}  ({seconds:.1f}s)", flush=True)
+    layout = grouped_layout()
+    for method, pattern in GROUPED if layout is not None else []:
+        pruned = copy.deepcopy(model)
+        start = time.perf_counter()
+        sten.prune(pruned, batches, method, pattern=pattern, layers=prunable, out_format=layout)
+        seconds = time.perf_counter() - start
+        rows.append({"method": method, "pattern": f"{pattern[0]}:{pattern[1]} grouped", "perplexity": perplexity(pruned, held, cfg),
+                     "sparsity": measured_sparsity(pruned, names), "prune_seconds": seconds})
+        if log:
+            print(f"  {method:9s} {rows[-1]['pattern']} ppl {rows[-1]['perplexity']:.3f}  ({seconds:.1f}s)", flush=True)
     layout_row = _layout_check(model, batches, held, cfg)
     return {"config": asdict(cfg), "data": info, "train_seconds": train_s, "rows": rows, "layout_check": layout_row}
 
@@ -259,6 +286,16 @@ def run_digits(epochs: int, log: bool = True) -> dict[str, Any]:
                      "sparsity": measured_sparsity(pruned, list(digits.WEIGHTS))})
         if log:
             print(f"  digits {method:9s} {rows[-1]['pattern']:5s} acc {acc:.4f}", flush=True)
+    layout = grouped_layout()
+    for method, pattern in [(mth, pat) for pat in ((2, 4), (1, 4)) for mth, _ in GROUPED] if layout is not None else []:
+        pruned = copy.deepcopy(model)
+        sten.prune(pruned, calib, method, pattern=pattern, out_format=layout)
+        with torch.no_grad():
+            acc = (pruned(xte).argmax(1) == yte).float().mean().item()
+        rows.append({"method": method, "pattern": f"{pattern[0]}:{pattern[1]} grouped", "accuracy": acc,
+                     "sparsity": measured_sparsity(pruned, list(digits.WEIGHTS))})
+        if log:
+            print(f"  digits {method:9s} {rows[-1]['pattern']} acc {acc:.4f}", flush=True)
     return {"epochs": epochs, "rows": rows}
 
 
