@@ -50,8 +50,13 @@ def test_quick_run(tmp_path, capsys):
         # zero weights; SparseGPT zeroes the weights of inputs never seen (blank pixels) even where kept
         # grouped n:m of the 10-row output layer: its last block of 4 rows has 2 padding rows,
         # so a column keeps 0, 1 or 2 of the real ones there (slightly off the nominal density)
-        low = expected - (0.002 if r["pattern"].endswith("grouped") else 0.0)
-        assert low <= r["sparsity"] <= expected + 0.01 and 0.0 <= r["accuracy"] <= 1.0
+        # and every column stores n of m, so a dead input's (SparseGPT sets its weights to 0)
+        # kept slots hold zeros (more zero weights than the nominal density; plain n:m along
+        # the inputs puts them in the pruned slots instead)
+        is_grouped = r["pattern"].endswith("grouped")
+        low = expected - (0.002 if is_grouped else 0.0)
+        high = expected + (0.1 if is_grouped and r["method"] == "sparsegpt" else 0.01)
+        assert low <= r["sparsity"] <= high and 0.0 <= r["accuracy"] <= 1.0
     check = lm["layout_check"]
     if check is not None:  # sten_nm installed: the NMTensor model computes what the dense-with-zeros one does
         assert check["layouts"] == ["NMTensor"]
