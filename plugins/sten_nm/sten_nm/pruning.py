@@ -1,4 +1,5 @@
-"""One-shot pruning into the paper's grouped n:m format (:class:`ColumnGroupedNMTensor`).
+"""One-shot pruning into the paper's grouped n:m formats: :class:`ColumnGroupedNMTensor`
+and the 16-row :class:`GroupedNMTensor`.
 
 The pattern: within each block of ``m`` output rows every column keeps ``n`` rows, and
 in each chunk of ``C(m, n) * g`` columns each of the ``C(m, n)`` row patterns owns
@@ -15,7 +16,15 @@ assignment (:func:`sten_nm.column_grouped.grouped_columns`), fed its own score:
 ``sten.prune(model, batches, method, pattern=(n, m), out_format=ColumnGroupedNMTensor)``
 picks these through :meth:`ColumnGroupedNMTensor.pruning_sparsifier`
 (:func:`pruning_sparsifier`); ``pattern=(n, m, g)`` fixes ``g`` (default: per layer,
-:func:`~sten_nm.column_grouped.default_g`). A column count that is not a multiple of
+:func:`~sten_nm.column_grouped.default_g`). The 16-row :class:`GroupedNMTensor` (rows in groups of 16 sharing one n:m mask along
+the inputs) works the same way (:class:`GroupedWandaSparsifier`,
+:class:`GroupedSparseGPTSparsifier`, magnitude :class:`~sten_nm.GroupedNMSparsifier`):
+the greedy row grouping and each group's choice use the method's score; SparseGPT fixes
+the row groups up front by ``|W| * sqrt(diag H)`` (its saliency with a diagonal
+Hessian, i.e. Wanda's score) and chooses each group's ``n`` of every ``m`` columns
+by the summed saliency of the updated weights as its sweep reaches them.
+
+For ColumnGroupedNMTensor, a column count that is not a multiple of
 the chunk width is allowed: the last chunk is narrower (``ceil(rest / C(m, n))``
 columns per pattern, padded with zero columns, as the layout stores it); a row count
 that is not a multiple of ``m`` pads the last row block with zero rows.
@@ -39,8 +48,10 @@ import torch
 
 from sten_core.pruning import METHODS, SparseGPTSparsifier, WandaSparsifier, sparsegpt
 
+from ._checks import check_nm
 from .column_grouped import check_patterns, column_grouped_keep_mask, default_g
-from .sparsifier import ColumnGroupedNMSparsifier
+from .grouped_tensor import GR, GroupedNMTensor, greedy_row_groups
+from .sparsifier import ColumnGroupedNMSparsifier, GroupedNMSparsifier
 
 
 def _check_g(g: Any) -> Optional[int]:
@@ -116,6 +127,115 @@ class ColumnGroupedSparseGPTSparsifier(SparseGPTSparsifier):
         return {"n": self.n, "m": self.m, "g": self.g}
 
 
+class GroupedRowsRule:
+    """SparseGPT's :class:`~sten_core.pruning.sparsegpt.ChunkRule` for the 16-row grouped
+    n:m: rows in the fixed groups of ``order`` (16 consecutive entries each); per chunk of
+    ``m`` columns each group keeps the ``min(n, width)`` columns of largest summed saliency.
+
+    >>> GroupedRowsRule(1, 2, torch.tensor([1, 0])).keep(torch.tensor([[3., 0.], [0., 4.]])).tolist()
+    [[False, True], [False, True]]
+    """
+
+    def __init__(self, n: int, m: int, order: torch.Tensor):
+        self.n, self.width, self.order = n, m, order
+
+    def keep(self, saliency: torch.Tensor) -> torch.Tensor:
+        N, width = saliency.shape
+        Q = -(-N // GR)
+        ranked = saliency.new_zeros((Q * GR, width))
+        ranked[:N] = saliency[self.order]
+        summed = ranked.reshape(Q, GR, width).sum(1)                        # [Q, width]
+        chosen = torch.argsort(summed, dim=1, descending=True, stable=True)[:, :min(self.n, width)]
+        per_group = torch.zeros((Q, width), dtype=torch.bool, device=saliency.device).scatter_(1, chosen, True)
+        keep = torch.empty((N, width), dtype=torch.bool, device=saliency.device)
+        keep[self.order] = per_group.repeat_interleave(GR, dim=0)[:N]
+        return keep
+
+
+class GroupedWandaSparsifier(WandaSparsifier):
+    """Wanda into the 16-row grouped n:m: rows grouped and each group's ``n`` of every ``m``
+    inputs chosen by ``|W| * ||X_j||`` (extra input ``input_norm``).
+
+    Args:
+        n, m: ``n`` of every ``m`` inputs kept, one choice per group of 16 rows.
+        group: greedy row groups (``False``: consecutive rows).
+    """
+
+    def __init__(self, n: int, m: int, group: bool = True):
+        super().__init__(n=n, m=m)
+        check_nm(self.n, self.m)
+        self.group = bool(group)
+
+    def mask(self, tensor: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        dense = self.check_weight(tensor, type(self).__name__)
+        scores = self.score(dense, **self.inputs_for(dense, inputs))
+        return GroupedNMTensor.from_dense(dense.cpu(), self.n, self.m, self.group, score=scores.cpu()).mask().to(dense.device)
+
+    def layout_params(self) -> dict[str, Any]:
+        return {"n": self.n, "m": self.m, "group": self.group}
+
+
+class GroupedSparseGPTSparsifier(SparseGPTSparsifier):
+    """SparseGPT into the 16-row grouped n:m (extra input ``hessian``): row groups fixed
+    by ``|W| * sqrt(diag H)``, each group's ``n`` of every ``m`` inputs chosen when the
+    sweep reaches them (:class:`GroupedRowsRule`).
+
+    Args:
+        n, m, group: as :class:`GroupedWandaSparsifier`.
+        percdamp, blocksize: as :class:`SparseGPTSparsifier`.
+    """
+
+    def __init__(self, n: int, m: int, group: bool = True, *, percdamp: float = 0.01, blocksize: int = 128):
+        super().__init__(n=n, m=m, percdamp=percdamp, blocksize=blocksize)
+        check_nm(self.n, self.m)
+        self.group = bool(group)
+
+    def prune(self, tensor: torch.Tensor, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        dense = self.check_weight(tensor, type(self).__name__)
+        hessian = self.inputs_for(dense, inputs)["hessian"]
+        if hessian.shape != (dense.shape[1], dense.shape[1]):
+            raise ValueError(f"{type(self).__name__}: hessian must be [{dense.shape[1]}, {dense.shape[1]}] "
+                             f"(in_features²), got {tuple(hessian.shape)}")
+        if self.group:
+            score = dense.float().abs() * torch.diagonal(hessian).float().clamp_min(0).sqrt().to(dense.device)[None]
+            order = greedy_row_groups(score.cpu(), self.n, self.m).to(dense.device)
+        else:
+            order = torch.arange(dense.shape[0], device=dense.device)
+        return sparsegpt(dense, hessian, rule=GroupedRowsRule(self.n, self.m, order), percdamp=self.percdamp,
+                         blocksize=self.blocksize)
+
+    def layout_params(self) -> dict[str, Any]:
+        return {"n": self.n, "m": self.m, "group": self.group}
+
+
+def _method_and_pattern(method: str, sparsity: Any, pattern: Any, layout: str, sizes: tuple[int, ...]) -> tuple:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(repr(m) for m in METHODS)}, got {method!r}")
+    if sparsity is not None:
+        raise ValueError(f"out_format={layout} stores an n:m pattern: give pattern=(n, m){' or (n, m, g)' if 3 in sizes else ''}, "
+                         f"not sparsity={sparsity!r}")
+    if not isinstance(pattern, (tuple, list)) or len(pattern) not in sizes:
+        raise TypeError(f"pattern must be (n, m){' or (n, m, g)' if 3 in sizes else ''} for out_format={layout}, "
+                        f"got {pattern!r}")
+    return tuple(pattern)
+
+
+def grouped_pruning_sparsifier(method: str, *, sparsity: Any = None, pattern: Any = None, percdamp: float = 0.01,
+                               blocksize: int = 128) -> Any:
+    """The sparsifier of ``method`` that prunes into the 16-row grouped n:m
+    ``pattern=(n, m)`` (``sten.prune`` calls it for ``out_format=GroupedNMTensor``).
+
+    >>> grouped_pruning_sparsifier("magnitude", pattern=(2, 4))
+    GroupedNMSparsifier(n=2, m=4, group=True)
+    """
+    n, m = _method_and_pattern(method, sparsity, pattern, "GroupedNMTensor", (2,))
+    if method == "magnitude":
+        return GroupedNMSparsifier(n, m)
+    if method == "wanda":
+        return GroupedWandaSparsifier(n, m)
+    return GroupedSparseGPTSparsifier(n, m, percdamp=percdamp, blocksize=blocksize)
+
+
 def pruning_sparsifier(method: str, *, sparsity: Any = None, pattern: Any = None, percdamp: float = 0.01,
                        blocksize: int = 128) -> Any:
     """The sparsifier of ``method`` that prunes into the grouped n:m pattern
@@ -125,13 +245,7 @@ def pruning_sparsifier(method: str, *, sparsity: Any = None, pattern: Any = None
     >>> pruning_sparsifier("wanda", pattern=(2, 4, 8))
     ColumnGroupedWandaSparsifier(n=2, m=4, fraction=0.5, g=8)
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(repr(m) for m in METHODS)}, got {method!r}")
-    if sparsity is not None:
-        raise ValueError(f"out_format=ColumnGroupedNMTensor stores an n:m pattern: give pattern=(n, m) or (n, m, g), "
-                         f"not sparsity={sparsity!r}")
-    if not isinstance(pattern, (tuple, list)) or len(pattern) not in (2, 3):
-        raise TypeError(f"pattern must be (n, m) or (n, m, g) for out_format=ColumnGroupedNMTensor, got {pattern!r}")
+    pattern = _method_and_pattern(method, sparsity, pattern, "ColumnGroupedNMTensor", (2, 3))
     n, m = pattern[0], pattern[1]
     g = _check_g(pattern[2] if len(pattern) == 3 else None)
     if method == "magnitude":

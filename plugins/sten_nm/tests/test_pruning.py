@@ -1,5 +1,5 @@
-"""One-shot pruning (magnitude, Wanda, SparseGPT) into the paper's grouped n:m format,
-``ColumnGroupedNMTensor`` (issue #17).
+"""One-shot pruning (magnitude, Wanda, SparseGPT) into the paper's grouped n:m formats,
+``ColumnGroupedNMTensor`` and the 16-row ``GroupedNMTensor`` (issue #17).
 
 The pattern is checked by an independent counter (:func:`check_grouped`), the selection
 against the layout's own magnitude path, SparseGPT against its diagonal-Hessian limit
@@ -17,11 +17,13 @@ import pytest
 import torch
 
 import sten_core as sten
-from sten_core.pruning import input_hessian, input_norms
+from sten_core.pruning import WandaSparsifier, input_hessian, input_norms
 from sten_core.schedule import stored_mask
-from sten_nm import ColumnGroupedNMSparsifier, ColumnGroupedNMTensor, GroupedNMTensor
+from sten_nm import ColumnGroupedNMSparsifier, ColumnGroupedNMTensor, GroupedNMSparsifier, GroupedNMTensor
 from sten_nm.column_grouped import default_g
-from sten_nm.pruning import ColumnGroupedSparseGPTSparsifier, ColumnGroupedWandaSparsifier, pruning_sparsifier
+from sten_nm.grouped_tensor import greedy_row_groups
+from sten_nm.pruning import (ColumnGroupedSparseGPTSparsifier, ColumnGroupedWandaSparsifier, GroupedSparseGPTSparsifier,
+                             GroupedWandaSparsifier, grouped_pruning_sparsifier, pruning_sparsifier)
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 
@@ -59,6 +61,25 @@ def check_grouped(keep: torch.Tensor, n: int, m: int, g: int) -> None:
                     assert max(counts) <= math.ceil(len(chunk) / P), f"last chunk at column {c0}: {counts}"
         else:
             assert bool((per_col <= n).all())
+
+
+def check_grouped16(keep: torch.Tensor, n: int, m: int) -> None:
+    """``keep`` ``[N, K]`` honours the 16-row grouped n:m: every row keeps ``min(n, size)``
+    of each group of ``m`` inputs, and the rows fall into ``ceil(N / 16)`` groups of at
+    most 16 rows with one mask each."""
+    N, K = keep.shape
+    for c in range(0, K, m):
+        per_row = keep[:, c:c + m].sum(1)
+        assert bool((per_row == min(n, K - c)).all()), f"inputs {c}..: kept per row {per_row.tolist()}"
+    _, counts = torch.unique(keep, dim=0, return_counts=True)
+    assert sum(-(-int(c) // 16) for c in counts) == -(-N // 16), f"rows per distinct mask: {counts.tolist()}"
+
+
+def check_pattern(layout: type, keep: torch.Tensor, n: int, m: int) -> None:
+    if layout is ColumnGroupedNMTensor:
+        check_grouped(keep, n, m, default_g(keep.shape[1], n, m))
+    else:
+        check_grouped16(keep, n, m)
 
 
 def _weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -136,6 +157,40 @@ def test_sparsegpt_block_size_is_a_multiple_of_the_chunk():
         torch.testing.assert_close(values, results[0][0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("shape, nm", [((32, 48), (2, 4)), ((40, 30), (2, 4)), ((20, 24), (1, 4)), ((16, 17), (2, 8))])
+def test_masks_honour_the_16_row_grouped_pattern(method, shape, nm):
+    n, m = nm
+    w = _weight(*shape, seed=2)
+    x = correlated_inputs(128, shape[1])
+    sp = grouped_pruning_sparsifier(method, pattern=nm)
+    sp = sp.bind(**({"input_norm": input_norms(x)} if method == "wanda" else {"hessian": input_hessian(x)})) \
+        if method != "magnitude" else sp
+    stored = sten.sparsify(sp, w, GroupedNMTensor)
+    assert type(stored.wrapped_tensor) is GroupedNMTensor
+    keep = stored_mask(stored)
+    check_grouped16(keep, n, m)
+    if method != "sparsegpt":
+        assert torch.equal(stored.to_dense(), w * keep)
+        assert torch.equal(sp.mask(w), keep)
+
+
+def test_16_row_grouped_wanda_and_sparsegpt_select_by_their_scores():
+    w = _weight(40, 48, seed=3)
+    x = correlated_inputs(256, 48, seed=4)
+    norms = input_norms(x)
+    got = GroupedWandaSparsifier(2, 4).mask(w, input_norm=norms)
+    assert torch.equal(got, GroupedNMTensor.from_dense(w * norms[None], 2, 4).mask())
+    assert torch.equal(GroupedWandaSparsifier(2, 4).mask(w, input_norm=torch.ones(48)), GroupedNMSparsifier(2, 4).mask(w))
+    # diagonal Hessian: rows grouped by |w| sqrt(h), each group's n of m by the summed w² h
+    diag = torch.linspace(0.5, 3.0, 48)
+    values, keep = GroupedSparseGPTSparsifier(2, 4, percdamp=0.0, blocksize=5).prune(w, hessian=torch.diag(diag))
+    order = greedy_row_groups(w.abs() * diag.sqrt()[None], 2, 4)
+    want = GroupedNMTensor._select(w, w.square() * diag[None], order, 2, 4).mask()
+    assert torch.equal(keep, want)
+    torch.testing.assert_close(values, w * want, rtol=1e-6, atol=1e-6)
+
+
 # -- quality: SparseGPT reconstructs best ------------------------------------------------------
 
 class TinyMLP(torch.nn.Module):
@@ -150,7 +205,8 @@ class TinyMLP(torch.nn.Module):
         return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
-def test_sparsegpt_reconstructs_best_in_the_grouped_pattern():
+@pytest.mark.parametrize("layout", [ColumnGroupedNMTensor, GroupedNMTensor])
+def test_sparsegpt_reconstructs_best_in_the_grouped_pattern(layout):
     dense = TinyMLP()
     x = correlated_inputs(1024, 48, seed=1)
     acts = {}
@@ -163,14 +219,14 @@ def test_sparsegpt_reconstructs_best_in_the_grouped_pattern():
     errors = {}
     for method in METHODS:
         pruned = sten.prune(copy.deepcopy(dense), list(x.split(128)), method, pattern=(2, 4),
-                            out_format=ColumnGroupedNMTensor, sequential=False)
+                            out_format=layout, sequential=False)
         errors[method] = {}
         for name in ("fc1", "fc2", "fc3"):
             w, w_hat = getattr(dense, name).weight.detach(), getattr(pruned, name).weight
-            assert type(w_hat.wrapped_tensor) is ColumnGroupedNMTensor
+            assert type(w_hat.wrapped_tensor) is layout
+            check_pattern(layout, stored_mask(w_hat), 2, 4)
             w_hat = w_hat.to_dense().detach()
             assert int((w_hat != 0).sum()) == w.numel() // 2
-            check_grouped(w_hat != 0, 2, 4, default_g(w.shape[1], 2, 4))
             errors[method][name] = float(((w - w_hat) @ acts[name].t()).norm() / (w @ acts[name].t()).norm())
     for name in ("fc1", "fc2", "fc3"):
         assert errors["sparsegpt"][name] < errors["wanda"][name], errors
@@ -180,16 +236,17 @@ def test_sparsegpt_reconstructs_best_in_the_grouped_pattern():
 
 # -- the pruned model ------------------------------------------------------------------------
 
+@pytest.mark.parametrize("layout", [ColumnGroupedNMTensor, GroupedNMTensor])
 @pytest.mark.parametrize("method", METHODS)
-def test_pruned_model_equals_dense_model_with_the_masked_weights(method):
+def test_pruned_model_equals_dense_model_with_the_masked_weights(method, layout):
     torch.manual_seed(0)
     x = correlated_inputs(256, 48)
-    model = sten.prune(TinyMLP(), list(x.split(64)), method, pattern=(2, 4), out_format=ColumnGroupedNMTensor)
+    model = sten.prune(TinyMLP(), list(x.split(64)), method, pattern=(2, 4), out_format=layout)
     reference = TinyMLP()
     with torch.no_grad():
         for name in ("fc1", "fc2", "fc3"):
             w = getattr(model, name).weight
-            assert type(w.wrapped_tensor) is ColumnGroupedNMTensor
+            assert type(w.wrapped_tensor) is layout
             getattr(reference, name).weight.copy_(w.to_dense())
             getattr(reference, name).bias.copy_(getattr(model, name).bias)
             if method != "sparsegpt":  # the original weights on the mask
@@ -198,16 +255,17 @@ def test_pruned_model_equals_dense_model_with_the_masked_weights(method):
         torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
 
 
-def test_pruned_model_loads_from_a_state_dict_and_trains_on_in_its_pattern():
+@pytest.mark.parametrize("layout", [ColumnGroupedNMTensor, GroupedNMTensor])
+def test_pruned_model_loads_from_a_state_dict_and_trains_on_in_its_pattern(layout):
     torch.manual_seed(0)
     x = correlated_inputs(256, 48)
     y = torch.randint(0, 12, (256,))
-    model = sten.prune(TinyMLP(), list(x.split(64)), "sparsegpt", pattern=(2, 4), out_format=ColumnGroupedNMTensor)
+    model = sten.prune(TinyMLP(), list(x.split(64)), "sparsegpt", pattern=(2, 4), out_format=layout)
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
     buf.seek(0)
     state = torch.load(buf)
-    fresh = sten.prune(TinyMLP(seed=9), method="magnitude", pattern=(2, 4), out_format=ColumnGroupedNMTensor)
+    fresh = sten.prune(TinyMLP(seed=9), method="magnitude", pattern=(2, 4), out_format=layout)
     fresh.load_state_dict(state)
     torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
     masks = {n: stored_mask(p).clone() for n, p in fresh.named_parameters() if isinstance(p, sten.SparseTensorWrapper)}
@@ -226,9 +284,9 @@ def test_pruned_model_loads_from_a_state_dict_and_trains_on_in_its_pattern():
     assert losses[-1] < 0.8 * losses[0], losses
     for name, keep in masks.items():
         w = fresh.get_parameter(name)
-        assert type(w.wrapped_tensor) is ColumnGroupedNMTensor
+        assert type(w.wrapped_tensor) is layout
         assert torch.equal(stored_mask(w), keep)  # the gradient steps kept the pattern
-        check_grouped(w.to_dense() != 0, 2, 4, w.wrapped_tensor.g)
+        check_pattern(layout, stored_mask(w), 2, 4)
 
 
 def test_pattern_with_g_and_through_the_builder():
@@ -267,6 +325,22 @@ def test_bad_input_names_the_argument():
         ColumnGroupedNMTensor.from_dense(w, 2, 4, 4, score=-w.abs())
     with pytest.raises(ValueError, match="score must be a tensor of the weight's shape"):
         ColumnGroupedNMTensor.from_dense(w, 2, 4, 4, score=w[:, :3])
-    # the 16-row grouped format picks its own rows: the n:m-along-inputs mask does not fit it
-    with pytest.raises(ValueError, match="GroupedNMTensor cannot store the mask"):
-        sten.prune(TinyMLP(), x, "wanda", pattern=(2, 4), out_format=GroupedNMTensor)
+    with pytest.raises(TypeError, match=r"pattern must be \(n, m\) for out_format=GroupedNMTensor"):
+        sten.prune(TinyMLP(), x, "wanda", pattern=(2, 4, 2), out_format=GroupedNMTensor)
+    with pytest.raises(ValueError, match="not sparsity"):
+        sten.prune(TinyMLP(), x, "sparsegpt", sparsity=0.5, out_format=GroupedNMTensor)
+    exact_nm = torch.zeros(32, 8, dtype=torch.bool)
+    exact_nm[::2, :2] = True
+    exact_nm[1::2, 2:4] = True
+    exact_nm[:, 4:6] = True     # 16 rows of one mask, 16 of another: fits
+    assert torch.equal(GroupedNMTensor.from_dense(_weight(32, 8), 2, 4, mask=exact_nm).mask(), exact_nm)
+    exact_nm[0, 4:6] = False
+    exact_nm[0, 6:8] = True     # a third mask for one row: 3 groups needed, 2 available
+    with pytest.raises(ValueError, match="mask is not a GroupedNMTensor"):
+        GroupedNMTensor.from_dense(_weight(32, 8), 2, 4, mask=exact_nm)
+    # a plain (ungrouped) n:m sparsifier's mask does not fit the grouped layouts
+    plain = WandaSparsifier(n=2, m=4).bind(input_norm=torch.ones(48))
+    with pytest.raises(ValueError, match="mask is not a GroupedNMTensor"):
+        sten.sparsify(plain, _weight(32, 48), GroupedNMTensor)
+    with pytest.raises(ValueError, match="mask is not a ColumnGroupedNMTensor"):
+        sten.sparsify(plain, _weight(32, 48), ColumnGroupedNMTensor)
