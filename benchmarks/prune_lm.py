@@ -3,8 +3,9 @@
 
 With sten_nm installed, each method also prunes into the paper's grouped n:m format
 (``ColumnGroupedNMTensor``, 2:4 along the output rows, columns in chunks where each of
-the 6 row patterns owns ``g`` columns): the "2:4 grouped" rows, evaluated through that
-layout's own product.
+the 6 row patterns owns ``g`` columns): the "2:4 grouped" rows; and into the 16-row
+``GroupedNMTensor`` (rows in groups of 16 sharing one 2:4 mask along the inputs): the
+"2:4 row-grouped" rows. Both are evaluated through the layout's own product.
 
 1. A byte-level causal transformer language model trained on CPU on the Python
    standard library's own top-level source files (``sysconfig`` ``stdlib``,
@@ -49,17 +50,18 @@ SETTINGS = [("dense", None, None, True), ("magnitude", 0.5, None, True), ("wanda
             ("sparsegpt", None, (2, 4), True), ("wanda", 0.5, None, False), ("wanda", None, (2, 4), False),
             ("sparsegpt", 0.5, None, False), ("sparsegpt", None, (2, 4), False)]
 
-# the paper's grouped n:m (sten_nm.ColumnGroupedNMTensor), per method: (method, pattern)
-GROUPED = [("magnitude", (2, 4)), ("wanda", (2, 4)), ("sparsegpt", (2, 4))]
+# the grouped n:m layouts of sten_nm: (label suffix, layout name), each pruned by every method
+GROUPED = [("grouped", "ColumnGroupedNMTensor"), ("row-grouped", "GroupedNMTensor")]
+METHODS = ("magnitude", "wanda", "sparsegpt")
 
 
-def grouped_layout() -> type | None:
-    """``sten_nm.ColumnGroupedNMTensor``, or ``None`` where sten_nm is not installed."""
+def grouped_layouts() -> list[tuple[str, type]]:
+    """``(label suffix, layout)`` of sten_nm's grouped n:m layouts; empty where sten_nm is not installed."""
     try:
-        from sten_nm import ColumnGroupedNMTensor
+        import sten_nm
     except Exception:
-        return None
-    return ColumnGroupedNMTensor
+        return []
+    return [(suffix, getattr(sten_nm, name)) for suffix, name in GROUPED]
 
 
 @dataclass
@@ -229,13 +231,12 @@ def run_lm(cfg: LMConfig, max_bytes: int | None, log: bool = True) -> dict[str, 
                      "prune_seconds": seconds})
         if log:
             print(f"  {method:9s} {rows[-1]['pattern']:5s} ppl {rows[-1]['perplexity']:.3f}  ({seconds:.1f}s)", flush=True)
-    layout = grouped_layout()
-    for method, pattern in GROUPED if layout is not None else []:
+    for (suffix, layout), method in [(lay, mth) for lay in grouped_layouts() for mth in METHODS]:
         pruned = copy.deepcopy(model)
         start = time.perf_counter()
-        sten.prune(pruned, batches, method, pattern=pattern, layers=prunable, out_format=layout)
+        sten.prune(pruned, batches, method, pattern=(2, 4), layers=prunable, out_format=layout)
         seconds = time.perf_counter() - start
-        rows.append({"method": method, "pattern": f"{pattern[0]}:{pattern[1]} grouped", "perplexity": perplexity(pruned, held, cfg),
+        rows.append({"method": method, "pattern": f"2:4 {suffix}", "perplexity": perplexity(pruned, held, cfg),
                      "sparsity": measured_sparsity(pruned, names), "prune_seconds": seconds})
         if log:
             print(f"  {method:9s} {rows[-1]['pattern']} ppl {rows[-1]['perplexity']:.3f}  ({seconds:.1f}s)", flush=True)
@@ -286,13 +287,13 @@ def run_digits(epochs: int, log: bool = True) -> dict[str, Any]:
                      "sparsity": measured_sparsity(pruned, list(digits.WEIGHTS))})
         if log:
             print(f"  digits {method:9s} {rows[-1]['pattern']:5s} acc {acc:.4f}", flush=True)
-    layout = grouped_layout()
-    for method, pattern in [(mth, pat) for pat in ((2, 4), (1, 4)) for mth, _ in GROUPED] if layout is not None else []:
+    for (suffix, layout), pattern, method in [(lay, pat, mth) for lay in grouped_layouts()
+                                              for pat in ((2, 4), (1, 4)) for mth in METHODS]:
         pruned = copy.deepcopy(model)
         sten.prune(pruned, calib, method, pattern=pattern, out_format=layout)
         with torch.no_grad():
             acc = (pruned(xte).argmax(1) == yte).float().mean().item()
-        rows.append({"method": method, "pattern": f"{pattern[0]}:{pattern[1]} grouped", "accuracy": acc,
+        rows.append({"method": method, "pattern": f"{pattern[0]}:{pattern[1]} {suffix}", "accuracy": acc,
                      "sparsity": measured_sparsity(pruned, list(digits.WEIGHTS))})
         if log:
             print(f"  digits {method:9s} {rows[-1]['pattern']} acc {acc:.4f}", flush=True)
