@@ -339,8 +339,9 @@ class ColumnGroupedNMTensor(_Base):
 
         ``score`` (``>= 0``, the tensor's shape) is kept instead of ``|tensor|`` (e.g.
         Wanda's ``|W| * ||X||``); ``mask`` (bool, the tensor's shape, a mask of this
-        grouped pattern such as :func:`column_grouped_keep_mask` returns) stores exactly
-        those positions (ValueError if no balanced assignment keeps all of it).
+        grouped pattern such as :func:`column_grouped_keep_mask` returns) stores those
+        positions (ValueError if no balanced assignment keeps all of it); a slot the
+        pattern needs beyond the mask (a column keeping fewer than ``n`` in a block) holds 0.
 
         >>> ColumnGroupedNMTensor.from_dense(torch.ones(4, 12), 2, 4).nnz
         24
@@ -361,6 +362,7 @@ class ColumnGroupedNMTensor(_Base):
             if bool((keep & ~t._stored_positions()).any()):
                 raise ValueError(f"mask is not a ColumnGroupedNMTensor(n={n}, m={m}, g={g}) mask: no balanced "
                                  f"assignment of the C(m, n) patterns to the columns of each chunk keeps all of it")
+            return t.with_values(t.gather(tensor.detach() * keep))    # slots off the mask hold 0
         else:
             if score is None:
                 score = tensor.detach().float().abs().nan_to_num(nan=float("inf"))

@@ -344,3 +344,15 @@ def test_bad_input_names_the_argument():
         sten.sparsify(plain, _weight(32, 48), GroupedNMTensor)
     with pytest.raises(ValueError, match="mask is not a ColumnGroupedNMTensor"):
         sten.sparsify(plain, _weight(32, 48), ColumnGroupedNMTensor)
+
+
+def test_from_dense_with_a_mask_stores_zeros_off_the_mask():
+    """A mask keeping fewer than the pattern's slots (a short last row block, dropped
+    columns): the layout stores it with zeros in the extra slots, never the weight's values."""
+    w = _weight(6, 8, seed=11) + 5.0                      # no zeros of its own
+    keep = ColumnGroupedNMTensor.from_dense(w, 2, 4, 1).mask()
+    keep[4] = False                                       # the last row block keeps 1 of its 2 real rows
+    assert torch.equal(ColumnGroupedNMTensor.from_dense(w, 2, 4, 1, mask=keep).to_dense(), w * keep)
+    keep16 = GroupedNMTensor.from_dense(w, 2, 4).mask()
+    keep16[:, 0] = False
+    assert torch.equal(GroupedNMTensor.from_dense(w, 2, 4, mask=keep16).to_dense(), w * keep16)
