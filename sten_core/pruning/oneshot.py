@@ -228,7 +228,8 @@ def prune(model: torch.nn.Module, calibration_batches: Iterable[Any] | None = No
             ``pruning_sparsifier(method, sparsity=, pattern=, percdamp=, blocksize=)``
             that gives each method's sparsifier for it (sten_nm's
             ``ColumnGroupedNMTensor``: ``pattern=(n, m)`` or ``(n, m, g)``, n of m
-            output rows per column, grouped).
+            output rows per column, grouped; ``GroupedNMTensor``: rows in groups
+            of 16 sharing one n:m mask).
         sequential: calibrate each layer on the outputs of the already-pruned
             earlier layers (the papers' choice); ``False`` calibrates every layer
             in one pass on the dense model.

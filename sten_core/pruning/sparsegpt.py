@@ -14,7 +14,9 @@ the upper Cholesky factor of its inverse. As in the paper's reference code:
 * adaptive mask selection: for unstructured sparsity the mask of each block is
   chosen when the block starts, by the saliency ``w² / [H⁻¹]_jj²`` of the
   already-updated weights (the lowest are pruned); for n:m, per group of ``m``
-  columns when that group starts.
+  columns when that group starts; for any other structured pattern given as a
+  ``rule`` (:class:`ChunkRule`, e.g. sten_nm's grouped n:m), per chunk of the
+  rule's ``width`` columns when that chunk starts.
 
 The number pruned per block is chosen so that the whole weight keeps exactly
 ``round(rows · cols · (1 − fraction))``. Inputs never seen (``H_jj = 0``)
