@@ -1,6 +1,12 @@
 """One-shot pruning of two trained models by magnitude, Wanda and SparseGPT
 (``sten.prune``), at 50 % unstructured and 2:4; nothing is downloaded.
 
+With sten_nm installed, each method also prunes into the paper's grouped n:m format
+(``ColumnGroupedNMTensor``, 2:4 along the output rows, columns in chunks where each of
+the 6 row patterns owns ``g`` columns): the "2:4 grouped" rows; and into the 16-row
+``GroupedNMTensor`` (rows in groups of 16 sharing one 2:4 mask along the inputs): the
+"2:4 row-grouped" rows. Both are evaluated through the layout's own product.
+
 1. A byte-level causal transformer language model trained on CPU on the Python
    standard library's own top-level source files (``sysconfig`` ``stdlib``,
    ``*.py``, sorted by name; every 10th file is the held-out split). Perplexity
@@ -43,6 +49,19 @@ SETTINGS = [("dense", None, None, True), ("magnitude", 0.5, None, True), ("wanda
             ("sparsegpt", 0.5, None, True), ("magnitude", None, (2, 4), True), ("wanda", None, (2, 4), True),
             ("sparsegpt", None, (2, 4), True), ("wanda", 0.5, None, False), ("wanda", None, (2, 4), False),
             ("sparsegpt", 0.5, None, False), ("sparsegpt", None, (2, 4), False)]
+
+# the grouped n:m layouts of sten_nm: (label suffix, layout name), each pruned by every method
+GROUPED = [("grouped", "ColumnGroupedNMTensor"), ("row-grouped", "GroupedNMTensor")]
+METHODS = ("magnitude", "wanda", "sparsegpt")
+
+
+def grouped_layouts() -> list[tuple[str, type]]:
+    """``(label suffix, layout)`` of sten_nm's grouped n:m layouts; empty where sten_nm is not installed."""
+    try:
+        import sten_nm
+    except Exception:
+        return []
+    return [(suffix, getattr(sten_nm, name)) for suffix, name in GROUPED]
 
 
 @dataclass
@@ -212,6 +231,15 @@ def run_lm(cfg: LMConfig, max_bytes: int | None, log: bool = True) -> dict[str, 
                      "prune_seconds": seconds})
         if log:
             print(f"  {method:9s} {rows[-1]['pattern']:5s} ppl {rows[-1]['perplexity']:.3f}  ({seconds:.1f}s)", flush=True)
+    for (suffix, layout), method in [(lay, mth) for lay in grouped_layouts() for mth in METHODS]:
+        pruned = copy.deepcopy(model)
+        start = time.perf_counter()
+        sten.prune(pruned, batches, method, pattern=(2, 4), layers=prunable, out_format=layout)
+        seconds = time.perf_counter() - start
+        rows.append({"method": method, "pattern": f"2:4 {suffix}", "perplexity": perplexity(pruned, held, cfg),
+                     "sparsity": measured_sparsity(pruned, names), "prune_seconds": seconds})
+        if log:
+            print(f"  {method:9s} {rows[-1]['pattern']} ppl {rows[-1]['perplexity']:.3f}  ({seconds:.1f}s)", flush=True)
     layout_row = _layout_check(model, batches, held, cfg)
     return {"config": asdict(cfg), "data": info, "train_seconds": train_s, "rows": rows, "layout_check": layout_row}
 
@@ -259,6 +287,16 @@ def run_digits(epochs: int, log: bool = True) -> dict[str, Any]:
                      "sparsity": measured_sparsity(pruned, list(digits.WEIGHTS))})
         if log:
             print(f"  digits {method:9s} {rows[-1]['pattern']:5s} acc {acc:.4f}", flush=True)
+    for (suffix, layout), pattern, method in [(lay, pat, mth) for lay in grouped_layouts()
+                                              for pat in ((2, 4), (1, 4)) for mth in METHODS]:
+        pruned = copy.deepcopy(model)
+        sten.prune(pruned, calib, method, pattern=pattern, out_format=layout)
+        with torch.no_grad():
+            acc = (pruned(xte).argmax(1) == yte).float().mean().item()
+        rows.append({"method": method, "pattern": f"{pattern[0]}:{pattern[1]} {suffix}", "accuracy": acc,
+                     "sparsity": measured_sparsity(pruned, list(digits.WEIGHTS))})
+        if log:
+            print(f"  digits {method:9s} {rows[-1]['pattern']} acc {acc:.4f}", flush=True)
     return {"epochs": epochs, "rows": rows}
 
 

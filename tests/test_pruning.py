@@ -501,8 +501,10 @@ def test_nm_layouts_of_sten_nm():
         w = model.fc2.weight.wrapped_tensor
         assert type(w) is sten_nm.NMTensor and (w.n, w.m) == (n, m)
         _check_nm(w.to_dense() != 0, n, m)
-    with pytest.raises(ValueError, match="GroupedNMTensor cannot store the mask"):
-        sten.prune(TinyMLP(features=32, hidden=64), [x], "wanda", pattern=(2, 4), out_format=sten_nm.GroupedNMTensor)
+    # the grouped formats pick each method's grouped sparsifier (tested in plugins/sten_nm/tests/test_pruning.py)
+    for layout in (sten_nm.GroupedNMTensor, sten_nm.ColumnGroupedNMTensor):
+        model = sten.prune(TinyMLP(features=32, hidden=64), [x], "wanda", pattern=(2, 4), out_format=layout)
+        assert type(model.fc2.weight.wrapped_tensor) is layout
 
 
 def test_sparse24_layout_of_sten_cuda24():

@@ -191,6 +191,73 @@ def _keep_all_where_possible(score: torch.Tensor, pattern: torch.Tensor, nonzero
     return pattern
 
 
+def _check_same_shape(x: Any, tensor: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.shape != tensor.shape:
+        raise ValueError(f"{name} must be a tensor of the weight's shape {tuple(tensor.shape)}, "
+                         f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    return x
+
+
+def grouped_columns(score: torch.Tensor, n: int, m: int, g: int,
+                    nonzero: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The columns each pattern owns per row block, ``[Nb, P, L]`` int32, chosen to keep
+    the most ``score`` (``[N, K]``, ``>= 0``: ``|W|`` for magnitude, ``|W| * ||X||`` for
+    Wanda, SparseGPT's saliency): per row block and chunk of ``C(m, n) * g`` columns
+    :func:`assign_patterns`; where every column of a chunk has at most ``n`` positions in
+    ``nonzero`` (bool, default ``score != 0``) the assignment keeps all of them.
+
+    >>> grouped_columns(torch.tensor([[1., 0.], [0., 1.]]), 1, 2, 1).tolist()
+    [[[0], [1]]]
+    """
+    n, m = check_nm(n, m)
+    P = check_patterns(n, m)
+    N, K = score.shape
+    widths = chunk_widths(K, P, g)
+    Nb, L = -(-N // m), sum(widths)
+    Kp = P * L
+    s_full = torch.zeros((Nb * m, Kp), dtype=torch.float32)
+    s_full[:N, :K] = score.float()
+    nz_full = torch.zeros((Nb * m, Kp), dtype=torch.bool)
+    nz_full[:N, :K] = (score != 0) if nonzero is None else nonzero
+    pats = patterns(n, m)
+    onehot = torch.zeros((m, P))
+    onehot[pats, torch.arange(P)[:, None].expand(P, n)] = 1.0
+    kept = torch.einsum("qrk,rp->qkp", s_full.reshape(Nb, m, Kp), onehot)   # [Nb, Kp, P] kept score per pattern
+    bit = 1 << torch.arange(m)
+    nz = (nz_full.reshape(Nb, m, Kp).long() * bit[None, :, None]).sum(1)    # [Nb, Kp] nonzero rows
+    masks = (bit[pats]).sum(1)                                               # [P] rows of each pattern
+    columns = torch.empty((Nb, P, L), dtype=torch.int64)
+    for wd in sorted(set(widths), reverse=True):
+        idx = [i for i, x in enumerate(widths) if x == wd]
+        col0 = [sum(P * x for x in widths[:i]) for i in idx]
+        slot0 = [sum(widths[:i]) for i in idx]
+        cols = torch.tensor(col0)[:, None] + torch.arange(P * wd)          # [c, P*wd]
+        s = kept[:, cols].reshape(-1, P * wd, P)                            # [Nb*c, P*wd, P]
+        pat = _keep_all_where_possible(s, assign_patterns(s, wd), nz[:, cols].reshape(-1, P * wd),
+                                       masks, wd).reshape(Nb, len(idx), P * wd)
+        # columns of each pattern, in increasing order: sort by (pattern, column)
+        key = pat * Kp + cols[None]
+        own = torch.sort(key, dim=2).values % Kp                           # [Nb, c, P*wd]
+        own = own.reshape(Nb, len(idx), P, wd)
+        for j, s0 in enumerate(slot0):
+            columns[:, :, s0:s0 + wd] = own[:, j]
+    return columns.to(torch.int32)
+
+
+def column_grouped_keep_mask(score: torch.Tensor, n: int, m: int, g: Optional[int] = None) -> torch.Tensor:
+    """The bool keep-mask ``[N, K]`` of the grouped pattern that keeps the most ``score``
+    (:func:`grouped_columns`; ``g`` defaults to :func:`default_g`).
+
+    >>> column_grouped_keep_mask(torch.tensor([[3., 0.], [1., 2.]]), 1, 2, 1).tolist()
+    [[True, False], [False, True]]
+    """
+    N, K = score.shape
+    g = default_g(K, n, m) if g is None else g
+    columns = grouped_columns(score, n, m, g)
+    return ColumnGroupedNMTensor._trusted(torch.zeros(1), columns, (N, K), n, m, g,
+                                          values_later=True)._stored_positions()
+
+
 class ColumnGroupedNMTensor(_Base):
     """The paper's grouped n:m weight ``[out, in]`` (see the module docstring).
 
@@ -248,59 +315,71 @@ class ColumnGroupedNMTensor(_Base):
 
     @classmethod
     def _trusted(cls, values: torch.Tensor, columns: torch.Tensor, shape: Any, n: int, m: int,
-                 g: int) -> "ColumnGroupedNMTensor":
+                 g: int, values_later: bool = False) -> "ColumnGroupedNMTensor":
+        """Skip the column scan (a pattern made by this package); ``values_later``: a
+        pattern-only object whose values ``with_values`` sets (``from_dense``)."""
         t = cls.__new__(cls)
+        if values_later:
+            Nb, P, L = columns.shape
+            values = torch.zeros((Nb, P, n, L), dtype=torch.float32)
         t._setup(values, columns, shape, n, m, g)
         return t
 
     # -- construction ----------------------------------------------------------
     @classmethod
-    def from_dense(cls, tensor: torch.Tensor, n: int = 2, m: int = 4, g: Optional[int] = None) -> "ColumnGroupedNMTensor":
-        """Magnitude selection: per row block and chunk, the greedy balanced assignment
-        of patterns to columns (:func:`assign_patterns`); ``g`` defaults to
+    def from_dense(cls, tensor: torch.Tensor, n: int = 2, m: int = 4, g: Optional[int] = None, *,
+                   score: Optional[torch.Tensor] = None,
+                   mask: Optional[torch.Tensor] = None) -> "ColumnGroupedNMTensor":
+        """Per row block and chunk, the greedy balanced assignment of patterns to columns
+        (:func:`assign_patterns`) that keeps the most ``|tensor|``; ``g`` defaults to
         :func:`default_g`.
+
+        ``score`` (``>= 0``, the tensor's shape) is kept instead of ``|tensor|`` (e.g.
+        Wanda's ``|W| * ||X||``); ``mask`` (bool, the tensor's shape, a mask of this
+        grouped pattern such as :func:`column_grouped_keep_mask` returns) stores those
+        positions (ValueError if no balanced assignment keeps all of it); a slot the
+        pattern needs beyond the mask (a column keeping fewer than ``n`` in a block) holds 0.
 
         >>> ColumnGroupedNMTensor.from_dense(torch.ones(4, 12), 2, 4).nnz
         24
         """
         check_float_tensor(tensor, "tensor", ndim=2)
         n, m = check_nm(n, m)
-        P = check_patterns(n, m)
+        check_patterns(n, m)
         N, K = tensor.shape
         g = default_g(K, n, m) if g is None else g
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             raise ValueError(f"g must be an int >= 1, got {g!r}")
-        widths = chunk_widths(K, P, g)
-        Nb, L = -(-N // m), sum(widths)
-        Kp = P * L
-        w = torch.zeros((Nb * m, Kp), dtype=tensor.dtype)
-        w[:N, :K] = tensor.detach()
-        pats = patterns(n, m)
-        onehot = torch.zeros((m, P))
-        onehot[pats, torch.arange(P)[:, None].expand(P, n)] = 1.0
-        mag = w.float().abs().nan_to_num(nan=float("inf")).reshape(Nb, m, Kp)
-        score = torch.einsum("qrk,rp->qkp", mag, onehot)       # [Nb, Kp, P] kept |w| per pattern
-        bit = 1 << torch.arange(m)
-        nz = ((w != 0).reshape(Nb, m, Kp).long() * bit[None, :, None]).sum(1)   # [Nb, Kp] nonzero rows
-        masks = (bit[pats]).sum(1)                                               # [P] rows of each pattern
-        columns = torch.empty((Nb, P, L), dtype=torch.int64)
-        for wd in sorted(set(widths), reverse=True):
-            idx = [i for i, x in enumerate(widths) if x == wd]
-            col0 = [sum(P * x for x in widths[:i]) for i in idx]
-            slot0 = [sum(widths[:i]) for i in idx]
-            cols = torch.tensor(col0)[:, None] + torch.arange(P * wd)          # [c, P*wd]
-            s = score[:, cols].reshape(-1, P * wd, P)                           # [Nb*c, P*wd, P]
-            pat = _keep_all_where_possible(s, assign_patterns(s, wd), nz[:, cols].reshape(-1, P * wd),
-                                           masks, wd).reshape(Nb, len(idx), P * wd)
-            # columns of each pattern, in increasing order: sort by (pattern, column)
-            key = pat * Kp + cols[None]
-            own = torch.sort(key, dim=2).values % Kp                           # [Nb, c, P*wd]
-            own = own.reshape(Nb, len(idx), P, wd)
-            for j, s0 in enumerate(slot0):
-                columns[:, :, s0:s0 + wd] = own[:, j]
-        rows = (torch.arange(Nb)[:, None, None] * m + pats[None]).reshape(Nb, P, n, 1)
-        values = w[rows, columns[:, :, None, :]]                                # [Nb, P, n, L]
-        return cls._trusted(values, columns.to(torch.int32), tensor.shape, n, m, g)
+        if score is not None and mask is not None:
+            raise TypeError("give score or mask, not both")
+        if mask is not None:
+            keep = _check_same_shape(mask, tensor, "mask") != 0
+            columns = grouped_columns(keep.float(), n, m, g, nonzero=keep)
+            t = cls._trusted(torch.zeros(1), columns, tensor.shape, n, m, g, values_later=True)
+            if bool((keep & ~t._stored_positions()).any()):
+                raise ValueError(f"mask is not a ColumnGroupedNMTensor(n={n}, m={m}, g={g}) mask: no balanced "
+                                 f"assignment of the C(m, n) patterns to the columns of each chunk keeps all of it")
+            return t.with_values(t.gather(tensor.detach() * keep))    # slots off the mask hold 0
+        else:
+            if score is None:
+                score = tensor.detach().float().abs().nan_to_num(nan=float("inf"))
+                nonzero = tensor.detach() != 0
+            else:
+                score = _check_same_shape(score, tensor, "score").detach().float()
+                if bool((score < 0).any()) or bool(score.isnan().any()):
+                    raise ValueError("score must be >= 0 and not NaN (kept weight of each position)")
+                nonzero = score != 0
+            columns = grouped_columns(score, n, m, g, nonzero=nonzero)
+            t = cls._trusted(torch.zeros(1), columns, tensor.shape, n, m, g, values_later=True)
+        return t.with_values(t.gather(tensor.detach()))
+
+    @classmethod
+    def pruning_sparsifier(cls, method: str, **options: Any) -> Any:
+        """The sparsifier ``sten.prune(..., out_format=ColumnGroupedNMTensor)`` uses for
+        ``method`` (see :func:`sten_nm.pruning.pruning_sparsifier`)."""
+        from .pruning import pruning_sparsifier
+
+        return pruning_sparsifier(method, **options)
 
     # -- metadata ----------------------------------------------------------------
     @property
@@ -405,6 +484,10 @@ class ColumnGroupedNMTensor(_Base):
 
     def mask(self) -> torch.Tensor:
         return self.with_values(torch.ones_like(self._values, dtype=torch.float32)).to_dense() != 0
+
+    def _stored_positions(self) -> torch.Tensor:
+        """Bool ``[N, K]``: the positions this pattern stores (= ``mask()`` of nonzero values)."""
+        return self.mask()
 
     def kept_magnitude_ratio(self, dense: torch.Tensor) -> float:
         """Kept ``|w|`` of this pattern over the kept ``|w|`` of exact n:m along the rows."""

@@ -62,6 +62,27 @@ def greedy_row_groups(w: torch.Tensor, n: int, m: int, group_rows: int = GR) -> 
     return torch.cat(order)
 
 
+def _same_shape(x: Any, tensor: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.shape != tensor.shape:
+        raise ValueError(f"{name} must be a tensor of the weight's shape {tuple(tensor.shape)}, "
+                         f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    return x
+
+
+def rows_by_mask(keep: torch.Tensor, group_rows: int = GR) -> torch.Tensor:
+    """A row order putting rows with identical masks together (the class whose size is
+    not a multiple of ``group_rows``, the partial last group's, at the end).
+
+    >>> rows_by_mask(torch.tensor([[True, False], [False, True], [True, False]]), 2).tolist()
+    [0, 2, 1]
+    """
+    if keep.shape[0] == 0:
+        return torch.arange(0)
+    _, inverse, counts = torch.unique(keep, dim=0, return_inverse=True, return_counts=True)
+    partial = (counts % group_rows != 0).long()[inverse]
+    return torch.argsort(partial * (counts.numel() + 1) + inverse, stable=True)
+
+
 class GroupedNMTensor(_Base):
     """Grouped n:m weight ``[out, in]``: rows in groups of 16 sharing one pattern.
 
@@ -108,29 +129,67 @@ class GroupedNMTensor(_Base):
         return t
 
     @classmethod
-    def from_dense(cls, tensor: torch.Tensor, n: int = 2, m: int = 4, group: bool = True) -> "GroupedNMTensor":
+    def from_dense(cls, tensor: torch.Tensor, n: int = 2, m: int = 4, group: bool = True, *,
+                   score: "torch.Tensor | None" = None, mask: "torch.Tensor | None" = None) -> "GroupedNMTensor":
         """Grouped n:m of a 2-D weight: greedy row groups (``group=False``: consecutive
         rows), then per group the ``n`` columns of each ``m`` with the largest summed
         magnitude.
+
+        ``score`` (``>= 0``, the tensor's shape, e.g. Wanda's ``|W| * ||X||``) replaces
+        the magnitude in both steps; ``mask`` (bool, a mask of this pattern: rows in
+        groups of 16 sharing one n:m mask) stores exactly those positions (ValueError
+        if it is not such a mask).
+
+        >>> GroupedNMTensor.from_dense(torch.ones(16, 8), 1, 4).nnz
+        32
         """
         check_float_tensor(tensor, "tensor", ndim=2)
         n, m = check_nm(n, m)
         w = tensor.detach()
+        if score is not None and mask is not None:
+            raise TypeError("give score or mask, not both")
+        if mask is not None:
+            keep = _same_shape(mask, w, "mask") != 0
+            t = cls._select(w * keep, keep.float(), rows_by_mask(keep), n, m)   # slots off the mask hold 0
+            if bool((keep & ~t.mask()).any()):
+                raise ValueError(f"mask is not a GroupedNMTensor(n={n}, m={m}) mask: its rows do not fall into "
+                                 f"groups of {GR} sharing one n:m mask")
+            return t
+        if score is None:
+            sel = w.float().abs()
+        else:
+            sel = _same_shape(score, w, "score").detach().float()
+            if bool((sel < 0).any()) or bool(sel.isnan().any()):
+                raise ValueError("score must be >= 0 and not NaN (kept weight of each position)")
+        order = greedy_row_groups(sel, n, m) if group else torch.arange(w.shape[0])
+        return cls._select(w, sel, order, n, m)
+
+    @classmethod
+    def _select(cls, w: torch.Tensor, sel: torch.Tensor, order: torch.Tensor, n: int, m: int) -> "GroupedNMTensor":
+        """Rows grouped in ``order``; per group the ``n`` of each ``m`` columns with the largest summed ``sel``."""
         N, K = w.shape
         Q = -(-N // GR)
-        order = greedy_row_groups(w, n, m) if group else torch.arange(N)
         perm = torch.full((Q * GR,), -1, dtype=torch.int32)
         perm[:N] = order.to(torch.int32)
-        wf = w.float()
-        rows = torch.zeros((Q * GR, K), dtype=torch.float32)
-        rows[:N] = wf[order]
-        score = rows.abs().reshape(Q, GR, K).sum(1)  # [Q, K]
+        ranked = torch.zeros((Q * GR, K), dtype=torch.float32)
+        ranked[:N] = sel[order]
+        score = ranked.reshape(Q, GR, K).sum(1)  # [Q, K]
         _, idx = _kernel.compress(score, n, m)
         cols = NMTensor._cols(idx, K, n, m, Q)  # [Q, G*n]
-        full = torch.nn.functional.pad(rows.to(w.dtype) if w.dtype != torch.float32 else rows, (0, int(cols.max()) + 1 - K if cols.numel() else 0))
+        rows = torch.zeros((Q * GR, K), dtype=w.dtype)
+        rows[:N] = w[order]
+        full = torch.nn.functional.pad(rows, (0, int(cols.max()) + 1 - K if cols.numel() else 0))
         gathered = torch.gather(full.reshape(Q, GR, full.shape[1]), 2, cols[:, None, :].expand(Q, GR, cols.shape[1]))
         vals = gathered.transpose(1, 2).contiguous()  # [Q, G*n, GR]
-        return cls._trusted(vals, idx, perm, tensor.shape, n, m)
+        return cls._trusted(vals, idx, perm, (N, K), n, m)
+
+    @classmethod
+    def pruning_sparsifier(cls, method: str, **options: Any) -> Any:
+        """The sparsifier ``sten.prune(..., out_format=GroupedNMTensor)`` uses for ``method``
+        (see :func:`sten_nm.pruning.grouped_pruning_sparsifier`)."""
+        from .pruning import grouped_pruning_sparsifier
+
+        return grouped_pruning_sparsifier(method, **options)
 
     # -- metadata ----------------------------------------------------------------
     @property

@@ -223,7 +223,13 @@ def prune(model: torch.nn.Module, calibration_batches: Iterable[Any] | None = No
             the output head dense.
         out_format: the layout each pruned weight is stored in (``torch.Tensor``
             keeps it dense with zeros; ``sten.CsrTensor``, ``NMTensor``,
-            ``Sparse24Tensor``, ... through the ``SparsityBuilder``).
+            ``Sparse24Tensor``, ... through the ``SparsityBuilder``). A layout
+            with its own pattern provides a classmethod
+            ``pruning_sparsifier(method, sparsity=, pattern=, percdamp=, blocksize=)``
+            that gives each method's sparsifier for it (sten_nm's
+            ``ColumnGroupedNMTensor``: ``pattern=(n, m)`` or ``(n, m, g)``, n of m
+            output rows per column, grouped; ``GroupedNMTensor``: rows in groups
+            of 16 sharing one n:m mask).
         sequential: calibrate each layer on the outputs of the already-pruned
             earlier layers (the papers' choice); ``False`` calibrates every layer
             in one pass on the dense model.
@@ -237,9 +243,13 @@ def prune(model: torch.nn.Module, calibration_batches: Iterable[Any] | None = No
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(method, str):
         raise TypeError(f"method must be a string ({', '.join(METHODS)}), got {type(method).__name__}")
-    base = method_sparsifier(method, sparsity, pattern, percdamp, blocksize)
     if not isinstance(out_format, type):
         raise TypeError(f"out_format must be a layout class (e.g. sten.CsrTensor or torch.Tensor), got {out_format!r}")
+    own = getattr(out_format, "pruning_sparsifier", None)  # a layout with its own pattern (e.g. grouped n:m)
+    if callable(own):
+        base = own(method, sparsity=sparsity, pattern=pattern, percdamp=percdamp, blocksize=blocksize)
+    else:
+        base = method_sparsifier(method, sparsity, pattern, percdamp, blocksize)
     chosen = select_layers(model, layers)
     needs = getattr(base, "needs", ())
     batches: list[Any] = []

@@ -14,7 +14,9 @@ the upper Cholesky factor of its inverse. As in the paper's reference code:
 * adaptive mask selection: for unstructured sparsity the mask of each block is
   chosen when the block starts, by the saliency ``w² / [H⁻¹]_jj²`` of the
   already-updated weights (the lowest are pruned); for n:m, per group of ``m``
-  columns when that group starts.
+  columns when that group starts; for any other structured pattern given as a
+  ``rule`` (:class:`ChunkRule`, e.g. sten_nm's grouped n:m), per chunk of the
+  rule's ``width`` columns when that chunk starts.
 
 The number pruned per block is chosen so that the whole weight keeps exactly
 ``round(rows · cols · (1 − fraction))``. Inputs never seen (``H_jj = 0``)
@@ -36,7 +38,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -60,14 +62,46 @@ def _upper_inverse_factor(hessian: torch.Tensor, percdamp: float) -> torch.Tenso
     return upper
 
 
+class ChunkRule(Protocol):
+    """How SparseGPT chooses a structured mask: chunk by chunk of ``width`` columns
+    (from column 0; the last may be narrower), when it reaches the chunk, from the
+    saliency ``w² / [H⁻¹]_jj²`` of the already-updated weights. ``keep(saliency)``
+    (``[rows, ≤ width]``) returns the bool keep-mask of that chunk."""
+
+    width: int
+
+    def keep(self, saliency: torch.Tensor) -> torch.Tensor: ...
+
+
+class NMRule:
+    """Keep ``n`` of every ``m`` columns of each row (a short last group keeps ``min(n, size)``).
+
+    >>> NMRule(1, 2).keep(torch.tensor([[1., 2.], [4., 3.]])).tolist()
+    [[False, True], [True, False]]
+    """
+
+    def __init__(self, n: int, m: int):
+        self.n, self.width = n, m
+
+    def keep(self, saliency: torch.Tensor) -> torch.Tensor:
+        g = saliency.shape[1]
+        pruned = torch.zeros_like(saliency, dtype=torch.bool)
+        drop = g - min(self.n, g)
+        if drop > 0:
+            pruned.scatter_(1, torch.argsort(saliency, dim=1, stable=True)[:, :drop], True)
+        return ~pruned
+
+
 def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, *, fraction: float | None = None,
               n: int | None = None, m: int | None = None, percdamp: float = 0.01,
-              blocksize: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+              blocksize: int = 128, rule: ChunkRule | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """SparseGPT of one weight: ``(values, keep_mask)``, values in the weight's dtype.
 
     ``fraction``: unstructured sparsity; or ``n``/``m``: keep ``n`` of every ``m``
-    along dim 1 (a short last group keeps ``min(n, size)``). The computation runs
-    in float32 (float64 for a float64 weight).
+    along dim 1 (a short last group keeps ``min(n, size)``); or ``rule``: any
+    structured pattern chosen chunk by chunk (:class:`ChunkRule`, e.g. sten_nm's
+    column-grouped n:m). ``blocksize`` is rounded up to a multiple of the chunk
+    width. The computation runs in float32 (float64 for a float64 weight).
     """
     rows, cols = weight.shape
     if hessian.shape != (cols, cols):
@@ -81,10 +115,15 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, *, fraction: float | 
     hinv = _upper_inverse_factor(h, percdamp)
     del h
 
-    if n is not None:
-        blocksize = m * math.ceil(blocksize / m)  # whole n:m groups in every block
+    if rule is None and n is not None:
+        rule = NMRule(n, m)
+    if rule is not None:
+        width = rule.width
+        blocksize = width * math.ceil(blocksize / width)  # whole chunks in every block
+    elif fraction is None:
+        raise TypeError("sparsegpt: give fraction, n and m, or rule")
     pruned = torch.zeros_like(w, dtype=torch.bool)
-    total_pruned = 0 if n is not None else rows * cols - round(rows * cols * (1.0 - fraction))
+    total_pruned = 0 if rule is not None else rows * cols - round(rows * cols * (1.0 - fraction))
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
         count = i2 - i1
@@ -94,7 +133,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, *, fraction: float | 
         hinv1 = hinv[i1:i2, i1:i2]
         d1 = torch.diag(hinv1)
         mask1 = torch.zeros_like(w1, dtype=torch.bool)  # True: pruned
-        if n is None:
+        if rule is None:
             # exact total: the pruned count up to this block's end follows round(fraction · seen)
             k = round(total_pruned * (rows * i2) / (rows * cols)) - round(total_pruned * (rows * i1) / (rows * cols))
             if k > 0:
@@ -102,13 +141,14 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, *, fraction: float | 
                 order = torch.argsort(saliency, stable=True)
                 mask1.view(-1)[order[:k]] = True
         for i in range(count):
-            if n is not None and i % m == 0:
-                g = min(m, count - i)
-                drop = g - min(n, g)
-                if drop > 0:
-                    saliency = w1[:, i:i + g].square() / d1[i:i + g].square().unsqueeze(0)
-                    idx = torch.argsort(saliency, dim=1, stable=True)[:, :drop]
-                    mask1[:, i:i + g].scatter_(1, idx, True)
+            if rule is not None and i % width == 0:
+                g = min(width, count - i)
+                saliency = w1[:, i:i + g].square() / d1[i:i + g].square().unsqueeze(0)
+                keep = rule.keep(saliency)
+                if keep.shape != saliency.shape:
+                    raise ValueError(f"sparsegpt: rule.keep returned shape {tuple(keep.shape)} for a chunk "
+                                     f"{tuple(saliency.shape)}")
+                mask1[:, i:i + g] = ~keep.to(device=mask1.device, dtype=torch.bool)
             col = w1[:, i]
             d = hinv1[i, i]
             q = col.masked_fill(mask1[:, i], 0.0)
