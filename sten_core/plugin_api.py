@@ -8,6 +8,8 @@ plugins in this repository).
   ``implements(layout, Protocol)`` checks them), the wrappers, sparsifiers,
   the registry and its keys, the built-in torch layouts;
 - dispatch: ``sparsify``, ``convert``, errors and the failure mode;
+- one-shot pruning, for layouts with their own masks: ``CalibratedSparsifier``,
+  ``WandaSparsifier``, ``SparseGPTSparsifier``, ``sparsegpt`` and its ``ChunkRule``;
 - helpers for the code every plugin writes: argument checks that name the
   argument (``check_tensor``, ``check_nm``), the inputs and flags of an
   implementation (``linear_inputs``, ``needs_grad``, ``wrap_layout``,
@@ -45,10 +47,13 @@ from sten_core.model.sparsifiers import (BLOCKING, BUILTIN_SPARSIFIERS, Blockwis
 from sten_core.model.spec import OutputSpec
 from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper, densify
 from sten_core.plugins import register_plugin, unregister_plugin
+from sten_core.training.pruning import METHODS, CalibratedSparsifier, SparseGPTSparsifier, WandaSparsifier, sparsegpt
+from sten_core.training.pruning.sparsegpt import ChunkRule, NMRule
 from sten_core.plugins.bench_layouts import BenchLayout, nm_for_sparsity, nm_label
 from sten_core.plugins.hookspecs import hookimpl
 
 __all__ = [
+    "CalibratedSparsifier", "ChunkRule", "METHODS", "NMRule", "SparseGPTSparsifier", "WandaSparsifier", "sparsegpt",
     "BLOCKING", "BUILTIN_SPARSIFIERS", "BenchLayout", "BlockwiseFractionSparsifier", "CooTensor", "CscTensor",
     "CsrTensor", "DenseConvertible", "DenseTensor", "DispatchError", "DispatchWarning", "Entry", "FLOAT_DTYPES",
     "KeepAll", "Layout", "Movable", "OpKey", "OutputSpec", "PerBlockFractionSparsifier",

@@ -31,7 +31,7 @@ that is not a multiple of ``m`` pads the last row block with zero rows.
 
 Example:
     >>> import torch, sten_core as sten
-    >>> from sten_core.pruning import input_norms
+    >>> from sten_core.training.pruning import input_norms
     >>> from sten_nm import ColumnGroupedNMTensor
     >>> _ = torch.manual_seed(0); x = torch.randn(64, 12); w = torch.randn(8, 12)
     >>> sp = ColumnGroupedWandaSparsifier(2, 4, g=2).bind(input_norm=input_norms(x))
@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 import torch
 
-from sten_core.pruning import METHODS, SparseGPTSparsifier, WandaSparsifier, sparsegpt
+from sten_core.plugin_api import METHODS, SparseGPTSparsifier, WandaSparsifier, sparsegpt
 
 from ._checks import check_nm
 from .column_grouped import check_patterns, column_grouped_keep_mask, default_g
@@ -61,7 +61,7 @@ def _check_g(g: Any) -> Optional[int]:
 
 
 class ColumnGroupedRule:
-    """SparseGPT's :class:`~sten_core.pruning.sparsegpt.ChunkRule` for the grouped
+    """SparseGPT's :class:`~sten_core.training.pruning.sparsegpt.ChunkRule` for the grouped
     pattern: chunks of ``C(m, n) * g`` columns, each chunk's mask the balanced
     assignment that keeps the most saliency.
 
@@ -128,7 +128,7 @@ class ColumnGroupedSparseGPTSparsifier(SparseGPTSparsifier):
 
 
 class GroupedRowsRule:
-    """SparseGPT's :class:`~sten_core.pruning.sparsegpt.ChunkRule` for the 16-row grouped
+    """SparseGPT's :class:`~sten_core.training.pruning.sparsegpt.ChunkRule` for the 16-row grouped
     n:m: rows in the fixed groups of ``order`` (16 consecutive entries each); per chunk of
     ``m`` columns each group keeps the ``min(n, width)`` columns of largest summed saliency.
 
