@@ -18,7 +18,7 @@ import torch
 
 import sten_core as sten
 from sten_core.training.pruning import WandaSparsifier, input_hessian, input_norms
-from sten_core.schedule import stored_mask
+from sten_core.training.schedule import stored_mask
 from sten_nm import ColumnGroupedNMSparsifier, ColumnGroupedNMTensor, GroupedNMSparsifier, GroupedNMTensor
 from sten_nm.column_grouped import default_g
 from sten_nm.grouped_tensor import greedy_row_groups
