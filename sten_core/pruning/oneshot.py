@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from ..builder import SparsityBuilder
+from ..progress import show_progress
 from ..sparsifiers import PerBlockFractionSparsifier, ScalarFractionSparsifier, Sparsifier, _check_fraction
 from ..tensor import SparseTensorWrapper
 from .base import CalibratedSparsifier
@@ -157,7 +158,7 @@ class _Progress:
 
     def __init__(self, total: int, method: str, enabled: bool | None):
         self.total, self.method, self.done = total, method, 0
-        self.enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
+        self.enabled = show_progress(enabled)
         self.started = time.perf_counter()
 
     def update(self, names: Sequence[str]) -> None:
