@@ -50,7 +50,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     result = bench(args.target, quick=args.quick, layouts=args.layouts, sparsities=args.sparsities,
                    threads=args.threads, device=args.device, dtype=args.dtype, out=args.out, batch=args.batch,
                    seq_len=args.seq_len, size=args.size, shape=args.shape, tokens=args.tokens, repeats=args.repeats,
-                   progress=not args.no_progress)
+                   progress=False if args.no_progress else None)
     return 1 if any(row.get("error") for row in result["rows"]) else 0  # a layout failed to run
 
 
@@ -85,7 +85,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shape", default="3072x768", help="linear: weight shape OUTxIN (default 3072x768)")
     p.add_argument("--tokens", type=int, help="linear: input rows (default batch*seq-len)")
     p.add_argument("--repeats", type=int, help="timed runs per configuration (default 10, --quick 3)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one only when stderr is a terminal)")
     p.set_defaults(func=_cmd_bench)
 
 

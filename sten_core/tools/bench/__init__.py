@@ -35,7 +35,7 @@ FULL = {"sparsities": "50,60,70,80,90,95", "repeats": 10, "warmup": 2, "budget_s
 def bench(target: str = "bert", *, quick: bool = False, layouts: str | None = None, sparsities: str | None = None,
           threads: str | None = None, device: str = "auto", dtype: str | None = None, out: str = "bench-out",
           batch: int | None = None, seq_len: int = 128, size: str = "base", shape: str = "3072x768", tokens: int | None = None,
-          repeats: int | None = None, progress: bool = True, echo: bool = True,
+          repeats: int | None = None, progress: bool | None = None, echo: bool = True,
           print_fn: Callable[[str], Any] = print) -> dict:
     """Run the benchmark and write its files; returns ``{"rows", "files", "meta"}``.
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from sten_core.progress import show_progress
 from sten_core.tools.bench.layouts import BenchLayout, layout_class
 from sten_core.tools.bench.models import Case
 
@@ -160,8 +161,8 @@ def _configs(layouts: list[BenchLayout], settings: Settings) -> list[tuple[int |
     return configs
 
 
-def _progress(total: int, enabled: bool) -> Any:
-    if enabled:
+def _progress(total: int, enabled: bool | None) -> Any:
+    if show_progress(enabled):  # None: only when stderr is a terminal
         try:
             from tqdm import tqdm
 
@@ -172,9 +173,10 @@ def _progress(total: int, enabled: bool) -> Any:
 
 
 def run(make_case: Callable[[], Case], layouts: list[BenchLayout], settings: Settings,
-        progress: bool = True) -> list[dict]:
+        progress: bool | None = None) -> list[dict]:
     """One result row (a dict) per (threads, layout, sparsity); the dense
-    reference runs once per thread count with ``sparsity`` 0.0."""
+    reference runs once per thread count with ``sparsity`` 0.0. ``progress``: a
+    bar on stderr (tqdm); by default only when stderr is a terminal."""
     case = make_case()
     reference = copy.deepcopy(case.model) if settings.check else None
     dense_magnitude = _magnitude(case.model, case.weights)

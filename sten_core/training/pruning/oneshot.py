@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from sten_core.progress import show_progress
 from sten_core.training.builder import SparsityBuilder
 from sten_core.model.sparsifiers import PerBlockFractionSparsifier, ScalarFractionSparsifier, Sparsifier, _check_fraction
 from sten_core.model.tensor import SparseTensorWrapper
@@ -157,7 +158,7 @@ class _Progress:
 
     def __init__(self, total: int, method: str, enabled: bool | None):
         self.total, self.method, self.done = total, method, 0
-        self.enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
+        self.enabled = show_progress(enabled)
         self.started = time.perf_counter()
 
     def update(self, names: Sequence[str]) -> None:
