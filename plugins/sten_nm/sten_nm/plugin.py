@@ -17,7 +17,7 @@ import torch
 
 import sten_core
 
-from . import __version__, _kernel, addmm, column_grouped_ops, ops
+from . import __version__, _kernel, addmm, column_grouped_ops, compiled, ops
 from .column_grouped import ColumnGroupedNMTensor
 from .grouped_tensor import GroupedNMTensor
 from .nm_tensor import NMTensor
@@ -58,6 +58,7 @@ def sten_register(registry: Any) -> None:
         ops.register(registry)
         ops.register_grouped(registry)
         addmm.register(registry)
+    compiled.register(registry, kernels=_kernel.available()[0])  # torch.compile: custom operators
 
 
 @sten_core.hookimpl
