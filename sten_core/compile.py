@@ -48,6 +48,7 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
         >>> compiled_impl_for(F.linear, (torch.ones(1, 2), w)).__name__
         'csr_linear_kernel'
     """
+    _plugins_loaded()
     grad = torch.is_grad_enabled()
     layouts = []
     for a in args:
@@ -65,6 +66,16 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
     if impl is None and op in DENSE_RESULT_OPS:
         return dense_call
     return impl
+
+
+@torch.compiler.assume_constant_result
+def _plugins_loaded() -> bool:
+    """Load the plugins (their compiled implementations) before the first look-up; Dynamo
+    runs this at trace time instead of tracing it (loading takes a lock, imports)."""
+    from . import plugins
+
+    plugins.ensure_loaded()
+    return True
 
 
 DENSE_RESULT_OPS = frozenset({
