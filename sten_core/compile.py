@@ -33,6 +33,7 @@ import torch
 from .layouts import to_dense_tensor
 from .registry import registry
 from .tensor import SparseTensorWrapper
+from .traceable import linear_training, trains_compiled
 
 MISSING = object()
 """``compiled_call``'s answer when no compiled implementation applies."""
@@ -51,10 +52,13 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
     _plugins_loaded()
     grad = torch.is_grad_enabled()
     layouts = []
-    for a in args:
+    training = False
+    for i, a in enumerate(args):
         if isinstance(a, SparseTensorWrapper):
             if grad and a.requires_grad:
-                return None
+                if not (op is torch.nn.functional.linear and i == 1 and trains_compiled(a)):
+                    return None
+                training = True  # a traceable wrapper: its gradient is computed in the graph
             layouts.append(type(a.wrapped_tensor))
         elif isinstance(a, torch.Tensor):
             layouts.append(torch.Tensor)
@@ -63,6 +67,8 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
     while layouts and layouts[-1] is None:
         layouts.pop()
     impl = registry.compiled.get((op, tuple(layouts)))
+    if training:
+        return linear_training if impl is not None else None
     if impl is None and op in DENSE_RESULT_OPS:
         return dense_call
     return impl

@@ -59,6 +59,7 @@ def sten_register(registry: Any) -> None:
         ops.register_grouped(registry)
         addmm.register(registry)
     compiled.register(registry, kernels=_kernel.available()[0])  # torch.compile: custom operators
+    compiled.register_traceable(kernels=_kernel.available()[0])   # compiled training of n:m weights
 
 
 @sten_core.hookimpl
