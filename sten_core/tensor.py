@@ -48,6 +48,8 @@ class SparseTensorWrapper(torch.Tensor):
                 f"got {type(wrapped_tensor).__name__}"
             )
         shape, dtype, device = layout_metadata(wrapped_tensor)
+        if grad_fmt is not None and not TRACEABLE_LAYOUTS:
+            _load_plugins()  # their traceable layouts
         traceable = TRACEABLE_LAYOUTS.get(type(wrapped_tensor))
         if traceable is not None and traceable[2](grad_fmt):  # torch.compile takes it as a graph input
             cls = _TRACEABLE_TWIN.get(cls, cls)
@@ -173,6 +175,12 @@ TRACEABLE_LAYOUTS: dict = {}
 ``sten_core.traceable.register_traceable_layout``)."""
 TRACED_OPS: dict = {}
 """Operator overload -> implementation, for ``sten_core.traceable``'s operators on wrappers."""
+
+
+def _load_plugins() -> None:
+    from . import plugins
+
+    plugins.ensure_loaded()
 
 
 class _Traceable:

@@ -118,6 +118,81 @@ def test_trainable_sparse_weights_compile_with_eager_gradients(layout):
         torch.testing.assert_close(g, w)
 
 
+def keep_layout(layout):
+    """The gradient format that keeps the weight's layout and pattern (the values' gradient)."""
+    return (sten.KeepAll(), layout, sten.KeepAll(), layout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_training_step_of_nm_weights_compiles_whole_with_eager_gradients(layout):
+    """n:m weights that require grad, gradient in their own layout: the wrappers are
+    traceable tensor subclasses, forward and backward compile into one graph
+    (sten_core::wrapper_linear), and every gradient equals eager's and the dense one
+    at the kept positions."""
+    model = nm_mlp(layout)
+    for lin in (model[0], model[2]):
+        lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True,
+                                                 grad_fmt=keep_layout(layout))
+        assert sten.traceable.trains_compiled(lin.weight)
+    x = torch.randn(6, 32, requires_grad=True)
+
+    def grads(fn):
+        model.zero_grad()
+        x.grad = None
+        fn(x).square().sum().backward()
+        return [p.grad.to_dense() if isinstance(p.grad, sten.SparseTensorWrapper) else p.grad.clone()
+                for p in model.parameters()] + [x.grad.clone()]
+
+    want = grads(model)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, fullgraph=True))
+    assert isinstance(model[0].weight.grad, sten.SparseTensorWrapper)
+    assert type(model[0].weight.grad.wrapped_tensor) is layout
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    dense = dense_twin(model)
+    rx = x.detach().clone().requires_grad_(True)
+    dense(rx).square().sum().backward()
+    for lin, ref, g in ((model[0], dense[0], got[0]), (model[2], dense[2], got[2])):
+        mask = lin.weight.wrapped_tensor.mask()
+        torch.testing.assert_close(g, ref.weight.grad * mask, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_training_steps_with_an_optimizer_follow_eager():
+    """Three SGD steps, eager and compiled from the same start: the same weights after
+    (the optimizer's in-place update is seen by the compiled graph without recompiling)."""
+    def run(compile_it):
+        model = nm_mlp(NMTensor)
+        for lin in (model[0], model[2]):
+            lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True,
+                                                     grad_fmt=keep_layout(NMTensor))
+        step = torch.compile(model, fullgraph=True) if compile_it else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        torch.manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad()
+            step(torch.randn(6, 32)).square().sum().backward()
+            opt.step()
+        return [p.to_dense() if isinstance(p, sten.SparseTensorWrapper) else p.detach().clone()
+                for p in model.parameters()]
+
+    eager, compiled = run(False), run(True)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(eager[0], nm_mlp(NMTensor)[0].weight.to_dense())  # the steps changed it
+
+
+def test_a_dense_gradient_format_keeps_the_eager_wrapper():
+    """A dense weight gradient (the default) cannot be a compiled graph's gradient of a
+    traceable wrapper (AOTAutograd rebuilds it in the wrapper's structure): those
+    wrappers stay untraceable and their calls run eagerly while compiled."""
+    w = sten.SparseParameterWrapper(NMTensor.from_dense(torch.randn(4, 8)))
+    assert not sten.traceable.traceable(w)
+    assert sten.traceable.traceable(sten.SparseParameterWrapper(w.wrapped_tensor, grad_fmt=keep_layout(NMTensor)))
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_custom_operator_gradients_match_dense(layout):
     """The registered autograd, values gradient included (what a compiled training step
