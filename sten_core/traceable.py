@@ -40,7 +40,8 @@ _GRADS: dict = {}  # layout class -> (grad_input(gy, x, layout), grad_values(gy,
 
 
 def register_traceable_layout(layout: type, flatten: Callable, unflatten: Callable,
-                              grad_input: Optional[Callable] = None, grad_values: Optional[Callable] = None) -> None:
+                              grad_input: Optional[Callable] = None, grad_values: Optional[Callable] = None,
+                              values_index: int = 0) -> None:
     """Make ``layout``'s wrappers traceable tensor subclasses.
 
     Args:
@@ -53,6 +54,8 @@ def register_traceable_layout(layout: type, flatten: Callable, unflatten: Callab
             values (shaped like the first member), each one custom operator. With both,
             a compiled training step of a ``layout`` weight that requires grad (its
             ``grad_fmt`` its own layout) compiles whole.
+        values_index: which of ``flatten``'s tensors holds the stored values (the
+            gradient's layout is ``unflatten`` with the values' gradient there).
     """
     if not isinstance(layout, type):
         raise TypeError(f"layout must be a class, got {type(layout).__name__}")
@@ -62,7 +65,7 @@ def register_traceable_layout(layout: type, flatten: Callable, unflatten: Callab
     if (grad_input is None) != (grad_values is None):
         raise ValueError("grad_input and grad_values go together: give both or neither")
     if grad_input is not None:
-        _GRADS[layout] = (grad_input, grad_values)
+        _GRADS[layout] = (grad_input, grad_values, values_index)
     TRACEABLE_LAYOUTS[layout] = (flatten, unflatten, lambda grad_fmt: keeps_layout(grad_fmt, layout))
 
 
@@ -186,8 +189,12 @@ def _grad_input_below_autograd(gy: Tensor, x: Tensor, weight: SparseTensorWrappe
 
 def _grad_weight_below_autograd(gy: Tensor, x: Tensor, weight: SparseTensorWrapper) -> SparseTensorWrapper:
     layout = weight.wrapped_tensor
-    values = _GRADS[type(layout)][1](gy, x, layout)
-    return SparseTensorWrapper(layout.with_values(values), False, weight.grad_fmt)
+    _, grad_values, index = _GRADS[type(layout)]
+    flatten, unflatten, _ = TRACEABLE_LAYOUTS[type(layout)]
+    tensors, consts = flatten(layout)
+    tensors = list(tensors)
+    tensors[index] = grad_values(gy, x, layout)
+    return SparseTensorWrapper(unflatten(tensors, list(consts)), False, weight.grad_fmt)
 
 
 for _packet, _impl in ((torch.ops.sten_core.wrapper_linear, _linear_below_autograd),
