@@ -387,3 +387,16 @@ def test_register_traceable_layout_checks_its_arguments():
         register_traceable_layout(DenseCopyLayout, lambda t: t, None)
     with pytest.raises(ValueError, match="grad_input and grad_values go together"):
         register_traceable_layout(DenseCopyLayout, lambda t: t, lambda t, c: t, grad_input=lambda *a: a)
+
+
+def test_check_compile_training_passes_for_csr():
+    from sten_core.testing import check_compile_training
+
+    assert check_compile_training(sten.CsrTensor, shapes=((4, 8, 6),)) == {"traceable": True, "graph_breaks": 0}
+
+
+def test_check_compile_training_says_what_a_layout_lacks(dense_copy):
+    from sten_core.testing import check_compile_training
+
+    with pytest.raises(AssertionError, match="not traceable tensor subclasses.*register_traceable_layout"):
+        check_compile_training(DenseCopyLayout, shapes=((4, 8, 6),))

@@ -281,3 +281,11 @@ def test_bert_layer_with_nm_weights_compiles_whole(layout, nm):
         out = out[0] if isinstance(out, tuple) else out
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     assert sum(n.target == OPS[layout] for n in program.graph.nodes) == len(case.weights)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_check_compile_training_passes(layout):
+    from sten_core.testing import check_compile_training
+
+    assert check_compile_training(layout, shapes=((4, 16, 12),), sparsifier=sten.ScalarFractionSparsifier(0.5)) == \
+        {"traceable": True, "graph_breaks": 0}
