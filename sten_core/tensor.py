@@ -401,7 +401,8 @@ def _detach(self: SparseTensorWrapper) -> SparseTensorWrapper:
     """``w.detach()``: an alias (same layout cell, same version counter) without history."""
     with torch._C.DisableTorchFunctionSubclass():
         out = torch.Tensor.detach(self)
-    out.grad_fmt = None
+    if not isinstance(out, _Traceable):  # a traceable wrapper's class stands for its grad_fmt: kept
+        out.grad_fmt = None              # (nn.Parameter(w) and Module._apply detach it)
     return out
 
 

@@ -289,3 +289,18 @@ def test_check_compile_training_passes(layout):
 
     assert check_compile_training(layout, shapes=((4, 16, 12),), sparsifier=sten.ScalarFractionSparsifier(0.5)) == \
         {"traceable": True, "graph_breaks": 0}
+
+
+def test_traceable_weights_survive_module_conversions():
+    """Module._apply swaps traceable subclasses (torch.utils.swap_tensors) instead of setting
+    .data: the weight stays a trainable parameter with its gradient format and values."""
+    lin = torch.nn.Linear(16, 8)
+    lin.weight = sten.SparseParameterWrapper(NMTensor.from_dense(lin.weight.detach()), grad_fmt=keep_layout(NMTensor))
+    before = lin.weight.to_dense().double()
+    lin = lin.double()
+    w = lin.weight
+    assert isinstance(w, torch.nn.Parameter) and w.requires_grad and w.dtype == torch.float64
+    assert sten.traceable.trains_compiled(w) and len(list(lin.parameters())) == 2
+    torch.testing.assert_close(w.to_dense(), before)
+    lin(torch.randn(3, 16, dtype=torch.float64)).sum().backward()
+    assert type(w.grad.wrapped_tensor) is NMTensor
