@@ -193,6 +193,8 @@ class _Traceable:
         if entry is None:
             raise TypeError(f"{type(layout).__name__} is not a traceable layout (register_traceable_layout)")
         tensors, consts = entry[0](layout)
+        if len(tensors) > _MAX_MEMBERS:
+            raise ValueError(f"{type(layout).__name__}: at most {_MAX_MEMBERS} member tensors, got {len(tensors)}")
         return [f"_sten_m{i}" for i in range(len(tensors))], (type(self), type(layout), tuple(consts), self.grad_fmt)
 
     @staticmethod
@@ -206,7 +208,8 @@ def _member(i: int) -> property:
     return property(lambda self: TRACEABLE_LAYOUTS[type(self.wrapped_tensor)][0](self.wrapped_tensor)[0][i])
 
 
-for _i in range(8):
+_MAX_MEMBERS = 8
+for _i in range(_MAX_MEMBERS):
     setattr(_Traceable, f"_sten_m{_i}", _member(_i))
 
 
