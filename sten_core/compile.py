@@ -33,7 +33,6 @@ import torch
 from .layouts import to_dense_tensor
 from .registry import registry
 from .tensor import SparseTensorWrapper
-from .traceable import linear_training, trains_compiled
 
 MISSING = object()
 """``compiled_call``'s answer when no compiled implementation applies."""
@@ -56,6 +55,8 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
     for i, a in enumerate(args):
         if isinstance(a, SparseTensorWrapper):
             if grad and a.requires_grad:
+                from .traceable import trains_compiled  # loaded with the plugins (not at import: custom ops)
+
                 if not (op is torch.nn.functional.linear and i == 1 and trains_compiled(a)):
                     return None
                 training = True  # a traceable wrapper: its gradient is computed in the graph
@@ -68,13 +69,14 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
         layouts.pop()
     impl = registry.compiled.get((op, tuple(layouts)))
     if training:
+        from .traceable import linear_training
+
         return linear_training if impl is not None else None
     if impl is None and op in DENSE_RESULT_OPS:
         return dense_call
     return impl
 
 
-@torch.compiler.assume_constant_result
 def _plugins_loaded() -> bool:
     """Load the plugins (their compiled implementations) before the first look-up; Dynamo
     runs this at trace time instead of tracing it (loading takes a lock, imports)."""
@@ -82,6 +84,11 @@ def _plugins_loaded() -> bool:
 
     plugins.ensure_loaded()
     return True
+
+
+# What torch.compiler.assume_constant_result(_plugins_loaded) sets; calling it here would
+# import torch._dynamo with sten_core (seconds; tests/test_import.py keeps the import light).
+_plugins_loaded._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 DENSE_RESULT_OPS = frozenset({
