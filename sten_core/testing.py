@@ -347,9 +347,81 @@ def check_compile(layout_cls: type, *, shapes: Iterable[tuple] = ((7, 16, 12), (
                 torch._dynamo.reset()
         assert type(compiled) is torch.Tensor, f"{case}: compiled output is {type(compiled).__name__}"
         torch.testing.assert_close(compiled, eager, msg=lambda m: f"{case}: compiled vs eager: {m}", **tol)
-        torch.testing.assert_close(compiled, F.linear(x, w_dense, linear.bias),
+        represented = _dense(linear.weight)  # what the layout stores (n:m layouts may drop more than w_dense)
+        torch.testing.assert_close(compiled, F.linear(x, represented, linear.bias),
                                    msg=lambda m: f"{case}: compiled vs dense: {m}", **tol)
     return report
+
+
+def check_compile_training(layout_cls: type, *, shapes: Iterable[tuple] = ((6, 16, 12), (2, 8, 4)),
+                           dtype: torch.dtype = torch.float32, sparsifier: Any = None,
+                           device: str = "cpu") -> dict:
+    """Compiled training of ``layout_cls`` weights: a ``Linear`` whose weight is in
+    ``layout_cls``, requires grad and keeps its layout and pattern in its gradient
+    (``grad_fmt=(KeepAll(), layout_cls, KeepAll(), layout_cls)``) is a traceable
+    wrapper, its training step compiles with no graph breaks (``fullgraph=True``),
+    and every gradient equals eager's; the weight's equals the dense gradient at
+    the stored positions (``layout.gather``).
+
+    Raises ``AssertionError`` saying what is missing (``register_traceable_layout``,
+    its gradient kernels, a graph break, a differing gradient); returns
+    ``{"traceable": True, "graph_breaks": 0}``.
+
+    Example:
+        >>> import sten_core as sten
+        >>> check_compile_training(sten.CsrTensor)   # doctest: +SKIP
+        {'traceable': True, 'graph_breaks': 0}
+    """
+    from .traceable import traceable, trains_compiled
+
+    plugins.ensure_loaded()
+    sparsifier = sparsifier or ScalarFractionSparsifier(0.5)
+    tol = _tolerances(dtype)
+    name = layout_cls.__name__
+    keep = (KeepAll(), layout_cls, KeepAll(), layout_cls)
+    fix = (f"register it: sten_core.traceable.register_traceable_layout({name}, flatten, unflatten, grad_input, "
+           f"grad_values, values_index), see docs/compile.md")
+    for i, (batch, k, n) in enumerate(shapes):
+        case = f"{name} compiled training step x=[{batch},{k}] W=[{n},{k}]"
+        linear = torch.nn.Linear(k, n).to(dtype).to(device)
+        linear.weight = SparseParameterWrapper(layout_cls.from_dense(_sample((n, k), dtype, sparsifier, device, 300 + i)),
+                                               requires_grad=True, grad_fmt=keep)
+        assert traceable(linear.weight), f"{case}: its wrappers are not traceable tensor subclasses; {fix}"
+        assert trains_compiled(linear.weight), \
+            f"{case}: F.linear has no compiled implementation or the layout no gradient kernels; {fix}"
+        x = torch.randn(batch, k, generator=torch.Generator().manual_seed(i)).to(dtype).to(device).requires_grad_(True)
+
+        def grads(fn: Callable) -> list:
+            linear.zero_grad()
+            x.grad = None
+            fn(x).square().sum().backward()
+            return [linear.weight.grad, linear.bias.grad.clone(), x.grad.clone()]
+
+        torch._dynamo.reset()
+        eager = grads(linear)
+        explained = torch._dynamo.explain(linear)(x)
+        reasons = [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+        assert explained.graph_break_count == 0, f"{case}: {explained.graph_break_count} graph break(s): {'; '.join(reasons)}"
+        torch._dynamo.reset()
+        try:
+            compiled = grads(torch.compile(linear, fullgraph=True))
+        except Exception as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise AssertionError(f"{case}: torch.compile(fullgraph=True) failed: {type(error).__name__}: {first}") from error
+        finally:
+            torch._dynamo.reset()
+        gw = compiled[0]
+        assert isinstance(gw, SparseTensorWrapper) and type(gw.wrapped_tensor) is layout_cls, \
+            f"{case}: the weight's compiled gradient is {type(gw).__name__}, not a {name} wrapper"
+        for what, got, want in zip(("weight", "bias", "input"), compiled, eager):
+            torch.testing.assert_close(_dense(got), _dense(want), msg=lambda m: f"{case}: {what} gradient vs eager: {m}", **tol)
+        layout = linear.weight.wrapped_tensor
+        w = to_dense_tensor(layout).requires_grad_(True)
+        F.linear(x.detach(), w, linear.bias.detach()).square().sum().backward()
+        if hasattr(layout, "gather") and supports_values(gw.wrapped_tensor):
+            torch.testing.assert_close(gw.wrapped_tensor.values(), layout.gather(w.grad).to(dtype),
+                                       msg=lambda m: f"{case}: weight gradient vs dense at the stored positions: {m}", **tol)
+    return {"traceable": True, "graph_breaks": 0}
 
 
 def _dense(value: Any) -> torch.Tensor:

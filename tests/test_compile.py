@@ -339,3 +339,64 @@ def test_unfreezing_after_compiling_gives_the_wrapper_its_gradient(flip):
 
 def test_check_compile_passes_for_dense_tensor_through_the_dense_path():
     assert check_compile(sten.DenseTensor) == {"compiled_impl": None, "graph_breaks": 0, "reasons": []}
+
+
+KEEP_CSR = (sten.KeepAll(), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor)
+"""A gradient format keeping the weight's layout and pattern (the stored values' gradient)."""
+
+
+def test_training_step_of_csr_weights_compiles_whole_with_eager_gradients():
+    """Sparse weights that require grad with a gradient in their own layout and pattern:
+    traceable wrappers (sten_core.traceable), forward and backward in one graph
+    (sten_core::wrapper_linear), gradients equal eager's and the dense ones at the pattern."""
+    model = sparse_mlp()
+    for name in ("0", "2"):
+        lin = model.get_submodule(name)
+        lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True, grad_fmt=KEEP_CSR)
+        assert sten.traceable.trains_compiled(lin.weight)
+    x = torch.randn(6, 24, requires_grad=True)
+
+    def grads(fn):
+        model.zero_grad()
+        x.grad = None
+        fn(x).square().sum().backward()
+        return [p.grad.to_dense() if isinstance(p.grad, sten.SparseTensorWrapper) else p.grad.clone()
+                for p in model.parameters()] + [x.grad.clone()]
+
+    want = grads(model)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, fullgraph=True))
+    assert type(model[0].weight.grad.wrapped_tensor) is sten.CsrTensor
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    w0, w2 = model[0].weight.to_dense().detach(), model[2].weight.to_dense().detach()
+    rw0, rw2 = w0.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+    F.linear(torch.relu(F.linear(x.detach(), rw0, model[0].bias.detach())), rw2, model[2].bias.detach()).square().sum().backward()
+    torch.testing.assert_close(got[0], rw0.grad * (w0 != 0))
+    torch.testing.assert_close(got[2], rw2.grad * (w2 != 0))
+
+
+def test_register_traceable_layout_checks_its_arguments():
+    from sten_core.traceable import register_traceable_layout
+
+    with pytest.raises(TypeError, match="layout must be a class"):
+        register_traceable_layout("CsrTensor", lambda t: t, lambda t, c: t)
+    with pytest.raises(TypeError, match="unflatten must be callable"):
+        register_traceable_layout(DenseCopyLayout, lambda t: t, None)
+    with pytest.raises(ValueError, match="grad_input and grad_values go together"):
+        register_traceable_layout(DenseCopyLayout, lambda t: t, lambda t, c: t, grad_input=lambda *a: a)
+
+
+def test_check_compile_training_passes_for_csr():
+    from sten_core.testing import check_compile_training
+
+    assert check_compile_training(sten.CsrTensor, shapes=((4, 8, 6),)) == {"traceable": True, "graph_breaks": 0}
+
+
+def test_check_compile_training_says_what_a_layout_lacks(dense_copy):
+    from sten_core.testing import check_compile_training
+
+    with pytest.raises(AssertionError, match="not traceable tensor subclasses.*register_traceable_layout"):
+        check_compile_training(DenseCopyLayout, shapes=((4, 8, 6),))

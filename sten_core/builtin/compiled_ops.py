@@ -124,7 +124,43 @@ def csc_linear_kernel(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor]
     return y.reshape(*x.shape[:-1], n)
 
 
+def _csr_members(layout: CsrTensor) -> tuple[list, list]:
+    rows, cols = layout.shape
+    return list(layout.state_tensors()), [rows, cols]
+
+
+def _csr_from_members(tensors: list, consts: list) -> CsrTensor:
+    """A ``CsrTensor`` around its members; while tracing (fake members, where no sparse
+    tensor can be made) its ``data`` is a dense stand-in of the right metadata, which the
+    compiled implementations never read (they take the members)."""
+    crow, col, values = tensors
+    shape = (consts[0], consts[1])
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(values) or is_fake(crow):
+        data = values.new_empty(shape)
+    else:
+        data = torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
+    return CsrTensor(data, (crow, col, values))
+
+
+def _csr_grad_input(gy: torch.Tensor, x: torch.Tensor, layout: CsrTensor) -> torch.Tensor:
+    crow, col, values = layout.state_tensors()
+    g2 = gy.reshape(-1, gy.shape[-1])
+    return torch.ops.sten_core.csr_t_mm(crow, col, values, x.shape[-1], g2.t()).t().reshape(x.shape)
+
+
+def _csr_grad_values(gy: torch.Tensor, x: torch.Tensor, layout: CsrTensor) -> torch.Tensor:
+    crow, col, values = layout.state_tensors()
+    g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
+    return torch.ops.sten_core.csr_sampled(g2.t(), x2.to(g2.dtype), crow, col).to(values.dtype)
+
+
 def register(registry: Any) -> None:
+    from ..traceable import register_traceable_layout
+
+    register_traceable_layout(CsrTensor, _csr_members, _csr_from_members, _csr_grad_input, _csr_grad_values,
+                              values_index=2)
     T = torch.Tensor
     for inp in ((T, CsrTensor, T), (T, CsrTensor)):
         registry.register_compiled_impl(F.linear, inp, csr_linear_kernel)

@@ -48,12 +48,18 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
         >>> compiled_impl_for(F.linear, (torch.ones(1, 2), w)).__name__
         'csr_linear_kernel'
     """
+    _plugins_loaded()
     grad = torch.is_grad_enabled()
     layouts = []
-    for a in args:
+    training = False
+    for i, a in enumerate(args):
         if isinstance(a, SparseTensorWrapper):
             if grad and a.requires_grad:
-                return None
+                from .traceable import trains_compiled  # loaded with the plugins (not at import: custom ops)
+
+                if not (op is torch.nn.functional.linear and i == 1 and trains_compiled(a)):
+                    return None
+                training = True  # a traceable wrapper: its gradient is computed in the graph
             layouts.append(type(a.wrapped_tensor))
         elif isinstance(a, torch.Tensor):
             layouts.append(torch.Tensor)
@@ -62,9 +68,27 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
     while layouts and layouts[-1] is None:
         layouts.pop()
     impl = registry.compiled.get((op, tuple(layouts)))
+    if training:
+        from .traceable import linear_training
+
+        return linear_training if impl is not None else None
     if impl is None and op in DENSE_RESULT_OPS:
         return dense_call
     return impl
+
+
+def _plugins_loaded() -> bool:
+    """Load the plugins (their compiled implementations) before the first look-up; Dynamo
+    runs this at trace time instead of tracing it (loading takes a lock, imports)."""
+    from . import plugins
+
+    plugins.ensure_loaded()
+    return True
+
+
+# What torch.compiler.assume_constant_result(_plugins_loaded) sets; calling it here would
+# import torch._dynamo with sten_core (seconds; tests/test_import.py keeps the import light).
+_plugins_loaded._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 DENSE_RESULT_OPS = frozenset({

@@ -48,6 +48,11 @@ class SparseTensorWrapper(torch.Tensor):
                 f"got {type(wrapped_tensor).__name__}"
             )
         shape, dtype, device = layout_metadata(wrapped_tensor)
+        if grad_fmt is not None and not TRACEABLE_LAYOUTS:
+            _load_plugins()  # their traceable layouts
+        traceable = TRACEABLE_LAYOUTS.get(type(wrapped_tensor))
+        if traceable is not None and traceable[2](grad_fmt):  # torch.compile takes it as a graph input
+            cls = _TRACEABLE_TWIN.get(cls, cls)
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
         )
@@ -119,6 +124,9 @@ class SparseTensorWrapper(torch.Tensor):
         """Aten-level operations reach here from autograd's own machinery
         (detach, gradient accumulation, clone); anything else runs densely."""
         kwargs = kwargs or {}
+        traced = TRACED_OPS.get(func)  # sten_core.traceable's operators on wrappers
+        if traced is not None:
+            return traced(*args, **kwargs)
         packet = func.overloadpacket
         first = args[0] if args else None
         if packet in (aten.detach, aten.alias, aten.view_as) and isinstance(first, SparseTensorWrapper):
@@ -155,6 +163,62 @@ class SparseParameterWrapper(SparseTensorWrapper):
         self = SparseTensorWrapper.__new__(cls, wrapped_tensor, requires_grad, grad_fmt)
         self._is_param = True
         return self
+
+
+TRACEABLE_LAYOUTS: dict = {}
+"""Layout class -> ``(flatten, unflatten, takes(grad_fmt))``: layouts whose wrappers (with a
+``grad_fmt`` that ``takes`` accepts) are traceable tensor subclasses (filled by
+``sten_core.traceable.register_traceable_layout``)."""
+TRACED_OPS: dict = {}
+"""Operator overload -> implementation, for ``sten_core.traceable``'s operators on wrappers."""
+
+
+def _load_plugins() -> None:
+    from . import plugins
+
+    plugins.ensure_loaded()
+
+
+class _Traceable:
+    """The tensor-subclass protocol Dynamo and AOTAutograd use to take a wrapper as a
+    graph input: the layout's member tensors are inner tensors, the rest constants."""
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        layout = self.wrapped_tensor
+        entry = TRACEABLE_LAYOUTS.get(type(layout))
+        if entry is None:
+            raise TypeError(f"{type(layout).__name__} is not a traceable layout (register_traceable_layout)")
+        tensors, consts = entry[0](layout)
+        if len(tensors) > _MAX_MEMBERS:
+            raise ValueError(f"{type(layout).__name__}: at most {_MAX_MEMBERS} member tensors, got {len(tensors)}")
+        return [f"_sten_m{i}" for i in range(len(tensors))], (type(self), type(layout), tuple(consts), self.grad_fmt)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> "SparseTensorWrapper":
+        cls, layout_cls, consts, grad_fmt = ctx
+        tensors = [inner[f"_sten_m{i}"] for i in range(len(inner))]
+        return cls(TRACEABLE_LAYOUTS[layout_cls][1](tensors, list(consts)), False, grad_fmt)
+
+
+def _member(i: int) -> property:
+    return property(lambda self: TRACEABLE_LAYOUTS[type(self.wrapped_tensor)][0](self.wrapped_tensor)[0][i])
+
+
+_MAX_MEMBERS = 8
+for _i in range(_MAX_MEMBERS):
+    setattr(_Traceable, f"_sten_m{_i}", _member(_i))
+
+
+class TraceableSparseTensorWrapper(_Traceable, SparseTensorWrapper):
+    """A ``SparseTensorWrapper`` of a traceable layout (made by ``SparseTensorWrapper(layout)``)."""
+
+
+class TraceableSparseParameterWrapper(_Traceable, SparseParameterWrapper):
+    """A ``SparseParameterWrapper`` of a traceable layout (made by ``SparseParameterWrapper(layout)``)."""
+
+
+_TRACEABLE_TWIN = {SparseTensorWrapper: TraceableSparseTensorWrapper,
+                   SparseParameterWrapper: TraceableSparseParameterWrapper}
 
 
 def write_back(target: SparseTensorWrapper, dense: torch.Tensor) -> SparseTensorWrapper:
@@ -245,7 +309,8 @@ def _add_same_pattern(a: Any, b: Any, inplace: bool) -> Any:
     return SparseTensorWrapper(la.with_values(la.values() + lb.values()), False, a.grad_fmt)
 
 
-WRAPPER_TYPES = frozenset({SparseTensorWrapper, SparseParameterWrapper})
+WRAPPER_TYPES = frozenset({SparseTensorWrapper, SparseParameterWrapper, TraceableSparseTensorWrapper,
+                           TraceableSparseParameterWrapper})
 """The wrapper classes themselves: ``type(x) in WRAPPER_TYPES`` is much cheaper than
 ``isinstance(x, torch.Tensor)`` (torch's metaclass check), so hot paths test it first."""
 DENSE_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -363,7 +428,8 @@ def _detach(self: SparseTensorWrapper) -> SparseTensorWrapper:
     """``w.detach()``: an alias (same layout cell, same version counter) without history."""
     with torch._C.DisableTorchFunctionSubclass():
         out = torch.Tensor.detach(self)
-    out.grad_fmt = None
+    if not isinstance(out, _Traceable):  # a traceable wrapper's class stands for its grad_fmt: kept
+        out.grad_fmt = None              # (nn.Parameter(w) and Module._apply detach it)
     return out
 
 
@@ -403,12 +469,14 @@ _PASSTHROUGH = {
     _T.__len__, _T.data_ptr, _T._is_view, _T.__setstate__, _T.dim_order, _T.is_inference,
     torch.is_complex, torch.is_floating_point, torch.numel, torch.is_tensor,
     torch.autograd.backward, torch.autograd.grad, torch._has_compatible_shallow_copy_type,
+    # metadata that torch.compile reads when it fakes a traceable wrapper
+    _T.untyped_storage, _T.storage_offset, _T.is_conj, _T.is_neg, _T._is_zerotensor, _T.__dir__,
 }
 for _name in ("shape", "dtype", "device", "requires_grad", "grad", "grad_fn", "is_leaf", "layout",
               "ndim", "is_cuda", "is_sparse", "is_quantized", "is_meta", "_version", "is_nested",
               "names", "output_nr", "_base", "retains_grad", "_post_accumulate_grad_hooks",
               "_backward_hooks", "is_mkldnn", "is_sparse_csr", "is_xpu", "is_mps", "itemsize",
-              "nbytes", "is_cpu", "_is_param"):
+              "nbytes", "is_cpu", "_is_param", "grad_dtype"):
     _prop = getattr(_T, _name, None)
     if _prop is not None and hasattr(_prop, "__get__"):
         _PASSTHROUGH.add(_prop.__get__)

@@ -17,7 +17,7 @@ import torch
 
 from sten_core import plugin_api
 
-from . import __version__, _kernel, addmm, column_grouped_ops, ops
+from . import __version__, _kernel, addmm, column_grouped_ops, compiled, ops
 from .column_grouped import ColumnGroupedNMTensor
 from .grouped_tensor import GroupedNMTensor
 from .nm_tensor import NMTensor
@@ -58,6 +58,8 @@ def sten_register(registry: Any) -> None:
         ops.register(registry)
         ops.register_grouped(registry)
         addmm.register(registry)
+    compiled.register(registry, kernels=_kernel.available()[0])  # torch.compile: custom operators
+    compiled.register_traceable(kernels=_kernel.available()[0])   # compiled training of n:m weights
 
 
 @plugin_api.hookimpl

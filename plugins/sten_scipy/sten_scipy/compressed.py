@@ -73,6 +73,9 @@ class ScipyCompressed(Layout):
             data.sum_duplicates()
         self.data = data
         self._coords: tuple[torch.Tensor, torch.Tensor] | None = None
+        # torch views of scipy's arrays (same memory): what torch.compile takes as graph inputs
+        self.torch_members = (torch.from_numpy(data.indptr), torch.from_numpy(data.indices),
+                              torch.from_numpy(data.data))
 
     # -- construction -----------------------------------------------------------
     @classmethod

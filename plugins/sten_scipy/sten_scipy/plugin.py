@@ -40,7 +40,7 @@ except ImportError as error:  # pragma: no cover - scipy is a dependency
 def sten_register(registry: Any) -> None:
     if _MISSING is not None:
         return
-    from . import conversions, elementwise, linear, sparsifiers, structure
+    from . import compiled, conversions, elementwise, linear, sparsifiers, structure
     from .layouts import SCIPY_LAYOUTS
 
     for layout in SCIPY_LAYOUTS:
@@ -53,6 +53,7 @@ def sten_register(registry: Any) -> None:
     linear.register(registry, grad_outs)
     elementwise.register(registry, grad_outs, TABLE)
     structure.register(registry, grad_outs, TABLE)
+    compiled.register(registry)  # torch.compile: sten_scipy::linear custom operators
 
 
 @plugin_api.hookimpl

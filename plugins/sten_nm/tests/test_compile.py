@@ -1,0 +1,306 @@
+"""torch.compile with n:m weights (issue #15): the sten_nm::... custom operators,
+no graph breaks, fullgraph, compiled == eager == dense, gradients, torch.export."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import requires_kernel
+
+import sten_core as sten
+from sten_core.testing import check_compile
+from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor
+from sten_nm import compiled as nmc
+
+pytestmark = requires_kernel
+
+LAYOUTS = [NMTensor, GroupedNMTensor, ColumnGroupedNMTensor]
+OPS = {NMTensor: torch.ops.sten_nm.nm_linear.default, GroupedNMTensor: torch.ops.sten_nm.grouped_linear.default,
+       ColumnGroupedNMTensor: torch.ops.sten_nm.column_grouped_linear.default}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def nm_mlp(layout, n=2, m=4, requires_grad=False, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 8))
+    for lin in (model[0], model[2]):
+        lin.weight = sten.SparseParameterWrapper(layout.from_dense(lin.weight.detach(), n=n, m=m),
+                                                 requires_grad=requires_grad)
+    return model
+
+
+def dense_twin(model):
+    """The same MLP with dense weights (the reference)."""
+    twin = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 8))
+    with torch.no_grad():
+        for src, dst in ((model[0], twin[0]), (model[2], twin[2])):
+            dst.weight.copy_(src.weight.wrapped_tensor.to_dense())
+            dst.bias.copy_(src.bias)
+    return twin
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_inference_has_no_graph_breaks_and_holds_the_custom_operator(layout):
+    model = nm_mlp(layout).eval()
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    assert explained.graph_count == 1
+    program = torch.export.export(model, (x,), strict=True)
+    targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert targets.count(OPS[layout]) == 2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("nm", [(2, 4), (1, 8)])
+@pytest.mark.parametrize("shape", [(5, 32), (2, 3, 32)])
+def test_fullgraph_equals_eager_and_dense(layout, nm, shape):
+    model = nm_mlp(layout, *nm).eval()
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        want = model(x)
+        got = torch.compile(model, fullgraph=True)(x)
+        dense = dense_twin(model)(x)
+    assert type(got) is torch.Tensor
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, dense, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_frozen_sparse_weights_train_compiled_whole_with_eager_gradients(layout):
+    """Biases and the input train, the n:m weights are frozen: forward and backward
+    compile through AOTAutograd (the operator's autograd: sten_nm::..._grad_input)."""
+    model = nm_mlp(layout)
+    x = torch.randn(6, 32, requires_grad=True)
+
+    def grads(fn):
+        model.zero_grad()
+        x.grad = None
+        fn(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.requires_grad] + [x.grad.clone()]
+
+    want = grads(model)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, fullgraph=True))
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    ref_x = x.detach().clone().requires_grad_(True)
+    dense_twin(model)(ref_x).square().sum().backward()
+    torch.testing.assert_close(got[-1], ref_x.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_trainable_sparse_weights_compile_with_eager_gradients(layout):
+    """n:m weights that require grad run the eager dispatcher while compiled (a graph
+    break per call, see docs/compile.md): the gradients (sparse, in the layout) equal eager's."""
+    model = nm_mlp(layout, requires_grad=True)
+    x = torch.randn(6, 32, requires_grad=True)
+
+    def grads(fn):
+        model.zero_grad()
+        x.grad = None
+        fn(x).square().sum().backward()
+        return [p.grad.to_dense() if isinstance(p.grad, sten.SparseTensorWrapper) else p.grad.clone()
+                for p in model.parameters()] + [x.grad.clone()]
+
+    want = grads(model)
+    got = grads(torch.compile(model))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def keep_layout(layout):
+    """The gradient format that keeps the weight's layout and pattern (the values' gradient)."""
+    return (sten.KeepAll(), layout, sten.KeepAll(), layout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_training_step_of_nm_weights_compiles_whole_with_eager_gradients(layout):
+    """n:m weights that require grad, gradient in their own layout: the wrappers are
+    traceable tensor subclasses, forward and backward compile into one graph
+    (sten_core::wrapper_linear), and every gradient equals eager's and the dense one
+    at the kept positions."""
+    model = nm_mlp(layout)
+    for lin in (model[0], model[2]):
+        lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True,
+                                                 grad_fmt=keep_layout(layout))
+        assert sten.traceable.trains_compiled(lin.weight)
+    x = torch.randn(6, 32, requires_grad=True)
+
+    def grads(fn):
+        model.zero_grad()
+        x.grad = None
+        fn(x).square().sum().backward()
+        return [p.grad.to_dense() if isinstance(p.grad, sten.SparseTensorWrapper) else p.grad.clone()
+                for p in model.parameters()] + [x.grad.clone()]
+
+    want = grads(model)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, fullgraph=True))
+    assert isinstance(model[0].weight.grad, sten.SparseTensorWrapper)
+    assert type(model[0].weight.grad.wrapped_tensor) is layout
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    dense = dense_twin(model)
+    rx = x.detach().clone().requires_grad_(True)
+    dense(rx).square().sum().backward()
+    for lin, ref, g in ((model[0], dense[0], got[0]), (model[2], dense[2], got[2])):
+        mask = lin.weight.wrapped_tensor.mask()
+        torch.testing.assert_close(g, ref.weight.grad * mask, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_training_steps_with_an_optimizer_follow_eager():
+    """Three SGD steps, eager and compiled from the same start: the same weights after
+    (the optimizer's in-place update is seen by the compiled graph without recompiling)."""
+    def run(compile_it):
+        model = nm_mlp(NMTensor)
+        for lin in (model[0], model[2]):
+            lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True,
+                                                     grad_fmt=keep_layout(NMTensor))
+        step = torch.compile(model, fullgraph=True) if compile_it else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        torch.manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad()
+            step(torch.randn(6, 32)).square().sum().backward()
+            opt.step()
+        return [p.to_dense() if isinstance(p, sten.SparseTensorWrapper) else p.detach().clone()
+                for p in model.parameters()]
+
+    eager, compiled = run(False), run(True)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(eager[0], nm_mlp(NMTensor)[0].weight.to_dense())  # the steps changed it
+
+
+def test_a_dense_gradient_format_keeps_the_eager_wrapper():
+    """A dense weight gradient (the default) cannot be a compiled graph's gradient of a
+    traceable wrapper (AOTAutograd rebuilds it in the wrapper's structure): those
+    wrappers stay untraceable and their calls run eagerly while compiled."""
+    w = sten.SparseParameterWrapper(NMTensor.from_dense(torch.randn(4, 8)))
+    assert not sten.traceable.traceable(w)
+    assert sten.traceable.traceable(sten.SparseParameterWrapper(w.wrapped_tensor, grad_fmt=keep_layout(NMTensor)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_custom_operator_gradients_match_dense(layout):
+    """The registered autograd, values gradient included (what a compiled training step
+    of trainable n:m weights will use): equal to the dense product's at the kept positions."""
+    w = layout.from_dense(torch.randn(20, 24), n=2, m=4)
+    tensors, consts = nmc.members(w)
+    values = tensors[0].clone().requires_grad_(True)
+    x = torch.randn(2, 3, 24, requires_grad=True)
+    bias = torch.randn(20, requires_grad=True)
+    out = OPS[layout](x, [values] + tensors[1:], consts, bias)
+    g = torch.randn_like(out)
+    gv, gx, gb = torch.autograd.grad(out, (values, x, bias), g)
+    dense_w = w.to_dense().requires_grad_(True)
+    rx, rb = x.detach().clone().requires_grad_(True), bias.detach().clone().requires_grad_(True)
+    ref = F.linear(rx, dense_w, rb)
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-4, atol=1e-5)
+    rw, rxg, rbg = torch.autograd.grad(ref, (dense_w, rx, rb), g)
+    torch.testing.assert_close(gx, rxg, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gb, rbg)
+    torch.testing.assert_close(w.with_values(gv.detach()).to_dense(), rw * w.mask(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_custom_operators_pass_opcheck(layout):
+    w = layout.from_dense(torch.randn(20, 24), n=2, m=4)
+    tensors, consts = nmc.members(w)
+    values = tensors[0].clone().requires_grad_(True)
+    x = torch.randn(3, 24, requires_grad=True)
+    torch.library.opcheck(OPS[layout], (x, [values] + tensors[1:], consts, torch.randn(20)))
+    torch.library.opcheck(OPS[layout], (x.detach(), tensors, consts, None))
+
+
+def test_matmul_and_mm_with_an_nm_operand_compile_whole():
+    s = sten.SparseTensorWrapper(NMTensor.from_dense(torch.randn(24, 12), n=2, m=4, dim=0))
+    x = torch.randn(5, 24)
+
+    def f(x):
+        return torch.mm(x, s) + torch.matmul(x, s) + x @ s
+
+    explained = torch._dynamo.explain(f)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), f(x))
+    torch.testing.assert_close(f(x), 3 * x @ s.to_dense(), rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_impl_rejects_a_mismatched_input():
+    model = nm_mlp(NMTensor).eval()
+    with pytest.raises(Exception, match="last dimension is 32"):
+        torch.compile(model, fullgraph=True)(torch.randn(2, 31))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_check_compile_passes_with_the_custom_operator(layout):
+    report = check_compile(layout, require_compiled_impl=True)
+    assert report["compiled_impl"].endswith("_compiled")
+    assert report["graph_breaks"] == 0
+
+
+@pytest.mark.parametrize("layout,nm", [(NMTensor, (2, 4)), (NMTensor, (1, 10)), (GroupedNMTensor, (2, 4))])
+def test_bert_layer_with_nm_weights_compiles_whole(layout, nm):
+    """A BERT encoder layer (tiny config) whose six Linear weights are n:m: no graph
+    breaks, fullgraph runs, strict export runs; all equal eager."""
+    pytest.importorskip("transformers")
+    from sten_core.bench.models import bert_case
+
+    case = bert_case(batch=2, seq_len=8, size="tiny")
+    model = case.model
+    for name in case.weights:
+        module_name, _, attr = name.rpartition(".")
+        lin = model.get_submodule(module_name)
+        setattr(lin, attr, sten.SparseParameterWrapper(layout.from_dense(getattr(lin, attr).detach(), n=nm[0], m=nm[1]),
+                                                       requires_grad=False))
+    (x,) = case.inputs
+    with torch.no_grad():
+        want = model(x)
+        want = want[0] if isinstance(want, tuple) else want
+        explained = torch._dynamo.explain(model)(x)
+        assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+        torch._dynamo.reset()
+        got = torch.compile(model, fullgraph=True)(x)
+        got = got[0] if isinstance(got, tuple) else got
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        program = torch.export.export(model, (x,), strict=True)
+        out = program.module()(x)
+        out = out[0] if isinstance(out, tuple) else out
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    assert sum(n.target == OPS[layout] for n in program.graph.nodes) == len(case.weights)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_check_compile_training_passes(layout):
+    from sten_core.testing import check_compile_training
+
+    assert check_compile_training(layout, shapes=((4, 16, 12),), sparsifier=sten.ScalarFractionSparsifier(0.5)) == \
+        {"traceable": True, "graph_breaks": 0}
+
+
+def test_traceable_weights_survive_module_conversions():
+    """Module._apply swaps traceable subclasses (torch.utils.swap_tensors) instead of setting
+    .data: the weight stays a trainable parameter with its gradient format and values."""
+    lin = torch.nn.Linear(16, 8)
+    lin.weight = sten.SparseParameterWrapper(NMTensor.from_dense(lin.weight.detach()), grad_fmt=keep_layout(NMTensor))
+    before = lin.weight.to_dense().double()
+    lin = lin.double()
+    w = lin.weight
+    assert isinstance(w, torch.nn.Parameter) and w.requires_grad and w.dtype == torch.float64
+    assert sten.traceable.trains_compiled(w) and len(list(lin.parameters())) == 2
+    torch.testing.assert_close(w.to_dense(), before)
+    lin(torch.randn(3, 16, dtype=torch.float64)).sum().backward()
+    assert type(w.grad.wrapped_tensor) is NMTensor
