@@ -30,6 +30,8 @@ Example (a plugin module):
 
 from __future__ import annotations
 
+from typing import Any
+
 from sten_core.builtin.torch_layouts import CooTensor, CscTensor, CsrTensor, DenseTensor
 from sten_core.dispatch import (DispatchError, DispatchWarning, convert, failure_mode, get_dispatch_failure,
                                 lossy_fallback, set_dispatch_failure, sparsify)
@@ -52,6 +54,15 @@ from sten_core.training.pruning.sparsegpt import ChunkRule, NMRule
 from sten_core.plugins.bench_layouts import BenchLayout, nm_for_sparsity, nm_label
 from sten_core.plugins.hookspecs import hookimpl
 
+def register_traceable_layout(*args: Any, **kwargs: Any) -> Any:
+    """Make wrappers of a layout traceable tensor subclasses so compiled training
+    steps keep the layout (see ``sten_core.dispatch.traceable.register_traceable_layout``;
+    imported on first use: it defines custom operators)."""
+    from sten_core.dispatch.traceable import register_traceable_layout as register
+
+    return register(*args, **kwargs)
+
+
 __all__ = [
     "CalibratedSparsifier", "ChunkRule", "METHODS", "NMRule", "SparseGPTSparsifier", "WandaSparsifier", "sparsegpt",
     "BLOCKING", "BUILTIN_SPARSIFIERS", "BenchLayout", "BlockwiseFractionSparsifier", "CooTensor", "CscTensor",
@@ -62,7 +73,7 @@ __all__ = [
     "StoredValues", "bias_grad", "block_keep_mask", "builds_from_dense", "check_nm", "check_tensor", "convert",
     "densify", "failure_mode", "get_dispatch_failure", "hookimpl", "implements", "layout_metadata",
     "linear_inputs", "lossy_fallback", "needs_grad", "nm_for_sparsity", "nm_keep_mask", "nm_label",
-    "normalize_inp", "normalize_out_pairs", "op_name", "register_plugin", "register_weight_product", "registry",
+    "normalize_inp", "normalize_out_pairs", "op_name", "register_plugin", "register_traceable_layout", "register_weight_product", "registry",
     "set_dispatch_failure", "sparsify", "supports_values", "to_dense_tensor", "trim", "unregister_plugin",
     "wrap_layout",
 ]

@@ -372,14 +372,14 @@ def check_compile_training(layout_cls: type, *, shapes: Iterable[tuple] = ((6, 1
         >>> check_compile_training(sten.CsrTensor)   # doctest: +SKIP
         {'traceable': True, 'graph_breaks': 0}
     """
-    from .traceable import traceable, trains_compiled
+    from sten_core.dispatch.traceable import traceable, trains_compiled
 
     plugins.ensure_loaded()
     sparsifier = sparsifier or ScalarFractionSparsifier(0.5)
     tol = _tolerances(dtype)
     name = layout_cls.__name__
     keep = (KeepAll(), layout_cls, KeepAll(), layout_cls)
-    fix = (f"register it: sten_core.traceable.register_traceable_layout({name}, flatten, unflatten, grad_input, "
+    fix = (f"register it: sten_core.plugin_api.register_traceable_layout({name}, flatten, unflatten, grad_input, "
            f"grad_values, values_index), see docs/compile.md")
     for i, (batch, k, n) in enumerate(shapes):
         case = f"{name} compiled training step x=[{batch},{k}] W=[{n},{k}]"

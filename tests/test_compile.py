@@ -347,7 +347,7 @@ KEEP_CSR = (sten.KeepAll(), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor)
 
 def test_training_step_of_csr_weights_compiles_whole_with_eager_gradients():
     """Sparse weights that require grad with a gradient in their own layout and pattern:
-    traceable wrappers (sten_core.traceable), forward and backward in one graph
+    traceable wrappers (sten_core.dispatch.traceable), forward and backward in one graph
     (sten_core::wrapper_linear), gradients equal eager's and the dense ones at the pattern."""
     model = sparse_mlp()
     for name in ("0", "2"):
@@ -379,7 +379,7 @@ def test_training_step_of_csr_weights_compiles_whole_with_eager_gradients():
 
 
 def test_register_traceable_layout_checks_its_arguments():
-    from sten_core.traceable import register_traceable_layout
+    from sten_core.plugin_api import register_traceable_layout
 
     with pytest.raises(TypeError, match="layout must be a class"):
         register_traceable_layout("CsrTensor", lambda t: t, lambda t, c: t)

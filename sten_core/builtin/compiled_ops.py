@@ -157,7 +157,7 @@ def _csr_grad_values(gy: torch.Tensor, x: torch.Tensor, layout: CsrTensor) -> to
 
 
 def register(registry: Any) -> None:
-    from ..traceable import register_traceable_layout
+    from sten_core.dispatch.traceable import register_traceable_layout
 
     register_traceable_layout(CsrTensor, _csr_members, _csr_from_members, _csr_grad_input, _csr_grad_values,
                               values_index=2)

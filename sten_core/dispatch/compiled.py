@@ -33,6 +33,7 @@ import torch
 from sten_core.model.layouts import to_dense_tensor
 from sten_core.model.registry import registry
 from sten_core.model.tensor import SparseTensorWrapper, services
+from sten_core.plugins import manager as plugins
 
 MISSING = object()
 """``compiled_call``'s answer when no compiled implementation applies."""
@@ -55,7 +56,7 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
     for i, a in enumerate(args):
         if isinstance(a, SparseTensorWrapper):
             if grad and a.requires_grad:
-                from .traceable import trains_compiled  # loaded with the plugins (not at import: custom ops)
+                from sten_core.dispatch.traceable import trains_compiled  # loaded with the plugins (not at import: custom ops)
 
                 if not (op is torch.nn.functional.linear and i == 1 and trains_compiled(a)):
                     return None
@@ -69,7 +70,7 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
         layouts.pop()
     impl = registry.compiled.get((op, tuple(layouts)))
     if training:
-        from .traceable import linear_training
+        from sten_core.dispatch.traceable import linear_training
 
         return linear_training if impl is not None else None
     if impl is None and op in DENSE_RESULT_OPS:
@@ -80,8 +81,6 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
 def _plugins_loaded() -> bool:
     """Load the plugins (their compiled implementations) before the first look-up; Dynamo
     runs this at trace time instead of tracing it (loading takes a lock, imports)."""
-    from . import plugins
-
     plugins.ensure_loaded()
     return True
 

@@ -49,7 +49,7 @@ class SparseTensorWrapper(torch.Tensor):
             )
         shape, dtype, device = layout_metadata(wrapped_tensor)
         if grad_fmt is not None and not TRACEABLE_LAYOUTS:
-            _load_plugins()  # their traceable layouts
+            services.load_plugins()  # their traceable layouts
         traceable = TRACEABLE_LAYOUTS.get(type(wrapped_tensor))
         if traceable is not None and traceable[2](grad_fmt):  # torch.compile takes it as a graph input
             cls = _TRACEABLE_TWIN.get(cls, cls)
@@ -124,7 +124,7 @@ class SparseTensorWrapper(torch.Tensor):
         """Aten-level operations reach here from autograd's own machinery
         (detach, gradient accumulation, clone); anything else runs densely."""
         kwargs = kwargs or {}
-        traced = TRACED_OPS.get(func)  # sten_core.traceable's operators on wrappers
+        traced = TRACED_OPS.get(func)  # sten_core.dispatch.traceable's operators on wrappers
         if traced is not None:
             return traced(*args, **kwargs)
         packet = func.overloadpacket
@@ -168,15 +168,9 @@ class SparseParameterWrapper(SparseTensorWrapper):
 TRACEABLE_LAYOUTS: dict = {}
 """Layout class -> ``(flatten, unflatten, takes(grad_fmt))``: layouts whose wrappers (with a
 ``grad_fmt`` that ``takes`` accepts) are traceable tensor subclasses (filled by
-``sten_core.traceable.register_traceable_layout``)."""
+``sten_core.dispatch.traceable.register_traceable_layout``)."""
 TRACED_OPS: dict = {}
 """Operator overload -> implementation, for ``sten_core.traceable``'s operators on wrappers."""
-
-
-def _load_plugins() -> None:
-    from . import plugins
-
-    plugins.ensure_loaded()
 
 
 class _Traceable:
@@ -257,7 +251,8 @@ class WrapperServices:
     by them when imported (``sten_core.dispatch``: ``dispatch_call``,
     ``dense_with_grad``, ``same_format_layout``, ``convert``;
     ``sten_core.dispatch.compiled``: ``compiled_call``, ``MISSING``;
-    ``sten_core.training.serialization``: ``reduce_wrapper``), so the
+    ``sten_core.training.serialization``: ``reduce_wrapper``;
+    ``sten_core.plugins``: ``load_plugins``), so the
     programming model imports nothing above it.
 
     Example:
@@ -273,6 +268,7 @@ class WrapperServices:
     compiled_call: Any = None
     MISSING: Any = None
     reduce_wrapper: Any = None
+    load_plugins: Any = None
 
     def install(self, **services: Any) -> None:
         for name, service in services.items():

@@ -34,6 +34,7 @@ import pluggy
 
 from sten_core.plugins import hookspecs
 from sten_core.model.registry import registry
+from sten_core.model.tensor import services
 
 ENTRY_POINT_GROUP = "sten"
 BUILTIN_PLUGINS = {"builtin": "sten_core.builtin.plugin", "pruning": "sten_core.training.pruning.plugin"}
@@ -271,3 +272,6 @@ def plugin_report() -> list[dict]:
     for name, error in failed.items():
         rows.append({"name": name, "version": None, "available": False, "reason": f"failed to load: {error}", "layouts": [], "hooks": []})
     return rows
+
+
+services.install(load_plugins=ensure_loaded)  # wrappers of traceable layouts need the plugins' registrations

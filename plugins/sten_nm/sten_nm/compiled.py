@@ -240,10 +240,10 @@ def _grad_values_of(op_name: str) -> Callable:
 
 
 def register_traceable(kernels: bool = True) -> None:
-    """Make the n:m layouts' wrappers traceable (``sten_core.traceable``): compiled training
+    """Make the n:m layouts' wrappers traceable (``plugin_api.register_traceable_layout``): compiled training
     steps of n:m weights whose gradient is in their own layout compile whole."""
     try:
-        from sten_core.traceable import register_traceable_layout
+        from sten_core.plugin_api import register_traceable_layout
     except ImportError:  # an older core
         return
     names = {NMTensor: "nm_linear", GroupedNMTensor: "grouped_linear", ColumnGroupedNMTensor: "column_grouped_linear"}

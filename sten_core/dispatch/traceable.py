@@ -21,7 +21,7 @@ gradients).
 
 Example:
     >>> import torch, torch.nn.functional as F, sten_core as sten
-    >>> from sten_core.traceable import traceable
+    >>> from sten_core.dispatch.traceable import traceable
     >>> traceable(sten.SparseTensorWrapper(sten.DenseTensor.from_dense(torch.ones(2, 2))))
     False
 """
@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .tensor import _HANDLERS, _PASS, TRACEABLE_LAYOUTS, TRACED_OPS, SparseTensorWrapper
+from sten_core.model.tensor import _HANDLERS, _PASS, TRACEABLE_LAYOUTS, TRACED_OPS, SparseTensorWrapper
 
 Tensor = torch.Tensor
 _GRADS: dict = {}  # layout class -> (grad_input(gy, x, layout), grad_values(gy, x, layout))
@@ -81,8 +81,8 @@ def keeps_layout(grad_fmt: Any, layout: type) -> bool:
     """
     if grad_fmt is None:
         return False
-    from .sparsifiers import KeepAll
-    from .spec import OutputSpec
+    from sten_core.model.sparsifiers import KeepAll
+    from sten_core.model.spec import OutputSpec
 
     spec = OutputSpec.coerce(grad_fmt, "grad_fmt")
     return (spec.out_format is layout and spec.tmp_format is layout and isinstance(spec.inline_sparsifier, KeepAll)
@@ -172,7 +172,7 @@ class _Holder:
 
 
 def _linear_below_autograd(x: Tensor, weight: SparseTensorWrapper, bias: Optional[Tensor] = None) -> Tensor:
-    from .registry import registry
+    from sten_core.model.registry import registry
 
     layout = weight.wrapped_tensor
     key = (F.linear, (Tensor, type(layout), Tensor) if bias is not None else (Tensor, type(layout)))
