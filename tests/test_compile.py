@@ -353,7 +353,7 @@ def test_training_step_of_csr_weights_compiles_whole_with_eager_gradients():
     for name in ("0", "2"):
         lin = model.get_submodule(name)
         lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True, grad_fmt=KEEP_CSR)
-        assert sten.traceable.trains_compiled(lin.weight)
+        assert sten.dispatch.traceable.trains_compiled(lin.weight)
     x = torch.randn(6, 24, requires_grad=True)
 
     def grads(fn):

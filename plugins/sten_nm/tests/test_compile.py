@@ -133,7 +133,7 @@ def test_training_step_of_nm_weights_compiles_whole_with_eager_gradients(layout)
     for lin in (model[0], model[2]):
         lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True,
                                                  grad_fmt=keep_layout(layout))
-        assert sten.traceable.trains_compiled(lin.weight)
+        assert sten.dispatch.traceable.trains_compiled(lin.weight)
     x = torch.randn(6, 32, requires_grad=True)
 
     def grads(fn):
@@ -189,8 +189,8 @@ def test_a_dense_gradient_format_keeps_the_eager_wrapper():
     traceable wrapper (AOTAutograd rebuilds it in the wrapper's structure): those
     wrappers stay untraceable and their calls run eagerly while compiled."""
     w = sten.SparseParameterWrapper(NMTensor.from_dense(torch.randn(4, 8)))
-    assert not sten.traceable.traceable(w)
-    assert sten.traceable.traceable(sten.SparseParameterWrapper(w.wrapped_tensor, grad_fmt=keep_layout(NMTensor)))
+    assert not sten.dispatch.traceable.traceable(w)
+    assert sten.dispatch.traceable.traceable(sten.SparseParameterWrapper(w.wrapped_tensor, grad_fmt=keep_layout(NMTensor)))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -300,7 +300,7 @@ def test_traceable_weights_survive_module_conversions():
     lin = lin.double()
     w = lin.weight
     assert isinstance(w, torch.nn.Parameter) and w.requires_grad and w.dtype == torch.float64
-    assert sten.traceable.trains_compiled(w) and len(list(lin.parameters())) == 2
+    assert sten.dispatch.traceable.trains_compiled(w) and len(list(lin.parameters())) == 2
     torch.testing.assert_close(w.to_dense(), before)
     lin(torch.randn(3, 16, dtype=torch.float64)).sum().backward()
     assert type(w.grad.wrapped_tensor) is NMTensor
