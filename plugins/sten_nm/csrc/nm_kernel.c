@@ -173,12 +173,38 @@ typedef struct {
     const float *X; int64_t ldx, B, C, Cpad, nbc, bch; float *xp;
 } pack_args;
 
+/* 4-float vectors (SSE2 on x86-64, NEON on arm64), 4-byte aligned: any float offset. */
+typedef float v4u __attribute__((vector_size(16), aligned(4)));
+typedef float v4 __attribute__((vector_size(16)));
+
+/* d[k * ldd + i] = x[i * ldx + k] for i, k < 4. */
+static inline void transpose4(const float *x, int64_t ldx, float *d, int64_t ldd)
+{
+    const v4 a = *(const v4u *)x, b = *(const v4u *)(x + ldx);
+    const v4 c = *(const v4u *)(x + 2 * ldx), e = *(const v4u *)(x + 3 * ldx);
+    const v4 t0 = __builtin_shufflevector(a, b, 0, 4, 1, 5), t1 = __builtin_shufflevector(a, b, 2, 6, 3, 7);
+    const v4 t2 = __builtin_shufflevector(c, e, 0, 4, 1, 5), t3 = __builtin_shufflevector(c, e, 2, 6, 3, 7);
+    *(v4u *)d = __builtin_shufflevector(t0, t2, 0, 1, 4, 5);
+    *(v4u *)(d + ldd) = __builtin_shufflevector(t0, t2, 2, 3, 6, 7);
+    *(v4u *)(d + 2 * ldd) = __builtin_shufflevector(t1, t3, 0, 1, 4, 5);
+    *(v4u *)(d + 3 * ldd) = __builtin_shufflevector(t1, t3, 2, 3, 6, 7);
+}
+
 /* dst[c - c0][bi] = X[b0 + bi][c] for bi < bch, c in [c0, c1) (0 past B or C). */
 static void pack_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int64_t b0, int64_t bch,
                        int64_t c0, int64_t c1, float *dst)
 {
     const int64_t cend = c1 < C ? c1 : C;
-    if (b0 + bch <= B && bch == NM_MB) {          /* full 6-row panel (grouped kernel) */
+    if (b0 + bch <= B && bch % 4 == 0) {          /* whole chunk: 4 x 4 tile transposes */
+        int64_t c = c0;
+        for (; c + 4 <= cend; c += 4)
+            for (int64_t bi = 0; bi < bch; bi += 4) {
+                const float *x = X + (b0 + bi) * ldx + c;
+                transpose4(x, ldx, dst + (c - c0) * bch + bi, bch);
+            }
+        for (; c < cend; c++)
+            for (int64_t bi = 0; bi < bch; bi++) dst[(c - c0) * bch + bi] = X[(b0 + bi) * ldx + c];
+    } else if (b0 + bch <= B && bch == NM_MB) {          /* full 6-row panel (grouped kernel) */
         const float *x = X + b0 * ldx;
         for (int64_t c = c0; c < cend; c++) {
             float *o = dst + (c - c0) * NM_MB;
