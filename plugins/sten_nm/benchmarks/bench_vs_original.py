@@ -94,8 +94,9 @@ class Original:
 
     def weight(self, W: torch.Tensor, n: int, m: int, g: int):
         """The wrapped weight and its dense masked copy."""
-        t = self.sten.GroupedNMTensor.from_dense(W, n, m, sparse_dim=0, group_size=g, group_dim=1)
-        return self.sten.SparseTensorWrapper.wrapped_from_dense(t, W, None), t.to_dense()
+        with self._in_workdir():   # its conversion compiles into ./.compile_cache
+            t = self.sten.GroupedNMTensor.from_dense(W, n, m, sparse_dim=0, group_size=g, group_dim=1)
+            return self.sten.SparseTensorWrapper.wrapped_from_dense(t, W, None), t.to_dense()
 
     def linear(self, x: torch.Tensor, w) -> Callable[[], torch.Tensor]:
         def run():

@@ -71,8 +71,10 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
 
 /* Slots [t0, t1) of every pattern (a range of whole chunks: its x columns, a block of the
  * panel, stay in L1 while the row blocks [q0, q1) sweep it); first: start ytmp at zero. */
+/* wbuf: n * L floats of scratch (the widened values of one pattern when vtype is NM_BF16;
+ * widening once per pattern and batch chunk costs ~1/BCHN of the FMAs). */
 static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, int64_t q0, int64_t q1,
-                                   int64_t t0, int64_t t1, float *ytmp, int first)
+                                   int64_t t0, int64_t t1, float *ytmp, int first, float *wbuf)
 {
     const int n = W->n, m = W->m, P = W->P;
     const int64_t L = W->L;
@@ -82,7 +84,18 @@ static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, in
             for (int64_t i = 0; i < m * BCHN; i++) yt[i] = 0.0f;
         for (int p = 0; p < P; p++) {
             const int32_t *cols = W->cols + (q * P + p) * L;
-            const float *v = W->vals + (q * P + p) * (int64_t)n * L;
+            const int64_t vo = (q * P + p) * (int64_t)n * L;
+            const float *v;
+            if (W->vtype == NM_BF16) {
+                const uint16_t *h = (const uint16_t *)W->vals + vo;
+                uint32_t *wb = (uint32_t *)wbuf;
+                for (int j = 0; j < n; j++)
+                    for (int64_t t = t0; t < t1; t++)
+                        wb[(int64_t)j * L + t] = (uint32_t)h[(int64_t)j * L + t] << 16;
+                v = wbuf;
+            } else {
+                v = (const float *)W->vals + vo;
+            }
             const int32_t *rows = W->pats + p * n;
             for (int j0 = 0; j0 < n; j0 += NMC_NJ) {
                 const int nj = n - j0 < NMC_NJ ? n - j0 : NMC_NJ;

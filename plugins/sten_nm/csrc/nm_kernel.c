@@ -800,14 +800,15 @@ static void cgg_task(void *p, int tid, int nth)
     if (q1 <= q0) return;
     const int64_t qb = 8;   /* row blocks per pass: their accumulators stay in L1 */
     float *ytmp = (float *)alloc64((size_t)(qb * W->m * a->bch) * sizeof(float));
-    if (!ytmp) { a->err = -3; return; }
+    float *wbuf = W->vtype == NM_BF16 ? (float *)alloc64((size_t)(W->n * W->L) * sizeof(float)) : NULL;
+    if (!ytmp || (W->vtype == NM_BF16 && !wbuf)) { free(ytmp); free(wbuf); a->err = -3; return; }
     for (int64_t bc = 0; bc < a->nbc; bc++) {
         const float *panel = a->xp + bc * a->Kp * a->bch;
         const int64_t bmax = a->B - bc * a->bch < a->bch ? a->B - bc * a->bch : a->bch;
         for (int64_t qa = q0; qa < q1; qa += qb) {
             const int64_t qe = qa + qb < q1 ? qa + qb : q1;
             for (int64_t t0 = 0; t0 < W->L; t0 += a->kt)
-                a->fn(W, panel, qa, qe, t0, t0 + a->kt < W->L ? t0 + a->kt : W->L, ytmp, t0 == 0);
+                a->fn(W, panel, qa, qe, t0, t0 + a->kt < W->L ? t0 + a->kt : W->L, ytmp, t0 == 0, wbuf);
             const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N;
             for (int64_t b = 0; b < bmax; b++) {
                 float *yrow = a->Y + (bc * a->bch + b) * a->ldy;
@@ -817,12 +818,14 @@ static void cgg_task(void *p, int tid, int nth)
         }
     }
     free(ytmp);
+    free(wbuf);
 }
 
 int nm_colgrouped_gather_f32(const nm_colgrouped *W, int64_t B, const float *X, int64_t ldx,
                              float *Y, int64_t ldy, const float *bias, int nthreads)
 {
     if (!W || W->n < 1 || W->m < 2 || W->n >= W->m || W->P < 1 || W->N < 0 || W->K < 0 || B < 0 ||
+        (W->vtype != NM_F32 && W->vtype != NM_BF16) ||
         W->Nb != (W->N + W->m - 1) / W->m || W->L < 0 || (int64_t)W->P * W->L < W->K)
         return -1;
     if (B == 0 || W->N == 0) return 0;
