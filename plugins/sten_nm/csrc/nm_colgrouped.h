@@ -18,6 +18,11 @@
 #define NMC_NJ_RAW ((NMC_REGS - NV - 2) / NV)
 #define NMC_NJ (NMC_NJ_RAW > 4 ? 4 : (NMC_NJ_RAW < 1 ? 1 : NMC_NJ_RAW))
 
+/* slots ahead whose x columns are prefetched (STEN_NM_CG_AHEAD at build time) */
+#ifndef NMC_AHEAD
+#define NMC_AHEAD 8
+#endif
+
 /* acc_j += sum_{t in [t0,t1)} v[j*L + t] * x[cols[t]] for j < NJ; out[j] += acc_j. */
 static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
     const float *panel, const int32_t *cols, const float *v, int64_t L, int64_t t0, int64_t t1,
@@ -34,6 +39,11 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
         for (; t + 2 <= t1; t += 2) {
 #pragma GCC unroll 2
             for (int s = 0; s < 2; s++) {
+                /* the columns are data-dependent (no hardware prefetch): fetch ahead */
+                const int64_t tp = t + s + NMC_AHEAD < t1 ? t + s + NMC_AHEAD : t1 - 1;
+                const float *pf = panel + (int64_t)cols[tp] * BCHN;
+#pragma GCC unroll 8
+                for (int l = 0; l < BCHN; l += 16) __builtin_prefetch(pf + l);
                 const float *px = panel + (int64_t)cols[t + s] * BCHN;
                 vf xv[NV];
 #pragma GCC unroll 8
@@ -48,6 +58,10 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
         }
     }
     for (; t < t1; t++) {
+        const int64_t tp = t + NMC_AHEAD < t1 ? t + NMC_AHEAD : t1 - 1;
+        const float *pf = panel + (int64_t)cols[tp] * BCHN;
+#pragma GCC unroll 8
+        for (int l = 0; l < BCHN; l += 16) __builtin_prefetch(pf + l);
         const float *px = panel + (int64_t)cols[t] * BCHN;
         vf xv[NV];
 #pragma GCC unroll 8
