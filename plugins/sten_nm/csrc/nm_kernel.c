@@ -184,18 +184,25 @@ typedef struct {
 /* 4-float vectors (SSE2 on x86-64, NEON on arm64), 4-byte aligned: any float offset. */
 typedef float v4u __attribute__((vector_size(16), aligned(4)));
 typedef float v4 __attribute__((vector_size(16)));
+/* two-vector shuffle: clang and GCC >= 12 have __builtin_shufflevector, older GCC __builtin_shuffle */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define NM_SHUF4(a, b, i, j, k, l) __builtin_shufflevector(a, b, i, j, k, l)
+#else
+typedef int32_t v4i __attribute__((vector_size(16)));
+#define NM_SHUF4(a, b, i, j, k, l) __builtin_shuffle(a, b, (v4i){i, j, k, l})
+#endif
 
 /* d[k * ldd + i] = x[i * ldx + k] for i, k < 4. */
 static inline void transpose4(const float *x, int64_t ldx, float *d, int64_t ldd)
 {
     const v4 a = *(const v4u *)x, b = *(const v4u *)(x + ldx);
     const v4 c = *(const v4u *)(x + 2 * ldx), e = *(const v4u *)(x + 3 * ldx);
-    const v4 t0 = __builtin_shufflevector(a, b, 0, 4, 1, 5), t1 = __builtin_shufflevector(a, b, 2, 6, 3, 7);
-    const v4 t2 = __builtin_shufflevector(c, e, 0, 4, 1, 5), t3 = __builtin_shufflevector(c, e, 2, 6, 3, 7);
-    *(v4u *)d = __builtin_shufflevector(t0, t2, 0, 1, 4, 5);
-    *(v4u *)(d + ldd) = __builtin_shufflevector(t0, t2, 2, 3, 6, 7);
-    *(v4u *)(d + 2 * ldd) = __builtin_shufflevector(t1, t3, 0, 1, 4, 5);
-    *(v4u *)(d + 3 * ldd) = __builtin_shufflevector(t1, t3, 2, 3, 6, 7);
+    const v4 t0 = NM_SHUF4(a, b, 0, 4, 1, 5), t1 = NM_SHUF4(a, b, 2, 6, 3, 7);
+    const v4 t2 = NM_SHUF4(c, e, 0, 4, 1, 5), t3 = NM_SHUF4(c, e, 2, 6, 3, 7);
+    *(v4u *)d = NM_SHUF4(t0, t2, 0, 1, 4, 5);
+    *(v4u *)(d + ldd) = NM_SHUF4(t0, t2, 2, 3, 6, 7);
+    *(v4u *)(d + 2 * ldd) = NM_SHUF4(t1, t3, 0, 1, 4, 5);
+    *(v4u *)(d + 3 * ldd) = NM_SHUF4(t1, t3, 2, 3, 6, 7);
 }
 
 /* dst[c - c0][bi] = X[b0 + bi][c] for bi < bch, c in [c0, c1) (0 past B or C). */
