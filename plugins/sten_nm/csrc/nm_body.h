@@ -24,7 +24,39 @@ static void FN(gather)(const nm_mat *A, const float *xp, int64_t Cpad, int64_t n
             for (int64_t g0 = 0; g0 < G; g0 += kbg) {
                 const int64_t g1 = g0 + kbg < G ? g0 + kbg : G;
                 const int64_t e0 = g0 * n, e1 = g1 * n;
-                for (int64_t r = rb; r < re; r++) {
+                int64_t r = rb;
+#if NV < 8 && (VW >= 16 ? 32 : 16) >= 2 * NV + 4
+                /* two rows at once: twice the independent FMA chains (NV alone is too
+                 * few to hide the FMA latency), where the registers hold them */
+                for (; r + 2 <= re; r += 2) {
+                    vf acc0[NV], acc1[NV];
+                    float *yt0 = ytmp + (r - rb) * BCHN, *yt1 = yt0 + BCHN;
+                    if (g0 == 0) {
+                        for (int u = 0; u < NV; u++) acc0[u] = acc1[u] = (vf){0};
+                    } else {
+                        for (int u = 0; u < NV; u++) {
+                            acc0[u] = *(const vf *)(yt0 + u * VW);
+                            acc1[u] = *(const vf *)(yt1 + u * VW);
+                        }
+                    }
+                    const float *v0 = A->vals + r * gn, *v1 = v0 + gn;
+                    const int32_t *o0 = offs + (r - rb) * gn, *o1 = o0 + gn;
+                    for (int64_t e = e0; e < e1; e++) {
+                        const float s0 = v0[e], s1 = v1[e];
+                        const float *px0 = panel + o0[e], *px1 = panel + o1[e];
+#pragma GCC unroll 8
+                        for (int u = 0; u < NV; u++) {
+                            acc0[u] += s0 * *(const vf *)(px0 + u * VW);
+                            acc1[u] += s1 * *(const vf *)(px1 + u * VW);
+                        }
+                    }
+                    for (int u = 0; u < NV; u++) {
+                        *(vf *)(yt0 + u * VW) = acc0[u];
+                        *(vf *)(yt1 + u * VW) = acc1[u];
+                    }
+                }
+#endif
+                for (; r < re; r++) {
                     vf acc[NV];
                     float *yt = ytmp + (r - rb) * BCHN;
                     if (g0 == 0) {

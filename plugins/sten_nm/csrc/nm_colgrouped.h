@@ -1,14 +1,94 @@
-/* Column-grouped n:m kernel body (the paper's format; included once per ISA by nm_impl.h;
- * needs VW, SUF, vf). Row block q, pattern p: the L columns it owns, n rows; per column one
- * batch vector of x (NV vectors from the packed panel) feeds n FMAs. */
+/* Column-grouped n:m kernel body (the paper's format; included once per ISA and NV by
+ * nm_body.h; needs VW, SUF, vf, NV, BCHN). Row block q, pattern p: the L columns it owns,
+ * n rows; per column one batch vector of x (NV vectors from the packed panel) feeds the
+ * FMAs of up to NMC_NJ rows, whose accumulators stay in registers: the row count is a
+ * compile-time constant in each specialisation (a run-time count made GCC keep them on
+ * the stack). With few accumulators (n = 1 on AVX-512) two alternating sets hide the FMA
+ * latency. */
 #define NMC_CAT_(a, b, c) a##_##b##_##c
 #define NMC_CAT(a, b, c) NMC_CAT_(a, b, c)
-#define NMC_ROWS 4   /* pattern rows per register block */
+#define NMC_CAT4_(a, b, c, d) a##_##b##_##c##_##d
+#define NMC_CAT4(a, b, c, d) NMC_CAT4_(a, b, c, d)
+
+/* vector registers of the ISA: 32 with AVX-512, 16 with AVX2 / SSE / NEON-as-4 */
+#ifndef NMC_REGS
+#define NMC_REGS (VW >= 16 ? 32 : 16)
+#endif
+/* rows per register block: accumulators + one x batch vector set + 2 spare registers */
+#define NMC_NJ_RAW ((NMC_REGS - NV - 2) / NV)
+#define NMC_NJ (NMC_NJ_RAW > 4 ? 4 : (NMC_NJ_RAW < 1 ? 1 : NMC_NJ_RAW))
+
+/* slots ahead whose x columns are prefetched (STEN_NM_CG_AHEAD at build time) */
+#ifndef NMC_AHEAD
+#define NMC_AHEAD 8
+#endif
+
+/* acc_j += sum_{t in [t0,t1)} v[j*L + t] * x[cols[t]] for j < NJ; out[j] += acc_j. */
+static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
+    const float *panel, const int32_t *cols, const float *v, int64_t L, int64_t t0, int64_t t1,
+    float *const *out, const int NJ)
+{
+    /* two accumulator sets when one set has fewer than 8 independent chains and both fit */
+    const int S = (NJ * NV < 8 && 2 * NJ * NV + NV + 2 <= NMC_REGS) ? 2 : 1;
+    vf acc[2][4][NV];
+    for (int s = 0; s < 2; s++)
+        for (int j = 0; j < 4; j++)
+            for (int u = 0; u < NV; u++) acc[s][j][u] = (vf){0};
+    int64_t t = t0;
+    if (S == 2) {
+        for (; t + 2 <= t1; t += 2) {
+#pragma GCC unroll 2
+            for (int s = 0; s < 2; s++) {
+                /* the columns are data-dependent (no hardware prefetch): fetch ahead */
+                const int64_t tp = t + s + NMC_AHEAD < t1 ? t + s + NMC_AHEAD : t1 - 1;
+                const float *pf = panel + (int64_t)cols[tp] * BCHN;
+#pragma GCC unroll 8
+                for (int l = 0; l < BCHN; l += 16) __builtin_prefetch(pf + l);
+                const float *px = panel + (int64_t)cols[t + s] * BCHN;
+                vf xv[NV];
+#pragma GCC unroll 8
+                for (int u = 0; u < NV; u++) xv[u] = *(const vf *)(px + u * VW);
+#pragma GCC unroll 4
+                for (int j = 0; j < NJ; j++) {
+                    const float w = v[(int64_t)j * L + t + s];
+#pragma GCC unroll 8
+                    for (int u = 0; u < NV; u++) acc[s][j][u] += w * xv[u];
+                }
+            }
+        }
+    }
+    for (; t < t1; t++) {
+        const int64_t tp = t + NMC_AHEAD < t1 ? t + NMC_AHEAD : t1 - 1;
+        const float *pf = panel + (int64_t)cols[tp] * BCHN;
+#pragma GCC unroll 8
+        for (int l = 0; l < BCHN; l += 16) __builtin_prefetch(pf + l);
+        const float *px = panel + (int64_t)cols[t] * BCHN;
+        vf xv[NV];
+#pragma GCC unroll 8
+        for (int u = 0; u < NV; u++) xv[u] = *(const vf *)(px + u * VW);
+#pragma GCC unroll 4
+        for (int j = 0; j < NJ; j++) {
+            const float w = v[(int64_t)j * L + t];
+#pragma GCC unroll 8
+            for (int u = 0; u < NV; u++) acc[0][j][u] += w * xv[u];
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 8
+        for (int u = 0; u < NV; u++) {
+            vf r = acc[0][j][u];
+            if (S == 2) r += acc[1][j][u];
+            *(vf *)(out[j] + u * VW) += r;
+        }
+}
 
 /* Slots [t0, t1) of every pattern (a range of whole chunks: its x columns, a block of the
  * panel, stay in L1 while the row blocks [q0, q1) sweep it); first: start ytmp at zero. */
+/* wbuf: n * L floats of scratch (the widened values of one pattern when vtype is NM_BF16;
+ * widening once per pattern and batch chunk costs ~1/BCHN of the FMAs). */
 static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, int64_t q0, int64_t q1,
-                                   int64_t t0, int64_t t1, float *ytmp, int first)
+                                   int64_t t0, int64_t t1, float *ytmp, int first, float *wbuf)
 {
     const int n = W->n, m = W->m, P = W->P;
     const int64_t L = W->L;
@@ -18,32 +98,44 @@ static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, in
             for (int64_t i = 0; i < m * BCHN; i++) yt[i] = 0.0f;
         for (int p = 0; p < P; p++) {
             const int32_t *cols = W->cols + (q * P + p) * L;
-            const float *v = W->vals + (q * P + p) * (int64_t)n * L;
+            const int64_t vo = (q * P + p) * (int64_t)n * L;
+            const float *v;
+            if (W->vtype == NM_BF16) {
+                const uint16_t *h = (const uint16_t *)W->vals + vo;
+                uint32_t *wb = (uint32_t *)wbuf;
+                for (int j = 0; j < n; j++)
+                    for (int64_t t = t0; t < t1; t++)
+                        wb[(int64_t)j * L + t] = (uint32_t)h[(int64_t)j * L + t] << 16;
+                v = wbuf;
+            } else {
+                v = (const float *)W->vals + vo;
+            }
             const int32_t *rows = W->pats + p * n;
-            for (int j0 = 0; j0 < n; j0 += NMC_ROWS) {
-                const int nj = n - j0 < NMC_ROWS ? n - j0 : NMC_ROWS;
-                vf acc[NMC_ROWS][NV];
-                for (int j = 0; j < NMC_ROWS; j++)
-                    for (int u = 0; u < NV; u++) acc[j][u] = (vf){0};
-                for (int64_t t = t0; t < t1; t++) {
-                    const float *px = panel + (int64_t)cols[t] * BCHN;
-                    vf xv[NV];
-                    for (int u = 0; u < NV; u++) xv[u] = *(const vf *)(px + u * VW);
-                    for (int j = 0; j < nj; j++) {
-                        const float s = v[(int64_t)(j0 + j) * L + t];
-#pragma GCC unroll 8
-                        for (int u = 0; u < NV; u++) acc[j][u] += s * xv[u];
-                    }
-                }
-                for (int j = 0; j < nj; j++) {
-                    float *o = yt + (int64_t)rows[j0 + j] * BCHN;
-                    for (int u = 0; u < NV; u++) *(vf *)(o + u * VW) += acc[j][u];
+            for (int j0 = 0; j0 < n; j0 += NMC_NJ) {
+                const int nj = n - j0 < NMC_NJ ? n - j0 : NMC_NJ;
+                float *out[4];
+                for (int j = 0; j < nj; j++) out[j] = yt + (int64_t)rows[j0 + j] * BCHN;
+                const float *vj = v + (int64_t)j0 * L;
+                switch (nj) {
+                case 1: NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, 1); break;
+#if NMC_NJ >= 2
+                case 2: NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, 2); break;
+#endif
+#if NMC_NJ >= 3
+                case 3: NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, 3); break;
+#endif
+#if NMC_NJ >= 4
+                default: NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, 4); break;
+#endif
                 }
             }
         }
     }
 }
 
-#undef NMC_ROWS
+#undef NMC_NJ
+#undef NMC_NJ_RAW
+#undef NMC_CAT4
+#undef NMC_CAT4_
 #undef NMC_CAT
 #undef NMC_CAT_

@@ -62,7 +62,7 @@ typedef void (*nm_gtgather_fn)(const float *wv, const int32_t *cols, int64_t gn,
                                float *gxt, int64_t ld, int64_t nb);
 
 typedef void (*nm_cgg_fn)(const nm_colgrouped *W, const float *panel, int64_t q0, int64_t q1,
-                          int64_t t0, int64_t t1, float *ytmp, int first);
+                          int64_t t0, int64_t t1, float *ytmp, int first, float *wbuf);
 
 typedef struct {
     const char *name;

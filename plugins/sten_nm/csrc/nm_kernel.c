@@ -151,6 +151,14 @@ static void split(int64_t total, int tid, int nth, int64_t *a, int64_t *b)
     *b = *a + q + (tid < rem ? 1 : 0);
 }
 
+/* Dynamic scheduling: the next unit of work from a counter shared by the call's threads.
+ * On a loaded machine a thread that is descheduled takes fewer units instead of holding
+ * the whole call up (a static split waits for its slowest thread). */
+static inline int64_t next_unit(int64_t *counter)
+{
+    return __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+}
+
 static int clamp_threads(int nthreads, double flops, int64_t units)
 {
     int nth = nthreads < 1 ? 1 : nthreads;
@@ -170,15 +178,48 @@ static void *alloc64(size_t bytes)
 /* --------------------------------------------------------------- panels -- */
 /* Pack X[B][C] (row stride ldx) into [nbc][Cpad][bch], transposed, zero padded. */
 typedef struct {
-    const float *X; int64_t ldx, B, C, Cpad, nbc, bch; float *xp;
+    const float *X; int64_t ldx, B, C, Cpad, nbc, bch; float *xp; int64_t next;
 } pack_args;
+
+/* 4-float vectors (SSE2 on x86-64, NEON on arm64), 4-byte aligned: any float offset. */
+typedef float v4u __attribute__((vector_size(16), aligned(4)));
+typedef float v4 __attribute__((vector_size(16)));
+/* two-vector shuffle: clang and GCC >= 12 have __builtin_shufflevector, older GCC __builtin_shuffle */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define NM_SHUF4(a, b, i, j, k, l) __builtin_shufflevector(a, b, i, j, k, l)
+#else
+typedef int32_t v4i __attribute__((vector_size(16)));
+#define NM_SHUF4(a, b, i, j, k, l) __builtin_shuffle(a, b, (v4i){i, j, k, l})
+#endif
+
+/* d[k * ldd + i] = x[i * ldx + k] for i, k < 4. */
+static inline void transpose4(const float *x, int64_t ldx, float *d, int64_t ldd)
+{
+    const v4 a = *(const v4u *)x, b = *(const v4u *)(x + ldx);
+    const v4 c = *(const v4u *)(x + 2 * ldx), e = *(const v4u *)(x + 3 * ldx);
+    const v4 t0 = NM_SHUF4(a, b, 0, 4, 1, 5), t1 = NM_SHUF4(a, b, 2, 6, 3, 7);
+    const v4 t2 = NM_SHUF4(c, e, 0, 4, 1, 5), t3 = NM_SHUF4(c, e, 2, 6, 3, 7);
+    *(v4u *)d = NM_SHUF4(t0, t2, 0, 1, 4, 5);
+    *(v4u *)(d + ldd) = NM_SHUF4(t0, t2, 2, 3, 6, 7);
+    *(v4u *)(d + 2 * ldd) = NM_SHUF4(t1, t3, 0, 1, 4, 5);
+    *(v4u *)(d + 3 * ldd) = NM_SHUF4(t1, t3, 2, 3, 6, 7);
+}
 
 /* dst[c - c0][bi] = X[b0 + bi][c] for bi < bch, c in [c0, c1) (0 past B or C). */
 static void pack_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int64_t b0, int64_t bch,
                        int64_t c0, int64_t c1, float *dst)
 {
     const int64_t cend = c1 < C ? c1 : C;
-    if (b0 + bch <= B && bch == NM_MB) {          /* full 6-row panel (grouped kernel) */
+    if (b0 + bch <= B && bch % 4 == 0) {          /* whole chunk: 4 x 4 tile transposes */
+        int64_t c = c0;
+        for (; c + 4 <= cend; c += 4)
+            for (int64_t bi = 0; bi < bch; bi += 4) {
+                const float *x = X + (b0 + bi) * ldx + c;
+                transpose4(x, ldx, dst + (c - c0) * bch + bi, bch);
+            }
+        for (; c < cend; c++)
+            for (int64_t bi = 0; bi < bch; bi++) dst[(c - c0) * bch + bi] = X[(b0 + bi) * ldx + c];
+    } else if (b0 + bch <= B && bch == NM_MB) {          /* full 6-row panel (grouped kernel) */
         const float *x = X + b0 * ldx;
         for (int64_t c = c0; c < cend; c++) {
             float *o = dst + (c - c0) * NM_MB;
@@ -197,13 +238,10 @@ static void pack_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int64_
 static void pack_task(void *p, int tid, int nth)
 {
     pack_args *a = (pack_args *)p;
-    int64_t c_a, c_b;
-    split((a->Cpad + 15) / 16, tid, nth, &c_a, &c_b);
-    c_a *= 16; c_b *= 16;
-    if (c_b > a->Cpad) c_b = a->Cpad;
-    /* blocks of 256 columns: the rows' segments stay in L1 while a panel is written */
-    for (int64_t c0 = c_a; c0 < c_b; c0 += 256) {
-        const int64_t c1 = c0 + 256 < c_b ? c0 + 256 : c_b;
+    (void)tid; (void)nth;
+    /* units of 64 columns (dynamic): the rows' segments stay in L1 while a panel is written */
+    for (int64_t u; (u = next_unit(&a->next)) * 64 < a->Cpad;) {
+        const int64_t c0 = u * 64, c1 = c0 + 64 < a->Cpad ? c0 + 64 : a->Cpad;
         for (int64_t bc = 0; bc < a->nbc; bc++)
             pack_panel(a->X, a->ldx, a->B, a->C, bc * a->bch, a->bch, c0, c1,
                        a->xp + (bc * a->Cpad + c0) * a->bch);
@@ -226,9 +264,9 @@ static float *make_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int6
     const int64_t nbc = (B + bch - 1) / bch;
     float *xp = (float *)alloc64((size_t)(nbc * Cpad * bch) * sizeof(float));
     if (!xp) return NULL;
-    pack_args pa = {X, ldx, B, C, Cpad, nbc, bch, xp};
+    pack_args pa = {X, ldx, B, C, Cpad, nbc, bch, xp, 0};
     int pth = nth;
-    if ((Cpad + 15) / 16 < pth) pth = (int)((Cpad + 15) / 16);
+    if ((Cpad + 63) / 64 < pth) pth = (int)((Cpad + 63) / 64);
     run_parallel(pth, pack_task, &pa);
     *nbc_out = nbc;
     return xp;
@@ -265,19 +303,25 @@ static int check_mat(const nm_mat *A)
 /* ---------------------------------------------------------------- gather -- */
 typedef struct {
     const nm_mat *A; const float *xp; int64_t Cpad, nbc, B; float *Y; int64_t ldy;
-    const float *bias; int64_t kbg, bch; nm_gather_fn fn; int err;
+    const float *bias; int64_t kbg, bch; nm_gather_fn fn; int err; int64_t next;
 } gather_args;
 
 static void gather_task(void *p, int tid, int nth)
 {
     gather_args *a = (gather_args *)p;
-    int64_t r0, r1;
-    split(a->A->R, tid, nth, &r0, &r1);
-    if (r1 <= r0) return;
-    float *ytmp = (float *)alloc64((size_t)(NM_ROWS * a->bch) * sizeof(float));
-    int32_t *offs = (int32_t *)alloc64((size_t)(NM_ROWS * a->A->G * a->A->n) * sizeof(int32_t));
-    if (!ytmp || !offs) { free(ytmp); free(offs); a->err = -3; return; }
-    a->fn(a->A, a->xp, a->Cpad, a->nbc, a->B, a->Y, a->ldy, a->bias, r0, r1, ytmp, offs, a->kbg);
+    (void)tid; (void)nth;
+    float *ytmp = NULL;
+    int32_t *offs = NULL;
+    /* units of NM_ROWS rows, taken dynamically */
+    for (int64_t u; (u = next_unit(&a->next)) * NM_ROWS < a->A->R;) {
+        if (!ytmp) {
+            ytmp = (float *)alloc64((size_t)(NM_ROWS * a->bch) * sizeof(float));
+            offs = (int32_t *)alloc64((size_t)(NM_ROWS * a->A->G * a->A->n) * sizeof(int32_t));
+            if (!ytmp || !offs) { free(ytmp); free(offs); a->err = -3; return; }
+        }
+        const int64_t r0 = u * NM_ROWS, r1 = r0 + NM_ROWS < a->A->R ? r0 + NM_ROWS : a->A->R;
+        a->fn(a->A, a->xp, a->Cpad, a->nbc, a->B, a->Y, a->ldy, a->bias, r0, r1, ytmp, offs, a->kbg);
+    }
     free(ytmp); free(offs);
 }
 
@@ -298,7 +342,7 @@ int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float
     int64_t nbc;
     float *xp = make_panel(X, ldx, B, A->C, Cpad, bch, &nbc, nth);
     if (!xp) return -3;
-    gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0};
+    gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0};
     run_parallel(nth, gather_task, &ga);
     free(xp);
     return ga.err;
@@ -760,7 +804,7 @@ int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int6
 /* -------------------------------------------------------- column-grouped -- */
 typedef struct {
     const nm_colgrouped *W; const float *xp; int64_t Kp, nbc, B; float *Y; int64_t ldy;
-    const float *bias; int64_t bch, kt; nm_cgg_fn fn; int err;
+    const float *bias; int64_t bch, kt; nm_cgg_fn fn; int err; int64_t next;
 } cgg_args;
 
 /* Each thread owns a range of row blocks; per batch chunk (its packed panel stays in L2
@@ -769,34 +813,39 @@ static void cgg_task(void *p, int tid, int nth)
 {
     cgg_args *a = (cgg_args *)p;
     const nm_colgrouped *W = a->W;
-    int64_t q0, q1;
-    split(W->Nb, tid, nth, &q0, &q1);
-    if (q1 <= q0) return;
-    const int64_t qb = 8;   /* row blocks per pass: their accumulators stay in L1 */
-    float *ytmp = (float *)alloc64((size_t)(qb * W->m * a->bch) * sizeof(float));
-    if (!ytmp) { a->err = -3; return; }
-    for (int64_t bc = 0; bc < a->nbc; bc++) {
+    (void)tid; (void)nth;
+    const int64_t qb = 8;   /* row blocks per unit: their accumulators stay in L1 */
+    const int64_t nq = (W->Nb + qb - 1) / qb;
+    float *ytmp = NULL, *wbuf = NULL;
+    /* units (batch chunk, qb row blocks), batch chunk major, taken dynamically: the
+     * threads share one packed panel (in L2) at a time */
+    for (int64_t u; (u = next_unit(&a->next)) < a->nbc * nq;) {
+        if (!ytmp) {
+            ytmp = (float *)alloc64((size_t)(qb * W->m * a->bch) * sizeof(float));
+            wbuf = W->vtype == NM_BF16 ? (float *)alloc64((size_t)(W->n * W->L) * sizeof(float)) : NULL;
+            if (!ytmp || (W->vtype == NM_BF16 && !wbuf)) { free(ytmp); free(wbuf); a->err = -3; return; }
+        }
+        const int64_t bc = u / nq, qa = (u % nq) * qb, qe = qa + qb < W->Nb ? qa + qb : W->Nb;
         const float *panel = a->xp + bc * a->Kp * a->bch;
         const int64_t bmax = a->B - bc * a->bch < a->bch ? a->B - bc * a->bch : a->bch;
-        for (int64_t qa = q0; qa < q1; qa += qb) {
-            const int64_t qe = qa + qb < q1 ? qa + qb : q1;
-            for (int64_t t0 = 0; t0 < W->L; t0 += a->kt)
-                a->fn(W, panel, qa, qe, t0, t0 + a->kt < W->L ? t0 + a->kt : W->L, ytmp, t0 == 0);
-            const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N;
-            for (int64_t b = 0; b < bmax; b++) {
-                float *yrow = a->Y + (bc * a->bch + b) * a->ldy;
-                for (int64_t r = r0; r < r1; r++)
-                    yrow[r] = ytmp[(r - r0) * a->bch + b] + (a->bias ? a->bias[r] : 0.0f);
-            }
+        for (int64_t t0 = 0; t0 < W->L; t0 += a->kt)
+            a->fn(W, panel, qa, qe, t0, t0 + a->kt < W->L ? t0 + a->kt : W->L, ytmp, t0 == 0, wbuf);
+        const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N;
+        for (int64_t b = 0; b < bmax; b++) {
+            float *yrow = a->Y + (bc * a->bch + b) * a->ldy;
+            for (int64_t r = r0; r < r1; r++)
+                yrow[r] = ytmp[(r - r0) * a->bch + b] + (a->bias ? a->bias[r] : 0.0f);
         }
     }
     free(ytmp);
+    free(wbuf);
 }
 
 int nm_colgrouped_gather_f32(const nm_colgrouped *W, int64_t B, const float *X, int64_t ldx,
                              float *Y, int64_t ldy, const float *bias, int nthreads)
 {
     if (!W || W->n < 1 || W->m < 2 || W->n >= W->m || W->P < 1 || W->N < 0 || W->K < 0 || B < 0 ||
+        (W->vtype != NM_F32 && W->vtype != NM_BF16) ||
         W->Nb != (W->N + W->m - 1) / W->m || W->L < 0 || (int64_t)W->P * W->L < W->K)
         return -1;
     if (B == 0 || W->N == 0) return 0;
@@ -822,7 +871,7 @@ int nm_colgrouped_gather_f32(const nm_colgrouped *W, int64_t B, const float *X, 
         kt = env_int("STEN_NM_CG_BLOCK_BYTES", 32 * 1024) / ((int64_t)W->P * bch * 4);
         if (kt < 1) kt = 1;
     }
-    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, T->cgg[nvi], 0};
+    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, T->cgg[nvi], 0, 0};
     run_parallel(nth, cgg_task, &a);
     free(xp);
     return a.err;

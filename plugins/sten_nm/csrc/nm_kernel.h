@@ -52,13 +52,17 @@ int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int6
 /* Column-grouped n:m (the STen paper's format): in each block of m rows of W[N][K], each
  * column keeps the n rows of one of the P = C(m, n) patterns; pattern p of row block q owns
  * L columns (the Python side checks that every column of a chunk has one owner).
- *   vals[Nb][P][n][L]  kept values;  cols[Nb][P][L] their columns (< P*L; >= K: padding, 0)
+ *   vals[Nb][P][n][L]  kept values (vtype NM_F32: float; NM_BF16: bfloat16 bits, uint16_t,
+ *                      widened to float per row block in the kernel, fp32 accumulation);
+ *   cols[Nb][P][L]     their columns (< P*L; >= K: padding, value 0)
  *   pats[P][n]         row offsets of each pattern in its block */
+#define NM_F32 0
+#define NM_BF16 1
 typedef struct {
     int64_t N, K;
-    int32_t n, m, P, pad_;
+    int32_t n, m, P, vtype;
     int64_t Nb, L;
-    const float *vals;
+    const void *vals;
     const int32_t *cols;
     const int32_t *pats;
 } nm_colgrouped;

@@ -31,3 +31,27 @@ def fp32_values(owner: Any, values: torch.Tensor, round_to: Optional[torch.dtype
     out = (values.to(round_to) if round_to is not None else values).float().contiguous()
     owner._fp32_cache = (key, out)
     return out
+
+
+def kernel_values(owner: Any, values: torch.Tensor, round_to: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The values for a kernel that reads float32 or bfloat16 (widened in the kernel, fp32
+    accumulation): bf16 values (or values rounded to bf16) stay bf16, contiguous, half the
+    bytes of a float32 copy; anything else goes through :func:`fp32_values`.
+
+    >>> import torch
+    >>> class Holder: pass
+    >>> kernel_values(Holder(), torch.ones(3), torch.bfloat16).dtype
+    torch.bfloat16
+    """
+    target = round_to if round_to is not None else values.dtype
+    if target != torch.bfloat16:
+        return fp32_values(owner, values, round_to)
+    if values.dtype == torch.bfloat16 and values.is_contiguous():
+        return values
+    key = (values.data_ptr(), values._version, values.dtype, tuple(values.shape), "bf16")
+    cached = getattr(owner, "_bf16_cache", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    out = values.to(torch.bfloat16).contiguous()
+    owner._bf16_cache = (key, out)
+    return out

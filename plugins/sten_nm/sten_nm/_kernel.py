@@ -39,7 +39,7 @@ class NMGrouped(ctypes.Structure):
 
 class NMColGrouped(ctypes.Structure):
     _fields_ = [
-        ("N", _c_i64), ("K", _c_i64), ("n", _c_i32), ("m", _c_i32), ("P", _c_i32), ("pad_", _c_i32),
+        ("N", _c_i64), ("K", _c_i64), ("n", _c_i32), ("m", _c_i32), ("P", _c_i32), ("vtype", _c_i32),
         ("Nb", _c_i64), ("L", _c_i64), ("vals", _c_p), ("cols", _c_p), ("pats", _c_p),
     ]
 
@@ -342,11 +342,18 @@ def grouped_tgather(W: NMGrouped, dY: torch.Tensor, nthreads: Optional[int] = No
     return dX
 
 
+VTYPES = {torch.float32: 0, torch.bfloat16: 1}  # NM_F32, NM_BF16 in csrc/nm_kernel.h
+
+
 def colgrouped(vals: torch.Tensor, cols: torch.Tensor, pats: torch.Tensor, N: int, K: int, n: int, m: int) -> NMColGrouped:
-    """C descriptor of a column-grouped n:m matrix (see ``ColumnGroupedNMTensor``): float32
-    contiguous ``vals [Nb, P, n, L]``, int32 ``cols [Nb, P, L]`` and ``pats [P, n]``."""
+    """C descriptor of a column-grouped n:m matrix (see ``ColumnGroupedNMTensor``): float32 or
+    bfloat16 contiguous ``vals [Nb, P, n, L]`` (bf16 is widened in the kernel, fp32
+    accumulation), int32 ``cols [Nb, P, L]`` and ``pats [P, n]``."""
+    if vals.dtype not in VTYPES or not vals.is_contiguous():
+        raise ValueError(f"vals must be contiguous float32 or bfloat16, got {vals.dtype}")
     Nb, P, _, L = vals.shape
-    desc = NMColGrouped(N, K, n, m, P, 0, Nb, L, vals.data_ptr(), cols.data_ptr(), pats.data_ptr())
+    desc = NMColGrouped(N, K, n, m, P, VTYPES[vals.dtype], Nb, L, vals.data_ptr(), cols.data_ptr(),
+                        pats.data_ptr())
     desc._keep = (vals, cols, pats)
     return desc
 

@@ -417,12 +417,13 @@ class ColumnGroupedNMTensor(_Base):
             Nb, self.num_patterns, self.n, 1)
 
     def desc(self, round_to: Optional[torch.dtype] = None) -> "Any":
-        """C descriptor of the float32 stored matrix (for ``sten_nm._kernel.colgrouped_gather``;
-        values converted once and cached, rounded through ``round_to`` first when given)."""
+        """C descriptor of the stored matrix (for ``sten_nm._kernel.colgrouped_gather``): bf16
+        values (or values rounded to bf16, ``round_to``) as bf16, widened in the kernel; other
+        dtypes as a float32 copy made once and cached (rounded through ``round_to`` first)."""
         from . import _kernel
-        from ._fp32 import fp32_values
+        from ._fp32 import kernel_values
 
-        v = fp32_values(self, self._values, round_to)
+        v = kernel_values(self, self._values, round_to)
         pats = patterns(self.n, self.m).to(torch.int32).contiguous()
         N, K = self._shape
         return _kernel.colgrouped(v.contiguous(), self.columns, pats, N, K, self.n, self.m)
