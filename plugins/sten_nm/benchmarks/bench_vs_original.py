@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import sten_core
-from sten_core.bench.machine import cpu_model, load_average
+from sten_core.tools.bench.machine import cpu_model, load_average
 from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor, _kernel, tuning
 
 DENSE = "dense torch"
