@@ -213,7 +213,7 @@ against plain `torch.add` of the two torch tensors (dense or `torch.sparse_csr`)
 the median over repeats of the mean time per call; *added* is wrapped minus plain (the *best*
 column uses the fastest repeat of each, which is less sensitive to a busy machine). The target is
 under 10 µs added per call; the original STen adds about 75 µs. *plan* is what the dispatcher
-chose (`sten_core.dispatch.observers`).
+chose (`sten_core.dispatch.observed`).
 
 {environment(args)}.
 

@@ -115,4 +115,4 @@ def _any_requires_grad_py(*args: Any) -> bool:
 
 # whether any argument is a tensor that requires grad, read without entering
 # __torch_function__ (torch's own C helper where it exists)
-any_requires_grad = getattr(torch._C, "any_requires_grad", _any_requires_grad_py)
+any_requires_grad = getattr(torch._C, "_any_requires_grad", _any_requires_grad_py)

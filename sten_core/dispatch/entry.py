@@ -93,7 +93,15 @@ class _Fast:
 
 
 _fast: dict[tuple, _Fast] = {}
-registry.on_change(_fast.clear)
+_plugins_ready = [False]  # every plugin loaded: re-checked after each registry change (reset, unload)
+
+
+def _registry_changed() -> None:
+    _fast.clear()
+    _plugins_ready[0] = False
+
+
+registry.on_change(_registry_changed)
 
 
 def _remember_fast(fast_key: tuple, plan: Plan, key: OpKey, op: Any, args: tuple, bound: list,
@@ -119,8 +127,9 @@ def dispatch_call(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | None = 
     implementation chooses). Positional calls whose argument kinds were
     resolved before to a direct plan skip the general path, unless observers
     are registered."""
-    if not plugins.loaded():
+    if not _plugins_ready[0]:
         plugins.ensure_loaded()
+        _plugins_ready[0] = plugins.loaded()
     if kwargs or active():
         return _dispatch_general(op, args, kwargs, specs, None)
     pairs = None if specs is None else specs.pairs
