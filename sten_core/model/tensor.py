@@ -94,7 +94,11 @@ class SparseTensorWrapper(torch.Tensor):
         extra = ", requires_grad=True" if self.requires_grad else ""
         if self.grad_fn is not None:
             extra = f", grad_fn=<{type(self.grad_fn).__name__}>"
-        return f"{type(self).__name__}({self.wrapped_tensor!r}{extra})"
+        try:
+            layout = repr(self.wrapped_tensor)
+        except Exception:  # e.g. data-dependent on the fake tensors torch.compile logs: repr never raises
+            layout = f"{type(self.wrapped_tensor).__name__}(shape={tuple(self.shape)}, dtype={self.dtype})"
+        return f"{type(self).__name__}({layout}{extra})"
 
     def __reduce_ex__(self, protocol: int) -> Any:
         return services.reduce_wrapper(self)
