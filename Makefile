@@ -63,14 +63,14 @@ wheels: $(BUILD_VENV)/.ok
 
 # A fresh venv each time: the pinned torch first, then only the two wheels (pip fetches
 # their other dependencies); the plugin's tests run from a copy outside the source tree,
-# so they import the installed wheel.
+# so they import the installed wheel (its benchmarks come along: a smoke test runs one).
 wheel-test: wheels
 	rm -rf $(WHEEL_VENV) $(WHEEL_TESTS)
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(WHEEL_VENV)/bin/python -m pip install -q $(DIST)/sten_core-*.whl "$$(ls $(DIST)/$(WHEEL_PLUGIN)-*.whl)[test]"
 	mkdir -p $(WHEEL_TESTS)
-	cp -R plugins/$(WHEEL_PLUGIN)/tests plugins/$(WHEEL_PLUGIN)/pyproject.toml $(WHEEL_TESTS)/
+	cp -R plugins/$(WHEEL_PLUGIN)/tests plugins/$(WHEEL_PLUGIN)/pyproject.toml $(wildcard plugins/$(WHEEL_PLUGIN)/benchmarks) $(WHEEL_TESTS)/
 	cd $(WHEEL_TESTS) && $(abspath $(WHEEL_VENV))/bin/python $(abspath .ci/check_wheel_install.py) $(WHEEL_PLUGIN)
 	cd $(WHEEL_TESTS) && $(abspath $(WHEEL_VENV))/bin/python -m pytest -q -p no:cacheprovider
 
