@@ -27,8 +27,17 @@ _loaded_from: Optional[str] = None
 
 
 def enabled() -> bool:
-    """Tuning is on unless ``STEN_NM_TUNE`` is ``0`` (or ``off`` / ``false``)."""
-    return os.environ.get("STEN_NM_TUNE", "1").strip().lower() not in ("0", "off", "false", "no")
+    """Tuning is on unless ``STEN_NM_TUNE`` is ``0`` (or ``off`` / ``false``), and never while
+    torch.compile or export traces (fake tensors cannot be timed: the kernels are taken)."""
+    if os.environ.get("STEN_NM_TUNE", "1").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    return not _tracing()
+
+
+def _tracing() -> bool:
+    import torch
+
+    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
 
 
 def cache_path() -> str:

@@ -4,6 +4,8 @@ said so) and checks every row against the dense reference before timing it."""
 import importlib.util
 import pathlib
 
+import torch
+
 from conftest import requires_kernel
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vs_original.py"
@@ -19,8 +21,12 @@ def _load():
 @requires_kernel
 def test_runs_without_the_original(tmp_path, capsys):
     out = tmp_path / "report.md"
-    _load().main(["--no-original", "--shapes", "40x48", "--patterns", "2:4,1:4", "--batch", "9",
-                  "--rounds", "1", "--reps", "1", "--threads", "1", "--out", str(out)])
+    threads = torch.get_num_threads()
+    try:  # the script sets torch's thread count for the process: give it back to the other tests
+        _load().main(["--no-original", "--shapes", "40x48", "--patterns", "2:4,1:4", "--batch", "9",
+                      "--rounds", "1", "--reps", "1", "--threads", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
     text = out.read_text()
     assert "Original STen: not measured (left out (--no-original))" in text
     assert "| 40x48 | 2:4 | ours: ColumnGroupedNMTensor (paper format) (g=" in text
