@@ -13,9 +13,10 @@ plugins in this repository).
 - helpers for the code every plugin writes: argument checks that name the
   argument (``check_tensor``, ``check_nm``), the inputs and flags of an
   implementation (``linear_inputs``, ``needs_grad``, ``wrap_layout``,
-  ``bias_grad``), and the registration of a product with a sparse weight
+  ``bias_grad``), the registration of a product with a sparse weight
   (``register_weight_product``: forward and backward of ``F.linear`` with
-  and without a bias, or of ``mm`` / ``matmul``).
+  and without a bias, or of ``mm`` / ``matmul``) and the autograd formula of
+  a compiled linear on member tensors (``register_member_linear_autograd``).
 
 Example (a plugin module):
     >>> import torch
@@ -36,7 +37,7 @@ from sten_core.builtin.torch_layouts import CooTensor, CscTensor, CsrTensor, Den
 from sten_core.dispatch import (DispatchError, DispatchWarning, convert, failure_mode, get_dispatch_failure,
                                 lossy_fallback, set_dispatch_failure, sparsify)
 from sten_core.model.helpers import (FLOAT_DTYPES, bias_grad, check_nm, check_tensor, linear_inputs, needs_grad,
-                                     register_weight_product, wrap_layout)
+                                     register_member_linear_autograd, register_weight_product, wrap_layout)
 from sten_core.model.layouts import (DenseConvertible, Layout, Movable, StateTensors, StoredValues,
                                      builds_from_dense, implements, layout_metadata, supports_values,
                                      to_dense_tensor)
@@ -73,7 +74,7 @@ __all__ = [
     "StoredValues", "bias_grad", "block_keep_mask", "builds_from_dense", "check_nm", "check_tensor", "convert",
     "densify", "failure_mode", "get_dispatch_failure", "hookimpl", "implements", "layout_metadata",
     "linear_inputs", "lossy_fallback", "needs_grad", "nm_for_sparsity", "nm_keep_mask", "nm_label",
-    "normalize_inp", "normalize_out_pairs", "op_name", "register_plugin", "register_traceable_layout", "register_weight_product", "registry",
+    "normalize_inp", "normalize_out_pairs", "op_name", "register_member_linear_autograd", "register_plugin", "register_traceable_layout", "register_weight_product", "registry",
     "set_dispatch_failure", "sparsify", "supports_values", "to_dense_tensor", "trim", "unregister_plugin",
     "wrap_layout",
 ]

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from sten_core.model.helpers import bias_grad
 from sten_core.model.tensor import _HANDLERS, _PASS, TRACEABLE_LAYOUTS, TRACED_OPS, SparseTensorWrapper
 
 Tensor = torch.Tensor
@@ -157,7 +158,7 @@ def _backward(ctx: Any, gy: Tensor) -> tuple:
     need_x, need_w, need_b = ctx.needs_input_grad
     gx = torch.ops.sten_core.wrapper_linear_grad_input(gy, x, weight) if need_x else None
     gw = torch.ops.sten_core.wrapper_linear_grad_weight(gy, x, weight) if need_w else None
-    gb = gy.reshape(-1, gy.shape[-1]).sum(0).to(gy.dtype) if ctx.has_bias and need_b else None
+    gb = bias_grad(gy) if ctx.has_bias and need_b else None
     return gx, gw, gb
 
 

@@ -114,6 +114,38 @@ def bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
     return grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
 
 
+def register_member_linear_autograd(op: Any, grad_input: Callable, grad_values: Callable,
+                                    values_index: int) -> None:
+    """The autograd formula of a custom ``op(x, tensors, consts, bias)`` computing
+    ``F.linear`` with a weight given by its member tensors (``tensors[values_index]``
+    its stored values, ``consts`` its integers): ``grad_input(gy, x, tensors, consts)``
+    gives x's gradient, ``grad_values(gy, x, tensors, consts)`` the stored values', the
+    bias gets ``bias_grad``. The other members (indices) get none.
+
+    Example (the shape of a plugin's compiled linear):
+        >>> register_member_linear_autograd(my_linear, my_grad_input, my_grad_values, 0)  # doctest: +SKIP
+    """
+
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        x, tensors, consts, bias = inputs
+        ctx.save_for_backward(x, *tensors)
+        ctx.consts = consts
+        ctx.has_bias = bias is not None
+
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple:
+        x, *tensors = ctx.saved_tensors
+        need_x, need_t, _, need_b = ctx.needs_input_grad
+        gx = grad_input(gy, x, tensors, ctx.consts) if need_x else None
+        gt = None
+        if need_t:
+            gt = [None] * len(tensors)
+            gt[values_index] = grad_values(gy, x, tensors, ctx.consts)
+        gb = bias_grad(gy) if ctx.has_bias and need_b else None
+        return gx, gt, None, gb
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
 # -- registration ------------------------------------------------------------------
 
 def register_weight_product(registry: Registry, op: Callable, layout: type, forward: Callable,

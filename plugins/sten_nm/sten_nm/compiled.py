@@ -40,6 +40,8 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
+from sten_core import plugin_api
+
 from . import column_grouped_ops, ops
 from .column_grouped import ColumnGroupedNMTensor
 from .grouped_tensor import GroupedNMTensor
@@ -132,25 +134,7 @@ def _define(name: str, rebuild: Callable, forward: Callable, backward: Callable,
     def _(gy: Tensor, x: Tensor, tensors: List[Tensor], consts: List[int]) -> Tensor:
         return torch.empty_like(tensors[0], memory_format=torch.contiguous_format)
 
-    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-        x, tensors, consts, bias = inputs
-        ctx.save_for_backward(x, *tensors)
-        ctx.consts = consts
-        ctx.has_bias = bias is not None
-
-    def backward_formula(ctx: Any, gy: Tensor) -> tuple:
-        x, *tensors = ctx.saved_tensors
-        need_x, need_t, _, need_b = ctx.needs_input_grad
-        gx = grad_input(gy, x, tensors, ctx.consts) if need_x else None
-        gt = None
-        if need_t:
-            gt = [grad_values(gy, x, tensors, ctx.consts)] + [None] * (len(tensors) - 1)
-        gb = None
-        if ctx.has_bias and need_b:
-            gb = gy.reshape(-1, gy.shape[-1]).sum(0)
-        return gx, gt, None, gb
-
-    op.register_autograd(backward_formula, setup_context=setup_context)
+    plugin_api.register_member_linear_autograd(op, grad_input, grad_values, values_index=0)
     return op
 
 

@@ -27,6 +27,8 @@ from typing import Any, List, Optional
 import torch
 import torch.nn.functional as F
 
+from sten_core import plugin_api
+
 from .compressed import ScipyCompressed
 from .kernels import dense_times_sparse, sampled, sparse_times_dense
 from .layouts import SCIPY_LAYOUTS
@@ -99,23 +101,7 @@ def _(gy: Tensor, x: Tensor, tensors: List[Tensor], consts: List[int]) -> Tensor
     return torch.empty_like(tensors[2], memory_format=torch.contiguous_format)
 
 
-def _setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
-    x, tensors, consts, bias = inputs
-    ctx.save_for_backward(x, *tensors)
-    ctx.consts = consts
-    ctx.has_bias = bias is not None
-
-
-def _backward(ctx: Any, gy: Tensor) -> tuple:
-    x, *tensors = ctx.saved_tensors
-    need_x, need_t, _, need_b = ctx.needs_input_grad
-    gx = linear_grad_input(gy, x, tensors, ctx.consts) if need_x else None
-    gt = [None, None, linear_grad_values(gy, x, tensors, ctx.consts)] if need_t else None
-    gb = _rows2(gy).sum(0) if ctx.has_bias and need_b else None
-    return gx, gt, None, gb
-
-
-linear.register_autograd(_backward, setup_context=_setup)
+plugin_api.register_member_linear_autograd(linear, linear_grad_input, linear_grad_values, values_index=2)
 
 
 def linear_compiled(x: Tensor, weight: Any, bias: Optional[Tensor] = None) -> Tensor:
