@@ -4,6 +4,7 @@ and removes every registration afterwards."""
 
 from __future__ import annotations
 
+import sys
 import types
 import warnings
 
@@ -273,8 +274,27 @@ def test_plain_call_fallback_warns(events):
     a, b = xy()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
         torch.add(wrap(FakeLayout, a), wrap(FakeLayout, b))
     assert len(dispatch_warnings(record)) == 1
+    warning = next(w for w in record if issubclass(w.category, sten.DispatchWarning))
+    assert (warning.filename, warning.lineno) == (__file__, line), "the warning points at the user's call"
+
+
+def test_fallback_warning_points_at_the_module_forward(events):
+    a, b = xy()
+
+    class Adds(torch.nn.Module):
+        def forward(self, x, y):
+            self.line = sys._getframe().f_lineno + 1
+            return torch.add(x, y)
+
+    model = Adds()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model(wrap(FakeLayout, a), wrap(FakeLayout, b))
+    warning = next(w for w in record if issubclass(w.category, sten.DispatchWarning))
+    assert (warning.filename, warning.lineno) == (__file__, model.line)
 
 
 # -- pattern forms -----------------------------------------------------------------------

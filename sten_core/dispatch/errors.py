@@ -23,6 +23,7 @@ import torch
 
 from sten_core.model.registry import OpKey, registry
 from sten_core.model.signatures import op_name
+from sten_core.user_frames import user_stacklevel
 from sten_core.model.sparsifiers import KeepAll
 
 
@@ -156,12 +157,11 @@ def quiet_fallbacks() -> Iterator[None]:
         finally:
             _warned.intersection_update(given)
 
+
 def fail(message: str, key: Any, then: str = "") -> None:
     """Raise ``message`` as a ``DispatchError`` in raise mode; else warn once per ``key``."""
     if get_dispatch_failure() == "raise":
         raise DispatchError(message.replace(then + " ", "") if then else message)
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, DispatchWarning, stacklevel=5)
-
-
+        warnings.warn(message, DispatchWarning, stacklevel=user_stacklevel())

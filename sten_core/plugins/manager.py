@@ -35,6 +35,7 @@ import pluggy
 from sten_core.plugins import hookspecs
 from sten_core.model.registry import registry
 from sten_core.model.tensor import services
+from sten_core.user_frames import user_stacklevel
 
 ENTRY_POINT_GROUP = "sten"
 BUILTIN_PLUGINS = {"builtin": "sten_core.builtin.plugin", "pruning": "sten_core.training.pruning.plugin"}
@@ -89,7 +90,7 @@ def _report(name: str, error: BaseException, deferred: list | None = None) -> No
             deferred.append((message, error))
             return
         raise PluginLoadError(message) from error
-    warnings.warn(message, PluginLoadWarning, stacklevel=3)
+    warnings.warn(message, PluginLoadWarning, stacklevel=user_stacklevel())
 
 
 class UnknownHookError(ValueError):
