@@ -47,3 +47,19 @@ def test_layout_without_state_tensors_is_named():
     finally:
         sten.registry.layouts.pop("NoStateLayout")
         sten.registry._owners.pop(("layouts", "NoStateLayout"))
+
+
+@pytest.mark.parametrize("layout, corrupt", [
+    (sten.CsrTensor, lambda parts: (parts[0], parts[1] + 100, parts[2])),           # column out of range
+    (sten.CscTensor, lambda parts: (parts[0].flip(0), parts[1], parts[2])),         # pointers not monotone
+    (sten.CooTensor, lambda parts: (parts[0] - 50, parts[1])),                      # negative index
+])
+def test_corrupted_members_fail_on_load(layout, corrupt, tmp_path):
+    """A damaged checkpoint must raise a clear error when loaded, not read out of bounds later."""
+    weight = torch.randn(6, 5) * (torch.rand(6, 5) > 0.5)
+    parts = layout.from_dense(weight).state_tensors()
+    with pytest.raises(ValueError, match=f"{layout.__name__}: the saved members do not form a valid"):
+        layout.from_state_tensors(corrupt(parts), (6, 5))
+    path = tmp_path / "w.pt"
+    torch.save(sten.SparseTensorWrapper(layout.from_state_tensors(parts, (6, 5))), path)
+    assert torch.equal(torch.load(path, weights_only=False).to_dense(), weight), "an intact file still loads"

@@ -138,19 +138,29 @@ class _Members(_TorchLayout):
     @classmethod
     def from_state_tensors(cls, parts: tuple, shape: tuple) -> "_Members":
         parts = tuple(parts)
-        return cls(cls._build(parts, tuple(shape)), parts)
+        return cls(cls._build_checked(parts, tuple(shape)), parts)
 
     def __setstate__(self, state: dict) -> None:
         parts = tuple(state["parts"])
-        self.data = self._build(parts, tuple(state["shape"]))
+        self.data = self._build_checked(parts, tuple(state["shape"]))
         self._members = parts
+
+    @classmethod
+    def _build_checked(cls, parts: tuple, shape: tuple) -> torch.Tensor:
+        """Build from saved members, checking torch's invariants (indices in range,
+        monotone pointers): a corrupted file must fail here, not read out of bounds."""
+        try:
+            return cls._build(parts, shape, check=True)
+        except RuntimeError as error:
+            raise ValueError(f"{cls.__name__}: the saved members do not form a valid {cls.__name__} "
+                             f"of shape {tuple(shape)}: {error}") from error
 
     @staticmethod
     def _extract(data: torch.Tensor) -> tuple:
         raise NotImplementedError
 
     @staticmethod
-    def _build(members: tuple, shape: tuple) -> torch.Tensor:
+    def _build(members: tuple, shape: tuple, check: bool = False) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -166,8 +176,8 @@ class CooTensor(_Members):
         return _own(data._indices(), data._values())
 
     @staticmethod
-    def _build(members: tuple, shape: tuple) -> torch.Tensor:
-        return torch.sparse_coo_tensor(members[0], members[1], shape, is_coalesced=True)
+    def _build(members: tuple, shape: tuple, check: bool = False) -> torch.Tensor:
+        return torch.sparse_coo_tensor(members[0], members[1], shape, is_coalesced=True, check_invariants=check)
 
     def gather(self, dense: torch.Tensor) -> torch.Tensor:
         return dense.expand(self.shape)[tuple(self._members[0])]
@@ -219,8 +229,8 @@ class CsrTensor(_Compressed):
         return _own(data.crow_indices(), data.col_indices(), data.values())
 
     @staticmethod
-    def _build(members: tuple, shape: tuple) -> torch.Tensor:
-        return torch.sparse_csr_tensor(members[0], members[1], members[2], shape)
+    def _build(members: tuple, shape: tuple, check: bool = False) -> torch.Tensor:
+        return torch.sparse_csr_tensor(members[0], members[1], members[2], shape, check_invariants=check)
 
 
 class CscTensor(_Compressed):
@@ -237,8 +247,8 @@ class CscTensor(_Compressed):
         return _own(data.ccol_indices(), data.row_indices(), data.values())
 
     @staticmethod
-    def _build(members: tuple, shape: tuple) -> torch.Tensor:
-        return torch.sparse_csc_tensor(members[0], members[1], members[2], shape)
+    def _build(members: tuple, shape: tuple, check: bool = False) -> torch.Tensor:
+        return torch.sparse_csc_tensor(members[0], members[1], members[2], shape, check_invariants=check)
 
 
 TORCH_LAYOUTS = (DenseTensor, CooTensor, CsrTensor, CscTensor)

@@ -173,7 +173,19 @@ class ScipyCompressed(Layout):
     @classmethod
     def from_state_tensors(cls, tensors: tuple, shape: tuple) -> "ScipyCompressed":
         indptr, indices, values = tensors
-        return cls(cls.array_type((values.numpy(), indices.numpy(), indptr.numpy()), shape=tuple(shape)))
+        return cls(cls._saved_array(indptr, indices, values, shape))
+
+    @classmethod
+    def _saved_array(cls, indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, shape: tuple) -> Any:
+        """The scipy array of saved parts, fully checked (pointers monotone, indices
+        in range): a damaged checkpoint fails here instead of crashing a kernel later."""
+        try:
+            array = cls.array_type((values.numpy(), indices.numpy(), indptr.numpy()), shape=tuple(shape))
+            array.check_format(full_check=True)
+        except ValueError as error:
+            raise ValueError(f"{cls.__name__}: the saved parts do not form a valid {cls.format.upper()} "
+                             f"array of shape {tuple(shape)}: {error}") from error
+        return array
 
     # -- pickling (torch tensors only, so torch.save keeps the state compact) ----
     def __getstate__(self) -> dict:
@@ -181,7 +193,4 @@ class ScipyCompressed(Layout):
         return {"indptr": indptr, "indices": indices, "values": self.values(), "shape": tuple(self.data.shape)}
 
     def __setstate__(self, state: dict) -> None:
-        array = self.array_type(
-            (state["values"].numpy(), state["indices"].numpy(), state["indptr"].numpy()), shape=state["shape"]
-        )
-        self.__init__(array)
+        self.__init__(self._saved_array(state["indptr"], state["indices"], state["values"], state["shape"]))
