@@ -63,3 +63,14 @@ def test_corrupted_members_fail_on_load(layout, corrupt, tmp_path):
     path = tmp_path / "w.pt"
     torch.save(sten.SparseTensorWrapper(layout.from_state_tensors(parts, (6, 5))), path)
     assert torch.equal(torch.load(path, weights_only=False).to_dense(), weight), "an intact file still loads"
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor, sten.CooTensor])
+def test_move_to_meta(layout):
+    """``model.to("meta")`` keeps the layout and shapes (the load-time invariant check skips meta parts)."""
+    model = torch.nn.Linear(5, 6)
+    builder = sten.SparsityBuilder()
+    builder.set_weight(name="weight", initial_sparsifier=sten.ScalarFractionSparsifier(0.5), out_format=layout)
+    meta = builder.get_sparse_model(model).to("meta")
+    assert meta.weight.device.type == "meta" and isinstance(meta.weight.wrapped_tensor, layout)
+    assert meta.weight.shape == (6, 5) and isinstance(meta.weight, torch.nn.Parameter)
