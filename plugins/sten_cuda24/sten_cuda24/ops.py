@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from sten_core.plugin_api import linear_inputs, wrap_layout
+from sten_core.plugin_api import bias_grad, linear_inputs, wrap_layout
 
 from . import _compat, paths
 from .blocksparse import BlockSparseTensor
@@ -210,11 +210,8 @@ def mm24_bwd(sparse_grad: bool) -> Any:
 
 # -- runtime 2:4 activations -------------------------------------------------------------------
 
-def act24_linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
-    """``F.linear(x24, W, bias)`` with a 2:4 activation ``x24`` and a dense weight."""
-    x, w, bias = linear_inputs(inputs)
-    ctx.save_for_backward(x, w)
-    layout = x.wrapped_tensor
+def act24_linear(layout: Sparse24Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x24 @ w.T + bias`` for a 2:4 activation ``layout``: the semi-structured kernel on CUDA."""
     if layout.device.type == "cuda" and _compat.semi_structured_backend() is not None:
         from . import backends
 
@@ -222,16 +219,26 @@ def act24_linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.
     return F.linear(layout.to_dense().to(w.dtype), w, bias)
 
 
+def act24_linear_grads(g: torch.Tensor, layout: Sparse24Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dense gradient of the activation, gradient of w)`` of ``act24_linear``."""
+    g2 = g.reshape(-1, g.shape[-1])
+    xd = layout.to_dense().reshape(-1, layout.shape[-1]).to(g2.dtype)
+    return (g2 @ w.to(g2.dtype)).reshape(layout.shape), g2.t() @ xd
+
+
+def act24_linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    """``F.linear(x24, W, bias)`` with a 2:4 activation ``x24`` and a dense weight."""
+    x, w, bias = linear_inputs(inputs)
+    ctx.save_for_backward(x, w)
+    return act24_linear(x.wrapped_tensor, w, bias)
+
+
 def act24_linear_bwd(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
     x, w = ctx.saved_tensors
     (g,) = grad_outputs
-    layout = x.wrapped_tensor
-    g2 = g.reshape(-1, g.shape[-1])
-    xd = layout.to_dense().reshape(-1, layout.shape[-1]).to(g2.dtype)
-    grad_x = (g2 @ w.to(g2.dtype)).reshape(layout.shape)
-    grad_w = g2.t() @ xd
+    grad_x, grad_w = act24_linear_grads(g, x.wrapped_tensor, w)
     has_bias = len(ctx.inputs) > 2 and ctx.inputs[2] is not None
-    return grad_x, grad_w, (g2.sum(0) if has_bias else None)
+    return grad_x, grad_w, (bias_grad(g) if has_bias else None)
 
 
 _ACTS = {F.relu: "relu", F.gelu: "gelu", F.silu: "silu"}
