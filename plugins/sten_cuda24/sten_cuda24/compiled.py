@@ -197,7 +197,7 @@ def _check_act(x_shape: List[int], x_dtype: torch.dtype, weight: Tensor, bias: O
 @torch.library.custom_op("sten_cuda24::act24_linear", mutates_args=())
 def act24_linear(tensors: List[Tensor], consts: List[int], weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """``F.linear(x24, weight, bias)``, ``x24`` the 2:4 activation given by its members."""
-    layout = _kept(tensors, consts, rebuild24)
+    layout = rebuild24(tensors, consts)  # a new activation per call: nothing to keep
     _check_act(list(layout.shape), layout.dtype, weight, bias)
     return ops.act24_linear(layout, weight, bias).contiguous()
 
@@ -212,7 +212,7 @@ def _(tensors: List[Tensor], consts: List[int], weight: Tensor, bias: Optional[T
 @torch.library.custom_op("sten_cuda24::act24_linear_backward", mutates_args=())
 def act24_linear_backward(gy: Tensor, tensors: List[Tensor], consts: List[int], weight: Tensor) -> List[Tensor]:
     """``[gradient of the activation's stored values, gradient of the weight]`` (eager's formula)."""
-    layout = _kept(tensors, consts, rebuild24)
+    layout = rebuild24(tensors, consts)  # a new activation per call: nothing to keep
     grad_x, grad_w = ops.act24_linear_grads(gy, layout, weight)
     return [layout.gather(grad_x).to(tensors[0].dtype).contiguous(), grad_w.to(weight.dtype).contiguous()]
 
