@@ -24,6 +24,10 @@ goes. Sections (``--only`` picks some):
 ``train``    one training step (forward, backward, SGD step) of a GPT-2-small-size MLP
              stack (12 x [768 -> 3072 -> 768], 8 x 1024 tokens, bf16) with 2:4 weights
              (row-wise and transposable) and 75 % 64x64 block-sparse weights vs dense.
+``compile``  ``torch.compile(fullgraph=True)`` vs eager for a 4-layer stack of the same MLP:
+             inference forward and training step, dense and sparse weights (the
+             ``sten_cuda24::...`` custom operators; graph breaks counted, compiled output
+             checked against eager).
 
 Times are medians of CUDA-event timings after warm-up (ms); speed-ups are
 dense / sparse from the same run. Every sparse result is checked against the
@@ -49,7 +53,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-SECTIONS = ("linear", "wgrad", "prune", "block", "train")
+SECTIONS = ("linear", "wgrad", "prune", "block", "train", "compile")
 DEVICE = "cuda"
 LINEAR_SHAPES = [  # (name, N = out_features, K = in_features)
     ("4096^2", 4096, 4096),
@@ -366,6 +370,52 @@ def bench_train(layers: int, d: int, ffn: int, tokens: int, reps: int) -> list[d
     return rows
 
 
+def bench_compile(layers: int, d: int, ffn: int, tokens: int, reps: int) -> list[dict]:
+    """Compiled (fullgraph) vs eager: inference forward and one training step, per weight kind."""
+    rows: list[dict] = []
+    x = torch.randn(tokens, d, device=DEVICE, dtype=torch.bfloat16)
+    for kind in ("dense", "24", "24t", "bsr75"):
+        row: dict[str, Any] = {"model": f"{layers} x MLP [{d} -> {ffn} -> {d}]", "tokens": tokens, "weights": kind}
+
+        def run() -> dict:
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model, params = _mlp_stack(layers, d, ffn, kind)
+            compiled = torch.compile(model, fullgraph=True)
+            out: dict[str, Any] = {}
+            with torch.no_grad():
+                out["graph_breaks"] = torch._dynamo.explain(model)(x).graph_break_count
+                torch._dynamo.reset()
+                t0 = time.perf_counter()
+                want, got = model(x), compiled(x)
+                out["compile_fwd_s"] = time.perf_counter() - t0
+                out["max_err_compiled_vs_eager"] = _err(got, want)
+                out["eager_fwd_ms"] = timeit(lambda: model(x), reps=reps)
+                out["compiled_fwd_ms"] = timeit(lambda: compiled(x), reps=reps)
+            opt = torch.optim.SGD(params, lr=1e-4)
+
+            def step(fn: Any) -> Callable[[], None]:
+                def one() -> None:
+                    opt.zero_grad(set_to_none=True)
+                    fn(x).float().square().mean().backward()
+                    opt.step()
+                return one
+
+            out["eager_step_ms"] = timeit(step(model), warmup=3, reps=reps)
+            out["compiled_step_ms"] = timeit(step(compiled), warmup=3, reps=reps)
+            out["fwd_compiled_over_eager"] = out["compiled_fwd_ms"] / out["eager_fwd_ms"]
+            out["step_compiled_over_eager"] = out["compiled_step_ms"] / out["eager_step_ms"]
+            return out
+
+        got = _guard(run)
+        if isinstance(got, str):
+            row["error"] = got
+        else:
+            row.update(got)
+        _emit(rows, row)
+    return rows
+
+
 # -- report -----------------------------------------------------------------------------------------
 
 def environment(quick: bool) -> dict:
@@ -409,7 +459,8 @@ def to_markdown(result: dict) -> str:
               "wgrad": "2:4 weight gradient and per-step operand refresh (ms)",
               "prune": "2:4 pruning and compression (ms; *_over_ours = theirs / ours)",
               "block": "Block-sparse vs dense and torch bsr_dense_mm (ms)",
-              "train": "Training step of an MLP stack (ms)"}
+              "train": "Training step of an MLP stack (ms)",
+              "compile": "torch.compile(fullgraph=True) vs eager (ms; ratio = compiled / eager)"}
     for key, title in titles.items():
         rows = result.get(key) or []
         if not rows:
@@ -483,6 +534,12 @@ def main(argv: list[str] | None = None) -> int:
             result["train"] = bench_train(1, 64, 128, 64, reps)
         else:
             result["train"] = bench_train(2 if args.quick else 12, 768, 3072, 2048 if args.quick else 8192, reps)
+        save()
+    if "compile" in only:
+        if args.tiny:
+            result["compile"] = bench_compile(1, 64, 128, 64, reps)
+        else:
+            result["compile"] = bench_compile(2 if args.quick else 4, 768, 3072, 2048 if args.quick else 8192, reps)
         save()
     save()
     print(f"wrote {out_json} and {args.out_dir / 'bench_cuda24.md'}")

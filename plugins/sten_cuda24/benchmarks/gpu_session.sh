@@ -6,7 +6,7 @@
 #
 #   all    (default) install, the plugin's test suite, then the benchmark
 #   tests  install + tests only        bench  install + benchmark only
-#   bench options go to bench_cuda24.py, e.g. --quick or --only linear,block
+#   bench options go to bench_cuda24.py, e.g. --quick or --only linear,block (--only compile: compiled vs eager)
 #
 # Everything is written under $OUT (default ./gpu-out): session.log (all output),
 # env.txt, pip.log, tests.log + pytest.xml, tests-cutlass.log, tests-wgrad-*.log,

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sten_core.plugin_api import check_tensor
+
 from . import _compat, encoding, operands
 from .sparse24 import Sparse24Tensor
 
@@ -151,6 +153,7 @@ def _cslt_alg(prep: Prepared, dense_b: torch.Tensor, bias: torch.Tensor | None) 
 
 
 def _check_operands(x: torch.Tensor, weight: Sparse24Tensor, bias: torch.Tensor | None) -> None:
+    check_tensor(x, "input", where="the 2:4 semi-structured matmul")
     if not isinstance(weight, Sparse24Tensor):
         raise TypeError(f"weight must be a Sparse24Tensor, got {type(weight).__name__}")
     if len(weight.shape) != 2:

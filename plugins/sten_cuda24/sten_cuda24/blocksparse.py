@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from sten_core.plugin_api import Layout
+from sten_core.plugin_api import Layout, check_tensor
 
 DEFAULT_BLOCK = (64, 64)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -80,8 +80,7 @@ class BlockSparseTensor(Layout):
 
     @staticmethod
     def _pad(tensor: torch.Tensor, bh: int, bw: int) -> torch.Tensor:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+        check_tensor(tensor, "tensor", where="BlockSparseTensor")
         if tensor.dim() != 2:
             raise ValueError(f"BlockSparseTensor is 2-D [rows, cols]; got a {tensor.dim()}-D tensor")
         if tensor.dtype not in SUPPORTED_DTYPES:

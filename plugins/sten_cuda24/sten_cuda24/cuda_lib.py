@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from sten_core.plugin_api import check_tensor
+
 from . import _compat, encoding
 
 SOURCE = Path(__file__).parent / "csrc" / "sparsify24.cu"
@@ -100,8 +102,7 @@ def sparsify24_cuda(
     pair (of ``pruned.T``) only when ``transposable`` (the mask is then 2:4
     along both dims), the dense tensor only when ``write_dense``.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    check_tensor(x, "x", where="the CUDA 2:4 sparsifier")
     if x.dtype not in DTYPE_CODES:
         raise TypeError(f"the CUDA 2:4 sparsifier supports float16, bfloat16, float32; got {x.dtype}")
     if x.dim() != 2:

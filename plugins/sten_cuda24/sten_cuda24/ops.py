@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from sten_core.plugin_api import linear_inputs, wrap_layout
+from sten_core.plugin_api import bias_grad, linear_inputs, needs_grad, register_weight_product, wrap_layout
 
 from . import _compat, paths
 from .blocksparse import BlockSparseTensor
@@ -115,13 +115,10 @@ def _linear_bwd(grad_input: Any, weight_grad: Any, sparse_weight_grad: bool) -> 
         layout = w.wrapped_tensor
         g2 = g.reshape(-1, g.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]).to(g2.dtype)
-        needs = tuple(ctx.needs_input_grad) + (True,) * 3
-        grad_x = grad_input(g2, layout).reshape(x.shape).to(x.dtype) if needs[0] else None
-        grad_w = None
-        if needs[1]:
-            grad_w = weight_grad(g2, x2, layout, sparse_weight_grad)
+        grad_x = grad_input(g2, layout).reshape(x.shape).to(x.dtype) if needs_grad(ctx, 0) else None
+        grad_w = weight_grad(g2, x2, layout, sparse_weight_grad) if needs_grad(ctx, 1) else None
         has_bias = len(ctx.inputs) > 2 and ctx.inputs[2] is not None
-        grad_b = g2.sum(0) if has_bias and needs[2] else None
+        grad_b = bias_grad(g) if has_bias and needs_grad(ctx, 2) else None
         return grad_x, grad_w, grad_b
 
     return impl
@@ -210,11 +207,8 @@ def mm24_bwd(sparse_grad: bool) -> Any:
 
 # -- runtime 2:4 activations -------------------------------------------------------------------
 
-def act24_linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
-    """``F.linear(x24, W, bias)`` with a 2:4 activation ``x24`` and a dense weight."""
-    x, w, bias = linear_inputs(inputs)
-    ctx.save_for_backward(x, w)
-    layout = x.wrapped_tensor
+def act24_linear(layout: Sparse24Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x24 @ w.T + bias`` for a 2:4 activation ``layout``: the semi-structured kernel on CUDA."""
     if layout.device.type == "cuda" and _compat.semi_structured_backend() is not None:
         from . import backends
 
@@ -222,16 +216,26 @@ def act24_linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.
     return F.linear(layout.to_dense().to(w.dtype), w, bias)
 
 
+def act24_linear_grads(g: torch.Tensor, layout: Sparse24Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dense gradient of the activation, gradient of w)`` of ``act24_linear``."""
+    g2 = g.reshape(-1, g.shape[-1])
+    xd = layout.to_dense().reshape(-1, layout.shape[-1]).to(g2.dtype)
+    return (g2 @ w.to(g2.dtype)).reshape(layout.shape), g2.t() @ xd
+
+
+def act24_linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
+    """``F.linear(x24, W, bias)`` with a 2:4 activation ``x24`` and a dense weight."""
+    x, w, bias = linear_inputs(inputs)
+    ctx.save_for_backward(x, w)
+    return act24_linear(x.wrapped_tensor, w, bias)
+
+
 def act24_linear_bwd(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
     x, w = ctx.saved_tensors
     (g,) = grad_outputs
-    layout = x.wrapped_tensor
-    g2 = g.reshape(-1, g.shape[-1])
-    xd = layout.to_dense().reshape(-1, layout.shape[-1]).to(g2.dtype)
-    grad_x = (g2 @ w.to(g2.dtype)).reshape(layout.shape)
-    grad_w = g2.t() @ xd
+    grad_x, grad_w = act24_linear_grads(g, x.wrapped_tensor, w)
     has_bias = len(ctx.inputs) > 2 and ctx.inputs[2] is not None
-    return grad_x, grad_w, (g2.sum(0) if has_bias else None)
+    return grad_x, grad_w, (bias_grad(g) if has_bias else None)
 
 
 _ACTS = {F.relu: "relu", F.gelu: "gelu", F.silu: "silu"}
@@ -346,19 +350,16 @@ def register(registry: Any) -> None:
     for layout, fwd, grad_in, grad_w in (
         (Sparse24Tensor, linear24_fwd, _grad_input24, _weight_grad24),
         (BlockSparseTensor, linear_bsr_fwd, _grad_input_bsr, _weight_grad_bsr),
-    ):
-        for inp in ((T, layout, T), (T, layout)):
-            registry.register_fwd_op_impl(F.linear, inp, [keep], fwd)
-            n = len(inp)
-            registry.register_bwd_op_impl(F.linear, (T,), (keep, keep, keep)[:n], inp, _linear_bwd(grad_in, grad_w, False))
-            registry.register_bwd_op_impl(F.linear, (T,), (keep, (KeepAll, layout), keep)[:n], inp, _linear_bwd(grad_in, grad_w, True))
+    ):  # F.linear(x, W[, bias]): dense or in-layout weight gradient
+        register_weight_product(registry, F.linear, layout, forward=fwd, backward=_linear_bwd(grad_in, grad_w, False),
+                                sparse_grad_backward=_linear_bwd(grad_in, grad_w, True))
     for op in (torch.mm, torch.matmul):
         registry.register_fwd_op_impl(op, (Sparse24Tensor, T), [keep], mm24_fwd)
         registry.register_bwd_op_impl(op, (T,), (keep, keep), (Sparse24Tensor, T), mm24_bwd(False))
         registry.register_bwd_op_impl(op, (T,), ((KeepAll, Sparse24Tensor), keep), (Sparse24Tensor, T), mm24_bwd(True))
-    for inp in ((Sparse24Tensor, T, T), (Sparse24Tensor, T)):
-        registry.register_fwd_op_impl(F.linear, inp, [keep], act24_linear_fwd)
-        registry.register_bwd_op_impl(F.linear, (T,), (keep, keep, keep)[: len(inp)], inp, act24_linear_bwd)
+    # F.linear(x24, W[, bias]): a 2:4 activation times a dense weight
+    register_weight_product(registry, F.linear, T, forward=act24_linear_fwd, backward=act24_linear_bwd,
+                            input_layout=Sparse24Tensor)
     for fn, name in _ACTS.items():
         registry.register_fwd_op_impl(fn, (T,), [(Sparse24Sparsifier, Sparse24Tensor)], _act_fwd(name))
         registry.register_bwd_op_impl(fn, (T,), (keep,), (T,), _act_bwd(fn))

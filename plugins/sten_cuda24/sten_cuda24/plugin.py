@@ -17,7 +17,7 @@ from typing import Any
 from sten_core import plugin_api
 import torch
 
-from . import __version__, _compat, conversions, ops, sparsifiers
+from . import __version__, _compat, compiled, conversions, ops, sparsifiers
 from .blocksparse import BlockSparseTensor
 from .sparse24 import Sparse24Tensor
 
@@ -31,6 +31,8 @@ def sten_register(registry: Any) -> None:
     registry.register_sparsifier_implementation(plugin_api.PerBlockFractionSparsifier, T, Sparse24Tensor, sparsifiers.per_block_impl)
     registry.register_sparsifier_implementation(plugin_api.BlockwiseFractionSparsifier, T, BlockSparseTensor, sparsifiers.blockwise_impl)
     ops.register(registry)
+    compiled.register(registry)      # torch.compile: the kernels as custom operators
+    compiled.register_traceable()    # compiled training of 2:4 and block-sparse weights
     for src, dst, fn in conversions.conversions():
         registry.register_conversion(src, dst, fn)
 

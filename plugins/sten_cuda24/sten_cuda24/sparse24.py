@@ -34,7 +34,7 @@ import torch
 
 from . import encoding
 
-from sten_core.plugin_api import Layout
+from sten_core.plugin_api import Layout, check_tensor
 
 
 class Sparse24Tensor(Layout):
@@ -78,8 +78,7 @@ class Sparse24Tensor(Layout):
         ``transposable=True`` also records the transposed pair (2-D only; the
         tensor must then be 2:4 along the first dim too).
         """
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+        check_tensor(tensor, "tensor", where="Sparse24Tensor.from_dense")
         if tensor.dim() == 0:
             raise ValueError("Sparse24Tensor needs at least 1 dim")
         tensor = tensor.detach()

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from sten_core.plugin_api import wrap_layout
+from sten_core.plugin_api import check_tensor, wrap_layout
 
 from . import _compat, encoding
 from .blocksparse import BlockSparseTensor
@@ -56,8 +56,7 @@ def _gpu_kernel_ok(x: torch.Tensor) -> bool:
 
 def sparsify_24(dense: torch.Tensor, transposable: bool = False, activation: str | None = None) -> Sparse24Tensor:
     """Prune ``dense`` to 2:4 and compress it in one pass (the kernel on CUDA)."""
-    if not isinstance(dense, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(dense).__name__}")
+    check_tensor(dense, "dense", where="sparsify_24")
     encoding.check_dtype(dense.dtype)
     dense = dense.detach()
     if transposable:
