@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from sten_core.dispatch import dynamo_matmul
 from sten_core.model.layouts import to_dense_tensor
 from sten_core.model.registry import registry
 from sten_core.model.tensor import SparseTensorWrapper, services
@@ -107,7 +108,10 @@ def dense_call(op: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:
-    """Run a call's compiled implementation (while Dynamo traces); ``MISSING`` if none applies."""
+    """Run a call's compiled implementation (while Dynamo traces); ``MISSING`` if none applies.
+    ``x.__rmatmul__(W)`` (how Dynamo traces ``W @ x``, see ``dynamo_matmul``) is ``torch.matmul(W, x)``."""
+    if op is torch.Tensor.__rmatmul__ and len(args) == 2 and not kwargs:
+        op, args = torch.matmul, (args[1], args[0])
     impl = compiled_impl_for(op, args)
     if impl is None:
         return MISSING
@@ -118,3 +122,4 @@ def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:
 
 # handed to the wrapper now, so tracing never sets a global
 services.install(compiled_call=compiled_call, MISSING=MISSING)
+dynamo_matmul.install()
