@@ -187,7 +187,23 @@ class BlockSparseTensor(Layout):
     @classmethod
     def from_state_tensors(cls, tensors: tuple, shape: tuple) -> "BlockSparseTensor":
         crow, col, blocks = tensors
-        return cls(crow, col, blocks, shape)
+        layout = cls(crow, col, blocks, shape)
+        layout._check_indices()
+        return layout
+
+    def _check_indices(self) -> None:
+        """Saved block indices must be a valid BSR structure (a damaged checkpoint fails on load)."""
+        if self.crow.device.type == "meta":
+            return
+        nnzb, bw = self.blocks.shape[0], self.blocks.shape[2]
+        block_cols = -(-self._shape[1] // bw)
+        crow, col = self.crow.long(), self.col.long()
+        steps = crow.diff()
+        if crow.numel() and (int(crow[0]) != 0 or int(crow[-1]) != nnzb or bool((steps < 0).any())):
+            raise ValueError(f"BlockSparseTensor: crow must rise from 0 to the {nnzb} blocks, got {crow.tolist()[:8]}...")
+        if col.numel() and (int(col.min()) < 0 or int(col.max()) >= block_cols):
+            raise ValueError(f"BlockSparseTensor: col must be block columns in [0, {block_cols}), "
+                             f"got values in [{int(col.min())}, {int(col.max())}]")
 
     # -- helpers -------------------------------------------------------------------------------
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "BlockSparseTensor":
