@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "nm_isa.h"
+#include "nm_transpose.h"
 
 /* ---------------------------------------------------------------- ISA ---- */
 static const nm_isa_table *g_table = NULL;
@@ -804,7 +805,7 @@ int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int6
 /* -------------------------------------------------------- column-grouped -- */
 typedef struct {
     const nm_colgrouped *W; const float *xp; int64_t Kp, nbc, B; float *Y; int64_t ldy;
-    const float *bias; int64_t bch, kt; nm_cgg_fn fn; int err; int64_t next;
+    const float *bias; int64_t bch, kt, qb; nm_cgg_fn fn; int err; int64_t next;
 } cgg_args;
 
 /* Each thread owns a range of row blocks; per batch chunk (its packed panel stays in L2
@@ -814,7 +815,7 @@ static void cgg_task(void *p, int tid, int nth)
     cgg_args *a = (cgg_args *)p;
     const nm_colgrouped *W = a->W;
     (void)tid; (void)nth;
-    const int64_t qb = 8;   /* row blocks per unit: their accumulators stay in L1 */
+    const int64_t qb = a->qb;
     const int64_t nq = (W->Nb + qb - 1) / qb;
     float *ytmp = NULL, *wbuf = NULL;
     /* units (batch chunk, qb row blocks), batch chunk major, taken dynamically: the
@@ -829,13 +830,11 @@ static void cgg_task(void *p, int tid, int nth)
         const float *panel = a->xp + bc * a->Kp * a->bch;
         const int64_t bmax = a->B - bc * a->bch < a->bch ? a->B - bc * a->bch : a->bch;
         for (int64_t t0 = 0; t0 < W->L; t0 += a->kt)
-            a->fn(W, panel, qa, qe, t0, t0 + a->kt < W->L ? t0 + a->kt : W->L, ytmp, t0 == 0, wbuf);
+            a->fn(W, panel, qa, qe, t0, t0 + a->kt < W->L ? t0 + a->kt : W->L, ytmp,
+                  (t0 == 0 ? NM_CG_FIRST : 0) | (a->kt < W->L && getenv("STEN_NM_CG_NOPF") ? NM_CG_IN_L1 : 0), wbuf);
         const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N;
-        for (int64_t b = 0; b < bmax; b++) {
-            float *yrow = a->Y + (bc * a->bch + b) * a->ldy;
-            for (int64_t r = r0; r < r1; r++)
-                yrow[r] = ytmp[(r - r0) * a->bch + b] + (a->bias ? a->bias[r] : 0.0f);
-        }
+        nm_store_transposed(ytmp, a->bch, r1 - r0, bmax, a->Y + bc * a->bch * a->ldy + r0, a->ldy,
+                            a->bias ? a->bias + r0 : NULL);
     }
     free(ytmp);
     free(wbuf);
@@ -871,7 +870,9 @@ int nm_colgrouped_gather_f32(const nm_colgrouped *W, int64_t B, const float *X, 
         kt = env_int("STEN_NM_CG_BLOCK_BYTES", 32 * 1024) / ((int64_t)W->P * bch * 4);
         if (kt < 1) kt = 1;
     }
-    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, T->cgg[nvi], 0, 0};
+    if (getenv("STEN_NM_CG_KT")) kt = env_int("STEN_NM_CG_KT", W->L);
+    int64_t qb = env_int("STEN_NM_CG_QB", 8);
+    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, qb, T->cgg[nvi], 0, 0};
     run_parallel(nth, cgg_task, &a);
     free(xp);
     return a.err;
