@@ -87,6 +87,20 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
         }
 }
 
+/* one call of cgg_rows with a compile-time row count nj and prefetch flag PF */
+#define NMC_CALL(NJ_, PF_) NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, NJ_, PF_)
+#if NMC_NJ >= 4
+#define NMC_DISPATCH(PF_) { switch (nj) { case 1: NMC_CALL(1, PF_); break; case 2: NMC_CALL(2, PF_); break; \
+    case 3: NMC_CALL(3, PF_); break; default: NMC_CALL(4, PF_); break; } }
+#elif NMC_NJ >= 3
+#define NMC_DISPATCH(PF_) { switch (nj) { case 1: NMC_CALL(1, PF_); break; case 2: NMC_CALL(2, PF_); break; \
+    default: NMC_CALL(3, PF_); break; } }
+#elif NMC_NJ >= 2
+#define NMC_DISPATCH(PF_) { switch (nj) { case 1: NMC_CALL(1, PF_); break; default: NMC_CALL(2, PF_); break; } }
+#else
+#define NMC_DISPATCH(PF_) { NMC_CALL(1, PF_); }
+#endif
+
 /* Slots [t0, t1) of every pattern (a range of whole chunks: its x columns, a block of the
  * panel, stay in L1 while the row blocks [q0, q1) sweep it); first: start ytmp at zero. */
 /* wbuf: n * L floats of scratch (the widened values of one pattern when vtype is NM_BF16;
@@ -118,26 +132,18 @@ static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, in
             const int32_t *rows = W->pats + p * n;
             for (int j0 = 0; j0 < n; j0 += NMC_NJ) {
                 const int nj = n - j0 < NMC_NJ ? n - j0 : NMC_NJ;
-                float *out[4];
+                float *out[4] = {yt, yt, yt, yt};
                 for (int j = 0; j < nj; j++) out[j] = yt + (int64_t)rows[j0 + j] * BCHN;
                 const float *vj = v + (int64_t)j0 * L;
-                switch (nj) {
-                case 1: NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, 1, pf); break;
-#if NMC_NJ >= 2
-                case 2: NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, 2, pf); break;
-#endif
-#if NMC_NJ >= 3
-                case 3: NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, 3, pf); break;
-#endif
-#if NMC_NJ >= 4
-                default: NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, 4, pf); break;
-#endif
-                }
+                /* pf a constant in each call: no per-slot branch */
+                if (pf) NMC_DISPATCH(1) else NMC_DISPATCH(0)
             }
         }
     }
 }
 
+#undef NMC_DISPATCH
+#undef NMC_CALL
 #undef NMC_NJ
 #undef NMC_NJ_RAW
 #undef NMC_CAT4

@@ -1,6 +1,7 @@
 """Per-machine choice of the exact n:m product: the sparse kernel or "decompress the weight
 into a scratch buffer + dense GEMM", timed once per (op, shape, pattern, batch bucket,
-dtype, threads, ISA) and cached on disk, like FFTW's wisdom.
+dtype, threads, ISA) and cached on disk, like FFTW's wisdom. The paper format's forward
+(op ``cg_fwd``) chooses its kernel's loop order the same way (``"stream"`` or ``"tiled"``).
 
 * ``STEN_NM_TUNE=0`` turns tuning off (always the sparse kernel);
 * ``STEN_NM_TUNE_CACHE`` names the cache file (default ``~/.cache/sten_nm/tuning.json``);
@@ -64,7 +65,7 @@ def _load() -> dict[str, dict]:
             with open(path) as f:
                 data = json.load(f)
             if isinstance(data, dict):
-                _memory.update({k: v for k, v in data.items() if isinstance(v, dict) and v.get("choice") in (KERNEL, DENSE)})
+                _memory.update({k: v for k, v in data.items() if isinstance(v, dict) and isinstance(v.get("choice"), str)})
         except (OSError, ValueError):
             pass
         _loaded_from = path
@@ -110,7 +111,7 @@ def choose(k: str, candidates: dict[str, Callable[[], object]], reps: int = 3) -
 
 
 def choices() -> dict[str, dict]:
-    """Every cached choice: ``{key: {"choice": "kernel" | "dense", "ms": {...}}}``."""
+    """Every cached choice: ``{key: {"choice": "kernel" | "dense" | "stream" | "tiled", "ms": {...}}}``."""
     return dict(_load())
 
 
