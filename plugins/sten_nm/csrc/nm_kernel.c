@@ -4,6 +4,7 @@
 #endif
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -807,7 +808,24 @@ int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int6
 typedef struct {
     const nm_colgrouped *W; const float *xp; int64_t Kp, nbc, B; float *Y; int64_t ldy;
     const float *bias; int64_t bch, kt, qb; int in_l1; nm_cgg_fn fn; int err; int64_t next;
+    const float *X; int64_t ldx; int *packed;   /* per batch chunk: 0 to pack, 1 packing, 2 packed */
 } cgg_args;
+
+/* The panel of batch chunk bc, packed by the first unit that needs it (one parallel region
+ * for packing and products: on a loaded machine every region's end waits for a thread the
+ * OS may have descheduled); a unit whose chunk another thread is packing waits for it. */
+static void cgg_panel_ready(cgg_args *a, int64_t bc)
+{
+    int expect = 0;
+    if (__atomic_load_n(&a->packed[bc], __ATOMIC_ACQUIRE) == 2) return;
+    if (__atomic_compare_exchange_n(&a->packed[bc], &expect, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        pack_panel(a->X, a->ldx, a->B, a->W->K, bc * a->bch, a->bch, 0, a->Kp,
+                   (float *)a->xp + bc * a->Kp * a->bch);
+        __atomic_store_n(&a->packed[bc], 2, __ATOMIC_RELEASE);
+        return;
+    }
+    while (__atomic_load_n(&a->packed[bc], __ATOMIC_ACQUIRE) != 2) sched_yield();
+}
 
 /* Units (batch chunk, qb row blocks); per unit the blocks' rows are accumulated in ytmp,
  * slot range after slot range (kt slots of every pattern per pass), then written. */
@@ -828,6 +846,7 @@ static void cgg_task(void *p, int tid, int nth)
             if (!ytmp || (W->vtype == NM_BF16 && !wbuf)) { free(ytmp); free(wbuf); a->err = -3; return; }
         }
         const int64_t bc = u / nq, qa = (u % nq) * qb, qe = qa + qb < W->Nb ? qa + qb : W->Nb;
+        cgg_panel_ready(a, bc);
         const float *panel = a->xp + bc * a->Kp * a->bch;
         const int64_t bmax = a->B - bc * a->bch < a->bch ? a->B - bc * a->bch : a->bch;
         for (int64_t t0 = 0; t0 < W->L; t0 += a->kt)
@@ -906,15 +925,17 @@ int nm_colgrouped_gather_variant_f32(const nm_colgrouped *W, int64_t B, const fl
     int nvi; const int64_t bch = (int64_t)choose_nv(B, T->vw, &nvi) * T->vw;
     const int64_t Kp = (int64_t)W->P * W->L;
     const int nth = clamp_threads(nthreads, 2.0 * B * W->Nb * W->n * Kp, W->Nb);
-    int64_t nbc;
-    float *xp = make_panel(X, ldx, B, W->K, Kp, bch, &nbc, nth);
-    if (!xp) return -3;
+    const int64_t nbc = (B + bch - 1) / bch;
+    float *xp = (float *)alloc64((size_t)(nbc * Kp * bch) * sizeof(float));
+    int *packed = (int *)calloc((size_t)nbc, sizeof(int));
+    if (!xp || !packed) { free(xp); free(packed); return -3; }
     if (variant == NM_CG_AUTO) variant = (int)env_int("STEN_NM_CG_VARIANT", NM_CG_STREAM);
     int64_t kt, qb; int in_l1;
     cg_variant(W, variant, bch, nbc, nth, &kt, &qb, &in_l1);
-    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, qb, in_l1, T->cgg[nvi], 0, 0};
+    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, qb, in_l1, T->cgg[nvi], 0, 0, X, ldx, packed};
     run_parallel(nth, cgg_task, &a);
     free(xp);
+    free(packed);
     return a.err;
 }
 

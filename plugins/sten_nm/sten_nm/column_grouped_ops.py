@@ -166,7 +166,7 @@ def _tuned_forward(W: ColumnGroupedNMTensor, desc: Any, x2: torch.Tensor,
     dt = "bfloat16" if desc.vtype == _kernel.VTYPES[torch.bfloat16] else "float32"
     k = tuning.key("cg_fwd", N, K, W.n, W.m, True, B, dt, torch.get_num_threads(), _kernel.isa())
     run = {v: (lambda v=v: _kernel.colgrouped_gather(desc, x2, bias, variant=v)) for v in ("stream", "tiled")}
-    return run[tuning.choose(k, run)]()
+    return run[tuning.choose(k, run, reps=5)]()
 
 
 def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Callable, Optional
@@ -84,14 +83,16 @@ def _save() -> None:
         pass  # a read-only home: the choice still holds for this process
 
 
-def _median_time(fn: Callable[[], object], reps: int) -> float:
+def _best_time(fn: Callable[[], object], reps: int) -> float:
+    """The fastest of ``reps`` calls: on a loaded machine a call's time only grows (a thread
+    descheduled mid-call), so the minimum is the least disturbed estimate."""
     fn()
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return min(ts)
 
 
 def choose(k: str, candidates: dict[str, Callable[[], object]], reps: int = 3) -> str:
@@ -102,7 +103,7 @@ def choose(k: str, candidates: dict[str, Callable[[], object]], reps: int = 3) -
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(2):
         for name, fn in candidates.items():
-            times[name].append(_median_time(fn, reps))
+            times[name].append(_best_time(fn, reps))
     med = {name: min(ts) for name, ts in times.items()}
     best = min(med, key=med.get)
     table[k] = {"choice": best, "ms": {name: round(t * 1e3, 3) for name, t in med.items()}}

@@ -38,7 +38,7 @@ def test_choice_is_timed_once_cached_on_disk_and_visible(tune, monkeypatch):
     assert set(v["ms"]) == {"kernel", "dense"}
     assert json.loads(tune.read_text())[k]["choice"] == v["choice"]
     calls = []
-    monkeypatch.setattr(tuning, "_median_time", lambda fn, reps: calls.append(1) or 1.0)
+    monkeypatch.setattr(tuning, "_best_time", lambda fn, reps: calls.append(1) or 1.0)
     nm_linear(torch.randn(31, 96), t)          # same bucket: no new timing
     assert not calls
     # a fresh process reads the choice from the cache file
