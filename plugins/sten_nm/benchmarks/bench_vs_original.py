@@ -153,6 +153,15 @@ def parse_pairs(s: str, sep: str) -> list[tuple[int, int]]:
 
 
 # -------------------------------------------------------------------------- main --
+def paper_order(N: int, K: int, n: int, m: int, B: int, threads: int) -> str:
+    """The paper-format forward's loop order that tuning chose for this case (``stream`` /
+    ``tiled``; ``STEN_NM_CG_VARIANT`` or stream with tuning off)."""
+    if not tuning.enabled():
+        return {"2": "tiled"}.get(os.environ.get("STEN_NM_CG_VARIANT", "1"), "stream") + " order, untuned"
+    k = tuning.key("cg_fwd", N, K, n, m, True, B, "float32", threads, _kernel.isa())
+    return f"{tuning.choices().get(k, {}).get('choice', '?')} order"
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -191,7 +200,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         f"{os.cpu_count()} CPUs; fp32; x [{B}, K]; load average (1/5/15 min) at start {load_average()}.")
     out(f"Medians of {args.rounds} interleaved rounds x {args.reps} repeats (order rotated each round); "
         f"speed-up = median over rounds of (dense time / row time) of that round. NMTensor tuning "
-        f"(kernel or decompress + dense GEMM, `sten_nm.tuning`): {'on' if tuning.enabled() else 'off'}.")
+        f"(kernel or decompress + dense GEMM, `sten_nm.tuning`; the paper format's loop order): "
+        f"{'on' if tuning.enabled() else 'off'}.")
     if orig is None:
         out(f"Original STen: not measured ({why}); its rows are omitted.")
     else:
@@ -249,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 for k in show:
                     _, masked, ax = rows[k]
                     kd = kept(masked, W)
-                    label = k + (f" (g={t_paper.g})" if k == PAPER else "")
+                    label = k + (f" (g={t_paper.g}, {paper_order(N, K, n, m, B, args.threads)})" if k == PAPER else "")
                     out(f"| {N}x{K} | {n}:{m} | {label} | {med[k] * 1e3:.2f} | {speed[k]:.2f}x | {kd:.3f} | "
                         f"{kd / ax:.3f} | {errs[k]:.1e} |")
                 if best is not None:

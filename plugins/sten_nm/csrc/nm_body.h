@@ -2,6 +2,7 @@
  * Needs: VW (floats per vector), NV, SUF (ISA suffix), vf (vector type).
  * Offsets are decoded once per block of rows (nm_decode) into float offsets of
  * the panel, so the inner loops are: load value, load offset, NV FMAs. */
+#include "nm_transpose.h"
 #define BCHN (VW * NV)
 #define NMCAT3_(a, b, c) a##_##b##_##c
 #define NMCAT3(a, b, c) NMCAT3_(a, b, c)
@@ -75,14 +76,8 @@ static void FN(gather)(const nm_mat *A, const float *xp, int64_t Cpad, int64_t n
                     for (int u = 0; u < NV; u++) *(vf *)(yt + u * VW) = acc[u];
                 }
             }
-            for (int64_t b = 0; b < bmax; b++) {
-                float *yrow = Y + (bc * BCHN + b) * ldy;
-                if (bias) {
-                    for (int64_t r = rb; r < re; r++) yrow[r] = ytmp[(r - rb) * BCHN + b] + bias[r];
-                } else {
-                    for (int64_t r = rb; r < re; r++) yrow[r] = ytmp[(r - rb) * BCHN + b];
-                }
-            }
+            nm_store_transposed(ytmp, BCHN, re - rb, bmax, Y + bc * BCHN * ldy + rb, ldy,
+                                bias ? bias + rb : NULL);
         }
     }
 }

@@ -26,7 +26,7 @@
 /* acc_j += sum_{t in [t0,t1)} v[j*L + t] * x[cols[t]] for j < NJ; out[j] += acc_j. */
 static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
     const float *panel, const int32_t *cols, const float *v, int64_t L, int64_t t0, int64_t t1,
-    float *const *out, const int NJ)
+    float *const *out, const int NJ, const int pf)
 {
     /* two accumulator sets when one set has fewer than 8 independent chains and both fit */
     const int S = (NJ * NV < 8 && 2 * NJ * NV + NV + 2 <= NMC_REGS) ? 2 : 1;
@@ -40,10 +40,12 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
 #pragma GCC unroll 2
             for (int s = 0; s < 2; s++) {
                 /* the columns are data-dependent (no hardware prefetch): fetch ahead */
-                const int64_t tp = t + s + NMC_AHEAD < t1 ? t + s + NMC_AHEAD : t1 - 1;
-                const float *pf = panel + (int64_t)cols[tp] * BCHN;
+                if (pf) {
+                    const int64_t tp = t + s + NMC_AHEAD < t1 ? t + s + NMC_AHEAD : t1 - 1;
+                    const float *px = panel + (int64_t)cols[tp] * BCHN;
 #pragma GCC unroll 8
-                for (int l = 0; l < BCHN; l += 16) __builtin_prefetch(pf + l);
+                    for (int l = 0; l < BCHN; l += 16) __builtin_prefetch(px + l);
+                }
                 const float *px = panel + (int64_t)cols[t + s] * BCHN;
                 vf xv[NV];
 #pragma GCC unroll 8
@@ -58,10 +60,12 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
         }
     }
     for (; t < t1; t++) {
-        const int64_t tp = t + NMC_AHEAD < t1 ? t + NMC_AHEAD : t1 - 1;
-        const float *pf = panel + (int64_t)cols[tp] * BCHN;
+        if (pf) {
+            const int64_t tp = t + NMC_AHEAD < t1 ? t + NMC_AHEAD : t1 - 1;
+            const float *px = panel + (int64_t)cols[tp] * BCHN;
 #pragma GCC unroll 8
-        for (int l = 0; l < BCHN; l += 16) __builtin_prefetch(pf + l);
+            for (int l = 0; l < BCHN; l += 16) __builtin_prefetch(px + l);
+        }
         const float *px = panel + (int64_t)cols[t] * BCHN;
         vf xv[NV];
 #pragma GCC unroll 8
@@ -83,13 +87,28 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
         }
 }
 
+/* one call of cgg_rows with a compile-time row count nj and prefetch flag PF */
+#define NMC_CALL(NJ_, PF_) NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, NJ_, PF_)
+#if NMC_NJ >= 4
+#define NMC_DISPATCH(PF_) { switch (nj) { case 1: NMC_CALL(1, PF_); break; case 2: NMC_CALL(2, PF_); break; \
+    case 3: NMC_CALL(3, PF_); break; default: NMC_CALL(4, PF_); break; } }
+#elif NMC_NJ >= 3
+#define NMC_DISPATCH(PF_) { switch (nj) { case 1: NMC_CALL(1, PF_); break; case 2: NMC_CALL(2, PF_); break; \
+    default: NMC_CALL(3, PF_); break; } }
+#elif NMC_NJ >= 2
+#define NMC_DISPATCH(PF_) { switch (nj) { case 1: NMC_CALL(1, PF_); break; default: NMC_CALL(2, PF_); break; } }
+#else
+#define NMC_DISPATCH(PF_) { NMC_CALL(1, PF_); }
+#endif
+
 /* Slots [t0, t1) of every pattern (a range of whole chunks: its x columns, a block of the
  * panel, stay in L1 while the row blocks [q0, q1) sweep it); first: start ytmp at zero. */
 /* wbuf: n * L floats of scratch (the widened values of one pattern when vtype is NM_BF16;
  * widening once per pattern and batch chunk costs ~1/BCHN of the FMAs). */
 static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, int64_t q0, int64_t q1,
-                                   int64_t t0, int64_t t1, float *ytmp, int first, float *wbuf)
+                                   int64_t t0, int64_t t1, float *ytmp, int flags, float *wbuf)
 {
+    const int first = flags & NM_CG_FIRST, pf = !(flags & NM_CG_IN_L1);
     const int n = W->n, m = W->m, P = W->P;
     const int64_t L = W->L;
     for (int64_t q = q0; q < q1; q++) {
@@ -113,26 +132,18 @@ static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, in
             const int32_t *rows = W->pats + p * n;
             for (int j0 = 0; j0 < n; j0 += NMC_NJ) {
                 const int nj = n - j0 < NMC_NJ ? n - j0 : NMC_NJ;
-                float *out[4];
+                float *out[4] = {yt, yt, yt, yt};
                 for (int j = 0; j < nj; j++) out[j] = yt + (int64_t)rows[j0 + j] * BCHN;
                 const float *vj = v + (int64_t)j0 * L;
-                switch (nj) {
-                case 1: NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, 1); break;
-#if NMC_NJ >= 2
-                case 2: NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, 2); break;
-#endif
-#if NMC_NJ >= 3
-                case 3: NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, 3); break;
-#endif
-#if NMC_NJ >= 4
-                default: NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, 4); break;
-#endif
-                }
+                /* pf a constant in each call: no per-slot branch */
+                if (pf) NMC_DISPATCH(1) else NMC_DISPATCH(0)
             }
         }
     }
 }
 
+#undef NMC_DISPATCH
+#undef NMC_CALL
 #undef NMC_NJ
 #undef NMC_NJ_RAW
 #undef NMC_CAT4

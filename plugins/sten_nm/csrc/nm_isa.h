@@ -61,8 +61,12 @@ typedef void (*nm_unperm_fn)(const float *t, const int32_t *inv, const float *bi
 typedef void (*nm_gtgather_fn)(const float *wv, const int32_t *cols, int64_t gn, const float *gyt,
                                float *gxt, int64_t ld, int64_t nb);
 
+/* flags of nm_cgg_fn: start the accumulators at zero; the x columns of the slots sit in L1
+ * (a small slot range reused by many row blocks: no software prefetch) */
+#define NM_CG_FIRST 1
+#define NM_CG_IN_L1 2
 typedef void (*nm_cgg_fn)(const nm_colgrouped *W, const float *panel, int64_t q0, int64_t q1,
-                          int64_t t0, int64_t t1, float *ytmp, int first, float *wbuf);
+                          int64_t t0, int64_t t1, float *ytmp, int flags, float *wbuf);
 
 typedef struct {
     const char *name;

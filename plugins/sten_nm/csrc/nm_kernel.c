@@ -4,10 +4,13 @@
 #endif
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "nm_isa.h"
+#include "nm_transpose.h"
 
 /* ---------------------------------------------------------------- ISA ---- */
 static const nm_isa_table *g_table = NULL;
@@ -804,17 +807,34 @@ int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int6
 /* -------------------------------------------------------- column-grouped -- */
 typedef struct {
     const nm_colgrouped *W; const float *xp; int64_t Kp, nbc, B; float *Y; int64_t ldy;
-    const float *bias; int64_t bch, kt; nm_cgg_fn fn; int err; int64_t next;
+    const float *bias; int64_t bch, kt, qb; int in_l1; nm_cgg_fn fn; int err; int64_t next;
+    const float *X; int64_t ldx; int *packed;   /* per batch chunk: 0 to pack, 1 packing, 2 packed */
 } cgg_args;
 
-/* Each thread owns a range of row blocks; per batch chunk (its packed panel stays in L2
- * while the thread's blocks run) the blocks' rows are accumulated in ytmp, then written. */
+/* The panel of batch chunk bc, packed by the first unit that needs it (one parallel region
+ * for packing and products: on a loaded machine every region's end waits for a thread the
+ * OS may have descheduled); a unit whose chunk another thread is packing waits for it. */
+static void cgg_panel_ready(cgg_args *a, int64_t bc)
+{
+    int expect = 0;
+    if (__atomic_load_n(&a->packed[bc], __ATOMIC_ACQUIRE) == 2) return;
+    if (__atomic_compare_exchange_n(&a->packed[bc], &expect, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        pack_panel(a->X, a->ldx, a->B, a->W->K, bc * a->bch, a->bch, 0, a->Kp,
+                   (float *)a->xp + bc * a->Kp * a->bch);
+        __atomic_store_n(&a->packed[bc], 2, __ATOMIC_RELEASE);
+        return;
+    }
+    while (__atomic_load_n(&a->packed[bc], __ATOMIC_ACQUIRE) != 2) sched_yield();
+}
+
+/* Units (batch chunk, qb row blocks); per unit the blocks' rows are accumulated in ytmp,
+ * slot range after slot range (kt slots of every pattern per pass), then written. */
 static void cgg_task(void *p, int tid, int nth)
 {
     cgg_args *a = (cgg_args *)p;
     const nm_colgrouped *W = a->W;
     (void)tid; (void)nth;
-    const int64_t qb = 8;   /* row blocks per unit: their accumulators stay in L1 */
+    const int64_t qb = a->qb;
     const int64_t nq = (W->Nb + qb - 1) / qb;
     float *ytmp = NULL, *wbuf = NULL;
     /* units (batch chunk, qb row blocks), batch chunk major, taken dynamically: the
@@ -826,16 +846,15 @@ static void cgg_task(void *p, int tid, int nth)
             if (!ytmp || (W->vtype == NM_BF16 && !wbuf)) { free(ytmp); free(wbuf); a->err = -3; return; }
         }
         const int64_t bc = u / nq, qa = (u % nq) * qb, qe = qa + qb < W->Nb ? qa + qb : W->Nb;
+        cgg_panel_ready(a, bc);
         const float *panel = a->xp + bc * a->Kp * a->bch;
         const int64_t bmax = a->B - bc * a->bch < a->bch ? a->B - bc * a->bch : a->bch;
         for (int64_t t0 = 0; t0 < W->L; t0 += a->kt)
-            a->fn(W, panel, qa, qe, t0, t0 + a->kt < W->L ? t0 + a->kt : W->L, ytmp, t0 == 0, wbuf);
+            a->fn(W, panel, qa, qe, t0, t0 + a->kt < W->L ? t0 + a->kt : W->L, ytmp,
+                  (t0 == 0 ? NM_CG_FIRST : 0) | (a->in_l1 ? NM_CG_IN_L1 : 0), wbuf);
         const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N;
-        for (int64_t b = 0; b < bmax; b++) {
-            float *yrow = a->Y + (bc * a->bch + b) * a->ldy;
-            for (int64_t r = r0; r < r1; r++)
-                yrow[r] = ytmp[(r - r0) * a->bch + b] + (a->bias ? a->bias[r] : 0.0f);
-        }
+        nm_store_transposed(ytmp, a->bch, r1 - r0, bmax, a->Y + bc * a->bch * a->ldy + r0, a->ldy,
+                            a->bias ? a->bias + r0 : NULL);
     }
     free(ytmp);
     free(wbuf);
@@ -844,9 +863,55 @@ static void cgg_task(void *p, int tid, int nth)
 int nm_colgrouped_gather_f32(const nm_colgrouped *W, int64_t B, const float *X, int64_t ldx,
                              float *Y, int64_t ldy, const float *bias, int nthreads)
 {
+    return nm_colgrouped_gather_variant_f32(W, B, X, ldx, Y, ldy, bias, nthreads, NM_CG_AUTO);
+}
+
+/* The loop order of a variant: slots per pass (kt) and row blocks per unit (qb).
+ * NM_CG_STREAM: every slot in one pass over few row blocks (8: their accumulators stay in
+ *   L1); the x columns come from the packed panel in L2, fetched ahead by software prefetch.
+ * NM_CG_TILED (the original STen's order): a pass covers kt slots of every pattern, whose x
+ *   columns (P * kt columns of bch floats, ~32 KiB) stay in L1 while many row blocks (their
+ *   accumulators, ~256 KiB, in L2) sweep them; no prefetch.
+ * STEN_NM_CG_KT / STEN_NM_CG_QB override kt / qb (experiments). */
+/* bytes of x a tiled pass keeps in L1: 5/6 of the L1 data cache (40 KiB of Zen 5's 48,
+ * 26 KiB of a 32 KiB one), the rest for the streamed values, indices and accumulators */
+static int64_t cg_tile_bytes(void)
+{
+    long l1 = 0;
+#ifdef _SC_LEVEL1_DCACHE_SIZE
+    l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+#endif
+    if (l1 < 16 * 1024 || l1 > 1024 * 1024) l1 = 32 * 1024;
+    return env_int("STEN_NM_CG_TILE_BYTES", (int64_t)l1 * 5 / 6);
+}
+
+static void cg_variant(const nm_colgrouped *W, int variant, int64_t bch, int64_t nbc, int nth,
+                       int64_t *kt, int64_t *qb, int *in_l1)
+{
+    if (variant == NM_CG_TILED) {
+        *kt = cg_tile_bytes() / ((int64_t)W->P * bch * 4);
+        if (*kt < 8) *kt = 8;   /* the accumulators' flush amortised over >= 8 slots */
+        *qb = env_int("STEN_NM_CG_ACC_BYTES", 256 * 1024) / ((int64_t)W->m * bch * 4);
+        if (*qb < 1) *qb = 1;
+        /* enough units for the threads (small batches: a single batch chunk) */
+        while (*qb > 1 && nbc * ((W->Nb + *qb - 1) / *qb) < 2 * nth) *qb = (*qb + 1) / 2;
+    } else {
+        *kt = W->L;
+        *qb = 8;
+    }
+    if (getenv("STEN_NM_CG_KT")) *kt = env_int("STEN_NM_CG_KT", W->L);
+    if (getenv("STEN_NM_CG_QB")) *qb = env_int("STEN_NM_CG_QB", 8);
+    if (*kt > W->L) *kt = W->L;
+    *in_l1 = *kt < W->L;
+}
+
+int nm_colgrouped_gather_variant_f32(const nm_colgrouped *W, int64_t B, const float *X, int64_t ldx,
+                                     float *Y, int64_t ldy, const float *bias, int nthreads, int variant)
+{
     if (!W || W->n < 1 || W->m < 2 || W->n >= W->m || W->P < 1 || W->N < 0 || W->K < 0 || B < 0 ||
         (W->vtype != NM_F32 && W->vtype != NM_BF16) ||
-        W->Nb != (W->N + W->m - 1) / W->m || W->L < 0 || (int64_t)W->P * W->L < W->K)
+        W->Nb != (W->N + W->m - 1) / W->m || W->L < 0 || (int64_t)W->P * W->L < W->K ||
+        variant < NM_CG_AUTO || variant > NM_CG_TILED)
         return -1;
     if (B == 0 || W->N == 0) return 0;
     if (W->K == 0 || W->L == 0) {
@@ -860,20 +925,17 @@ int nm_colgrouped_gather_f32(const nm_colgrouped *W, int64_t B, const float *X, 
     int nvi; const int64_t bch = (int64_t)choose_nv(B, T->vw, &nvi) * T->vw;
     const int64_t Kp = (int64_t)W->P * W->L;
     const int nth = clamp_threads(nthreads, 2.0 * B * W->Nb * W->n * Kp, W->Nb);
-    int64_t nbc;
-    float *xp = make_panel(X, ldx, B, W->K, Kp, bch, &nbc, nth);
-    if (!xp) return -3;
-    /* slots per pass: all by default; STEN_NM_CG_BLOCK_BYTES keeps a pass's x columns (P * kt
-     * columns of bch floats) within that many bytes (measured slower here: 1:10's narrow
-     * passes cost more than the L1 reuse gains) */
-    int64_t kt = W->L;
-    if (getenv("STEN_NM_CG_BLOCK_BYTES")) {
-        kt = env_int("STEN_NM_CG_BLOCK_BYTES", 32 * 1024) / ((int64_t)W->P * bch * 4);
-        if (kt < 1) kt = 1;
-    }
-    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, T->cgg[nvi], 0, 0};
+    const int64_t nbc = (B + bch - 1) / bch;
+    float *xp = (float *)alloc64((size_t)(nbc * Kp * bch) * sizeof(float));
+    int *packed = (int *)calloc((size_t)nbc, sizeof(int));
+    if (!xp || !packed) { free(xp); free(packed); return -3; }
+    if (variant == NM_CG_AUTO) variant = (int)env_int("STEN_NM_CG_VARIANT", NM_CG_STREAM);
+    int64_t kt, qb; int in_l1;
+    cg_variant(W, variant, bch, nbc, nth, &kt, &qb, &in_l1);
+    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, qb, in_l1, T->cgg[nvi], 0, 0, X, ldx, packed};
     run_parallel(nth, cgg_task, &a);
     free(xp);
+    free(packed);
     return a.err;
 }
 

@@ -70,6 +70,15 @@ typedef struct {
 /* Y[b][r] = sum_k W[r][k] X[b][k] (+ bias[r]); X [B][K] (ldx), Y [B][N] (ldy). */
 int nm_colgrouped_gather_f32(const nm_colgrouped *W, int64_t B, const float *X, int64_t ldx,
                              float *Y, int64_t ldy, const float *bias, int nthreads);
+/* The same product in a chosen loop order (see nm_kernel.c, cg_variant): NM_CG_STREAM (all
+ * slots per pass, x from L2), NM_CG_TILED (x tile in L1, accumulators in L2), NM_CG_AUTO
+ * (STEN_NM_CG_VARIANT, else NM_CG_STREAM; the Python side tunes the choice per shape). */
+#define NM_CG_AUTO 0
+#define NM_CG_STREAM 1
+#define NM_CG_TILED 2
+int nm_colgrouped_gather_variant_f32(const nm_colgrouped *W, int64_t B, const float *X, int64_t ldx,
+                                     float *Y, int64_t ldy, const float *bias, int nthreads,
+                                     int variant);
 
 /* Y[b][r] = sum_c A[r][c] X[b][c] (+ bias[r]); X is [B][C] (row stride ldx), Y [B][R] (ldy). */
 int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx,

@@ -78,6 +78,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nm_colgrouped_gather_f32.argtypes = [ctypes.POINTER(NMColGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64,
                                              _c_p, ctypes.c_int]
     lib.nm_colgrouped_gather_f32.restype = ctypes.c_int
+    lib.nm_colgrouped_gather_variant_f32.argtypes = lib.nm_colgrouped_gather_f32.argtypes + [ctypes.c_int]
+    lib.nm_colgrouped_gather_variant_f32.restype = ctypes.c_int
     for name in ("nm_isa", "nm_threading", "nm_openmp_library"):
         getattr(lib, name).restype = ctypes.c_char_p
     lib.nm_set_isa.argtypes = [ctypes.c_char_p]
@@ -343,6 +345,7 @@ def grouped_tgather(W: NMGrouped, dY: torch.Tensor, nthreads: Optional[int] = No
 
 
 VTYPES = {torch.float32: 0, torch.bfloat16: 1}  # NM_F32, NM_BF16 in csrc/nm_kernel.h
+CG_VARIANTS = {"auto": 0, "stream": 1, "tiled": 2}  # NM_CG_AUTO, NM_CG_STREAM, NM_CG_TILED
 
 
 def colgrouped(vals: torch.Tensor, cols: torch.Tensor, pats: torch.Tensor, N: int, K: int, n: int, m: int) -> NMColGrouped:
@@ -359,13 +362,20 @@ def colgrouped(vals: torch.Tensor, cols: torch.Tensor, pats: torch.Tensor, N: in
 
 
 def colgrouped_gather(W: NMColGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                      nthreads: Optional[int] = None) -> torch.Tensor:
-    """``Y = X W^T (+ bias)`` for a column-grouped n:m ``W`` ``[N, K]``, X ``[B, K]``."""
+                      nthreads: Optional[int] = None, variant: str = "auto") -> torch.Tensor:
+    """``Y = X W^T (+ bias)`` for a column-grouped n:m ``W`` ``[N, K]``, X ``[B, K]``.
+
+    ``variant`` picks the kernel's loop order (same result): ``"stream"`` (every slot per
+    pass, x from L2 with prefetch), ``"tiled"`` (an L1 tile of x columns swept by many row
+    blocks, the original STen's order) or ``"auto"`` (``STEN_NM_CG_VARIANT``, else stream).
+    """
+    if variant not in CG_VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(CG_VARIANTS)}, got {variant!r}")
     X = _rowmajor(X)
     Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
     b = bias.contiguous().float() if bias is not None else None
-    rc = _load().nm_colgrouped_gather_f32(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(),
-                                          Y.stride(0) if W.N else 1, b.data_ptr() if b is not None else None,
-                                          _threads(nthreads))
+    rc = _load().nm_colgrouped_gather_variant_f32(
+        ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(), Y.stride(0) if W.N else 1,
+        b.data_ptr() if b is not None else None, _threads(nthreads), CG_VARIANTS[variant])
     _check(rc, "nm_colgrouped_gather")
     return Y

@@ -1,7 +1,8 @@
 """``F.linear`` with a :class:`ColumnGroupedNMTensor` weight, forward and backward.
 
 The forward runs the C kernel (``nm_colgrouped_gather_f32``: per row block and pattern,
-each owned column's batch vector of ``x`` from a packed panel feeds ``n`` FMAs) where the
+each owned column's batch vector of ``x`` from a packed panel feeds ``n`` FMAs; of its two
+loop orders the tuner picks the faster per shape) where the
 extension is available and the compute dtype is float32. The backward runs exact n:m's
 kernels on ``Wᵀ`` (the same matrix is n:m along N: ``to_nm()``, pattern cached): ``gather``
 for the input gradient and ``sddmm`` for the values' gradient; without the extension or in
@@ -142,7 +143,7 @@ def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Ten
     dtype = amp if amp is not None else _out_dtype(x, W._values, bias)
     c = _compute_dtype(dtype)
     if c == torch.float32 and _kernel.available()[0]:   # the C kernel (float32 accumulation)
-        y2 = _kernel.colgrouped_gather(W.desc(amp), _rows(x), bias)
+        y2 = _tuned_forward(W, W.desc(amp), _rows(x), bias)
     else:
         values = _cast(W._values, amp)
         with torch.autocast("cpu", enabled=False):   # operands already cast; compute in c
@@ -150,6 +151,22 @@ def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Ten
             if bias is not None:
                 y2 = y2 + bias.to(c)
     return y2.to(dtype).reshape(*x.shape[:-1], N)
+
+
+def _tuned_forward(W: ColumnGroupedNMTensor, desc: Any, x2: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The C forward in the faster of its loop orders (``"stream"``: all slots per pass over
+    few row blocks; ``"tiled"``: an L1 tile of x swept by many row blocks), timed once per
+    (shape, pattern, batch bucket, dtype, threads, ISA) and cached (:mod:`sten_nm.tuning`);
+    ``STEN_NM_TUNE=0``: ``STEN_NM_CG_VARIANT`` or stream."""
+    B = x2.shape[0]
+    if not tuning.enabled() or B == 0:
+        return _kernel.colgrouped_gather(desc, x2, bias)
+    N, K = W.shape
+    dt = "bfloat16" if desc.vtype == _kernel.VTYPES[torch.bfloat16] else "float32"
+    k = tuning.key("cg_fwd", N, K, W.n, W.m, True, B, dt, torch.get_num_threads(), _kernel.isa())
+    run = {v: (lambda v=v: _kernel.colgrouped_gather(desc, x2, bias, variant=v)) for v in ("stream", "tiled")}
+    return run[tuning.choose(k, run, reps=5)]()
 
 
 def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Per-machine choice of the exact n:m product: the sparse kernel or "decompress the weight
 into a scratch buffer + dense GEMM", timed once per (op, shape, pattern, batch bucket,
-dtype, threads, ISA) and cached on disk, like FFTW's wisdom.
+dtype, threads, ISA) and cached on disk, like FFTW's wisdom. The paper format's forward
+(op ``cg_fwd``) chooses its kernel's loop order the same way (``"stream"`` or ``"tiled"``).
 
 * ``STEN_NM_TUNE=0`` turns tuning off (always the sparse kernel);
 * ``STEN_NM_TUNE_CACHE`` names the cache file (default ``~/.cache/sten_nm/tuning.json``);
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Callable, Optional
@@ -64,7 +64,7 @@ def _load() -> dict[str, dict]:
             with open(path) as f:
                 data = json.load(f)
             if isinstance(data, dict):
-                _memory.update({k: v for k, v in data.items() if isinstance(v, dict) and v.get("choice") in (KERNEL, DENSE)})
+                _memory.update({k: v for k, v in data.items() if isinstance(v, dict) and isinstance(v.get("choice"), str)})
         except (OSError, ValueError):
             pass
         _loaded_from = path
@@ -83,14 +83,16 @@ def _save() -> None:
         pass  # a read-only home: the choice still holds for this process
 
 
-def _median_time(fn: Callable[[], object], reps: int) -> float:
+def _best_time(fn: Callable[[], object], reps: int) -> float:
+    """The fastest of ``reps`` calls: on a loaded machine a call's time only grows (a thread
+    descheduled mid-call), so the minimum is the least disturbed estimate."""
     fn()
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return min(ts)
 
 
 def choose(k: str, candidates: dict[str, Callable[[], object]], reps: int = 3) -> str:
@@ -101,7 +103,7 @@ def choose(k: str, candidates: dict[str, Callable[[], object]], reps: int = 3) -
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(2):
         for name, fn in candidates.items():
-            times[name].append(_median_time(fn, reps))
+            times[name].append(_best_time(fn, reps))
     med = {name: min(ts) for name, ts in times.items()}
     best = min(med, key=med.get)
     table[k] = {"choice": best, "ms": {name: round(t * 1e3, 3) for name, t in med.items()}}
@@ -110,7 +112,7 @@ def choose(k: str, candidates: dict[str, Callable[[], object]], reps: int = 3) -
 
 
 def choices() -> dict[str, dict]:
-    """Every cached choice: ``{key: {"choice": "kernel" | "dense", "ms": {...}}}``."""
+    """Every cached choice: ``{key: {"choice": "kernel" | "dense" | "stream" | "tiled", "ms": {...}}}``."""
     return dict(_load())
 
 

@@ -201,26 +201,71 @@ def test_bad_arguments():
     assert ColumnGroupedNMTensor(t.values(), t.columns, t.shape, 2, 4, 2).same_pattern(t)
 
 
+# loop orders of the C forward: (variant, environment) - the tiled order with its default
+# tile, with 8-slot tiles and one row block per unit, and with passes of one slot each
+CG_VARIANTS = [("stream", {}), ("tiled", {}),
+               ("tiled", {"STEN_NM_CG_TILE_BYTES": "1", "STEN_NM_CG_ACC_BYTES": "1"}),
+               ("stream", {"STEN_NM_CG_KT": "1"}), ("tiled", {"STEN_NM_CG_KT": "1", "STEN_NM_CG_QB": "3"})]
+
+
 @requires_kernel
 @pytest.mark.parametrize("n,m", CG_PATTERNS)
 @pytest.mark.parametrize("B", [1, 7, 64, 130])
-@pytest.mark.parametrize("blocked", [False, True])
-def test_c_forward_every_isa(isa, n, m, B, blocked, monkeypatch):
-    """The C forward kernel against dense and the torch reference (odd N, K; padding)."""
+@pytest.mark.parametrize("variant,env", CG_VARIANTS)
+def test_c_forward_every_isa(isa, n, m, B, variant, env, monkeypatch):
+    """The C forward kernel in each loop order against dense and the torch reference (odd
+    N, K; padding; several passes and units)."""
     from sten_nm import _kernel
     from sten_nm import column_grouped_ops as cg
 
-    if blocked:   # passes of one slot each
-        monkeypatch.setenv("STEN_NM_CG_BLOCK_BYTES", "1")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     for N, K in ((19, 37), (40, 200)):
-        t = ColumnGroupedNMTensor.from_dense(torch.randn(N, K), n, m)
+        t = ColumnGroupedNMTensor.from_dense(torch.randn(N, K), n, m, g=None if K < 100 else 3)
         x, b = torch.randn(B, K), torch.randn(N)
-        y = _kernel.colgrouped_gather(t.desc(), x, b)
+        y = _kernel.colgrouped_gather(t.desc(), x, b, variant=variant)
         torch.testing.assert_close(y, F.linear(x, t.to_dense(), b), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(y, cg.forward(t, x, t.values()) + b, rtol=1e-4, atol=1e-4)
         for threads in (1, 3):
-            torch.testing.assert_close(_kernel.colgrouped_gather(t.desc(), x, nthreads=threads),
+            torch.testing.assert_close(_kernel.colgrouped_gather(t.desc(), x, nthreads=threads, variant=variant),
                                        F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
+
+
+@requires_kernel
+@pytest.mark.parametrize("variant", ["stream", "tiled"])
+def test_c_forward_variants_bf16_and_larger(isa, variant, monkeypatch):
+    """Both loop orders on bf16 values (widened in the kernel) and on a shape with several
+    tiles and units at the default sizes (K = 1000: 1:10 tiles of 8 slots)."""
+    from sten_nm import _kernel
+
+    for (N, K, n, m, B) in ((130, 1000, 1, 10, 70), (96, 300, 2, 4, 33)):
+        t = ColumnGroupedNMTensor.from_dense(torch.randn(N, K), n, m)
+        x, b = torch.randn(B, K), torch.randn(N)
+        torch.testing.assert_close(_kernel.colgrouped_gather(t.desc(), x, b, variant=variant),
+                                   F.linear(x, t.to_dense(), b), rtol=1e-4, atol=1e-4)
+        tb = ColumnGroupedNMTensor.from_dense(torch.randn(N, K).bfloat16(), n, m)
+        torch.testing.assert_close(_kernel.colgrouped_gather(tb.desc(), x, variant=variant),
+                                   F.linear(x, tb.to_dense().float()), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        _kernel.colgrouped_gather(t.desc(), x, variant="fast")
+
+
+def test_forward_variant_is_tuned_and_cached(tmp_path, monkeypatch):
+    """F.linear's C forward times both loop orders once per shape and caches the choice."""
+    from sten_nm import _kernel, tuning
+
+    if not _kernel.available()[0]:
+        pytest.skip("needs the C kernels")
+    monkeypatch.setenv("STEN_NM_TUNE", "1")
+    monkeypatch.setenv("STEN_NM_TUNE_CACHE", str(tmp_path / "t.json"))
+    t = ColumnGroupedNMTensor.from_dense(torch.randn(40, 96), 1, 4)
+    x = torch.randn(20, 96)
+    torch.testing.assert_close(column_grouped_linear(x, t), F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
+    chosen = {k: v for k, v in tuning.choices().items() if k.startswith("cg_fwd R=40 C=96 1:4")}
+    assert len(chosen) == 1
+    entry = next(iter(chosen.values()))
+    assert entry["choice"] in ("stream", "tiled") and set(entry["ms"]) == {"stream", "tiled"}
+    torch.testing.assert_close(column_grouped_linear(x, t), F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
 
 
 @requires_kernel
