@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from . import _kernel, tuning
 from .column_grouped import ColumnGroupedNMTensor, patterns
-from sten_core.plugin_api import linear_inputs, needs_grad, register_weight_product
+from sten_core.plugin_api import linear_inputs, needs_grad, note, observing, register_weight_product
 
 from .ops import _autocast_dtype, _cast, _check_input, _out_dtype, _rows
 
@@ -142,8 +142,14 @@ def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Ten
     dtype = amp if amp is not None else _out_dtype(x, W._values, bias)
     c = _compute_dtype(dtype)
     if c == torch.float32 and _kernel.available()[0]:   # the C kernel (float32 accumulation)
-        y2 = _kernel.colgrouped_gather(W.desc(amp), _rows(x), bias)
+        desc = W.desc(amp)
+        if observing():
+            note(f"sten_nm: nm_colgrouped_gather ({_kernel.isa()}, {'bf16' if desc.vtype else 'fp32'} values, "
+                 f"not tuned)")
+        y2 = _kernel.colgrouped_gather(desc, _rows(x), bias)
     else:
+        if observing():
+            note(f"sten_nm: per-pattern torch products in {c} (no C kernel for this dtype)")
         values = _cast(W._values, amp)
         with torch.autocast("cpu", enabled=False):   # operands already cast; compute in c
             y2 = forward(W, _rows(x).to(c), values.to(c))
@@ -205,11 +211,10 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
 def _tuned_backward(W: ColumnGroupedNMTensor, B: int, kernels: Any, dense: Any) -> tuple:
     """The faster of the two backward paths on this machine (timed once, cached on disk,
     ``STEN_NM_TUNE=0``: always the kernels); see :mod:`sten_nm.tuning`."""
-    if not tuning.enabled() or B == 0:
-        return kernels()
     N, K = W.shape
     k = tuning.key("cg_bwd", N, K, W.n, W.m, True, B, "float32", torch.get_num_threads(), _kernel.isa())
-    return kernels() if tuning.choose(k, {tuning.KERNEL: kernels, tuning.DENSE: dense}) == tuning.KERNEL else dense()
+    choice = tuning.pick(k, {tuning.KERNEL: kernels, tuning.DENSE: dense}, empty=B == 0)
+    return kernels() if choice == tuning.KERNEL else dense()
 
 
 def linear_bwd_dense(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from sten_core.plugin_api import linear_inputs, needs_grad, register_weight_product
+from sten_core.plugin_api import linear_inputs, needs_grad, note, observing, register_weight_product
 
 from . import _kernel, tuning
 from ._checks import FLOAT_DTYPES
@@ -122,11 +122,9 @@ def _tuned(op: str, W: NMTensor, B: int, a_is_w: bool, kernel: Callable[[], torc
            dense: Callable[[], torch.Tensor]) -> torch.Tensor:
     """Run the faster of the sparse kernel and decompress + dense GEMM for this (op, shape,
     pattern, batch bucket, threads, ISA): timed once, cached on disk (:mod:`sten_nm.tuning`)."""
-    if not tuning.enabled() or B == 0:
-        return kernel()
     R, C = W._rc()
     k = tuning.key(op, R, C, W.n, W.m, a_is_w, B, "float32", torch.get_num_threads(), _kernel.isa())
-    choice = tuning.choose(k, {tuning.KERNEL: kernel, tuning.DENSE: dense})
+    choice = tuning.pick(k, {tuning.KERNEL: kernel, tuning.DENSE: dense}, empty=B == 0)
     return kernel() if choice == tuning.KERNEL else dense()
 
 
@@ -270,6 +268,8 @@ def grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = 
     if dtype == torch.float64:
         y2 = F.linear(x2.double(), W.to_dense().double(), None if bias is None else bias.double())
     else:
+        if observing():
+            note(f"sten_nm: nm_grouped_gather ({_kernel.isa()}, not tuned)")
         y2 = _kernel.grouped_gather(W.desc(amp), x2, bias)
     return y2.to(dtype).reshape(*x.shape[:-1], N)
 
