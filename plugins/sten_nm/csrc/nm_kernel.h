@@ -71,6 +71,15 @@ typedef struct {
 int nm_colgrouped_gather_f32(const nm_colgrouped *W, int64_t B, const float *X, int64_t ldx,
                              float *Y, int64_t ldy, const float *bias, int nthreads);
 
+/* Input gradient for Y = X W^T: dX[b][k] = sum_r dY[b][r] W[r][k]; dY [B][N] (ldg), dX [B][K] (ldx). */
+int nm_colgrouped_grad_input_f32(const nm_colgrouped *W, int64_t B, const float *dY, int64_t ldg,
+                                 float *dX, int64_t ldx, int nthreads);
+/* Gradient of the stored values for Y = X W^T, at the kept positions only:
+ * out[q][p][j][t] = sum_b dY[b][q*m + pats[p][j]] X[b][cols[q][p][t]] (0 at padding); out is
+ * float32 [Nb][P][n][L] whatever vtype. */
+int nm_colgrouped_grad_values_f32(const nm_colgrouped *W, int64_t B, const float *dY, int64_t ldg,
+                                  const float *X, int64_t ldx, float *out, int nthreads);
+
 /* Y[b][r] = sum_c A[r][c] X[b][c] (+ bias[r]); X is [B][C] (row stride ldx), Y [B][R] (ldy). */
 int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx,
                   float *Y, int64_t ldy, const float *bias, int nthreads);

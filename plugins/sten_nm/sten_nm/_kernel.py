@@ -78,6 +78,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nm_colgrouped_gather_f32.argtypes = [ctypes.POINTER(NMColGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64,
                                              _c_p, ctypes.c_int]
     lib.nm_colgrouped_gather_f32.restype = ctypes.c_int
+    _declare_extra(lib)
     for name in ("nm_isa", "nm_threading", "nm_openmp_library"):
         getattr(lib, name).restype = ctypes.c_char_p
     lib.nm_set_isa.argtypes = [ctypes.c_char_p]
@@ -369,3 +370,35 @@ def colgrouped_gather(W: NMColGrouped, X: torch.Tensor, bias: Optional[torch.Ten
                                           _threads(nthreads))
     _check(rc, "nm_colgrouped_gather")
     return Y
+
+
+def _declare_extra(lib: ctypes.CDLL) -> None:
+    """Signatures of the kernels added after the first set (column-grouped backward)."""
+    PC = ctypes.POINTER(NMColGrouped)
+    lib.nm_colgrouped_grad_input_f32.argtypes = [PC, _c_i64, _c_p, _c_i64, _c_p, _c_i64, ctypes.c_int]
+    lib.nm_colgrouped_grad_input_f32.restype = ctypes.c_int
+    lib.nm_colgrouped_grad_values_f32.argtypes = [PC, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
+    lib.nm_colgrouped_grad_values_f32.restype = ctypes.c_int
+
+
+def colgrouped_grad_input(W: NMColGrouped, dY: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
+    """Input gradient for a column-grouped ``W`` ``[N, K]``: ``dX = dY W``, ``[B, K]`` float32."""
+    dY = _rowmajor(dY)
+    dX = torch.empty((dY.shape[0], W.K), dtype=torch.float32)
+    rc = _load().nm_colgrouped_grad_input_f32(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0) if W.N else 1,
+                                              dX.data_ptr(), dX.stride(0) if W.K else 1, _threads(nthreads))
+    _check(rc, "nm_colgrouped_grad_input")
+    return dX
+
+
+def colgrouped_grad_values(W: NMColGrouped, dY: torch.Tensor, X: torch.Tensor,
+                           nthreads: Optional[int] = None) -> torch.Tensor:
+    """Gradient of a column-grouped ``W``'s stored values for ``Y = X Wᵀ`` (``dYᵀ X`` at the
+    kept positions only): float32 ``[Nb, P, n, L]``, the layout's order."""
+    dY, X = _rowmajor(dY), _rowmajor(X)
+    out = torch.empty((W.Nb, W.P, W.n, W.L), dtype=torch.float32)
+    rc = _load().nm_colgrouped_grad_values_f32(ctypes.byref(W), dY.shape[0], dY.data_ptr(),
+                                               dY.stride(0) if W.N else 1, X.data_ptr(),
+                                               X.stride(0) if W.K else 1, out.data_ptr(), _threads(nthreads))
+    _check(rc, "nm_colgrouped_grad_values")
+    return out

@@ -2,10 +2,11 @@
 
 The forward runs the C kernel (``nm_colgrouped_gather_f32``: per row block and pattern,
 each owned column's batch vector of ``x`` from a packed panel feeds ``n`` FMAs) where the
-extension is available and the compute dtype is float32. The backward runs exact n:m's
-kernels on ``Wᵀ`` (the same matrix is n:m along N: ``to_nm()``, pattern cached): ``gather``
-for the input gradient and ``sddmm`` for the values' gradient; without the extension or in
-float64 it decompresses the weight and runs dense GEMMs. The torch reference (the forward for other dtypes and without the extension;
+extension is available and the compute dtype is float32. The backward runs the layout's own
+C kernels (``nm_colgrouped_grad_input_f32``, ``nm_colgrouped_grad_values_f32``; float32 or
+bf16 stored values, float32 accumulation) or decompress + dense GEMMs, whichever tuning
+found faster here; without the extension or in float64 (gradcheck) it decompresses the
+weight and runs dense GEMMs. The torch reference (the forward for other dtypes and without the extension;
 ``input_grad`` / ``values_grad``, which the tests hold to dense): one dense product per (row block,
 pattern) - the columns a pattern owns gathered from ``x`` times that pattern's ``[n, L]``
 values - batched with ``torch.bmm`` over slabs of row blocks (the gathered ``x`` of a slab
@@ -176,11 +177,12 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     need_x, need_w = needs_grad(ctx, 0), needs_grad(ctx, 1)
 
     def kernels() -> tuple:
-        # exact n:m's C kernels on the same matrix seen as A = Wᵀ (n:m along N, pattern
-        # converted once and cached): gx = gather(A, gy), values' gradient = sddmm(A, x, gy)
-        mat = W.to_nm().fp32().mat()
-        gx = _kernel.gather(mat, gy2) if need_x else None
-        gv = W.values_from_nm(_kernel.sddmm(mat, x2, gy2)) if need_w and sparse_grad else None
+        # the layout's own C kernels (csrc/nm_colgrouped_bwd.h): per (row block, pattern),
+        # gx[:, owned columns] += gy[:, pattern rows] @ values, and the values' gradient
+        # gy[:, pattern rows]ᵀ x[:, owned columns] at the kept positions only
+        desc = W.desc()
+        gx = _kernel.colgrouped_grad_input(desc, gy2) if need_x else None
+        gv = _kernel.colgrouped_grad_values(desc, gy2, x2) if need_w and sparse_grad else None
         return gx, gv
 
     def dense() -> tuple:
