@@ -995,3 +995,6 @@ int nm_decompress_f32(const nm_mat *A, float *D, int64_t ldd, int nthreads)
 
 /* ------------------------------------------- column-grouped backward (own file) -- */
 #include "nm_colgrouped_bwd.h"
+
+/* ------------------------------------------------- bf16 values (own file) -- */
+#include "nm_bf16.h"

@@ -379,6 +379,10 @@ def _declare_extra(lib: ctypes.CDLL) -> None:
     lib.nm_colgrouped_grad_input_f32.restype = ctypes.c_int
     lib.nm_colgrouped_grad_values_f32.argtypes = [PC, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
     lib.nm_colgrouped_grad_values_f32.restype = ctypes.c_int
+    lib.nm_gather_bf16w.argtypes = [ctypes.POINTER(NMMat), _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
+    lib.nm_gather_bf16w.restype = ctypes.c_int
+    lib.nm_f32_to_bf16.argtypes = [_c_p, _c_p, _c_i64, ctypes.c_int]
+    lib.nm_f32_to_bf16.restype = ctypes.c_int
 
 
 def colgrouped_grad_input(W: NMColGrouped, dY: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
@@ -402,3 +406,31 @@ def colgrouped_grad_values(W: NMColGrouped, dY: torch.Tensor, X: torch.Tensor,
                                                X.stride(0) if W.K else 1, out.data_ptr(), _threads(nthreads))
     _check(rc, "nm_colgrouped_grad_values")
     return out
+
+
+def gather_bf16w(A: NMMat, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`gather` for a descriptor whose values are bfloat16 (``mat`` of bf16 contiguous
+    values): widened per block of rows in the kernel, float32 accumulation, float32 result."""
+    keep = getattr(A, "_keep", None)
+    if keep is None or keep[0].dtype != torch.bfloat16 or not keep[0].is_contiguous():
+        raise ValueError("gather_bf16w needs a descriptor of contiguous bfloat16 values")
+    X = _rowmajor(X)
+    Y = torch.empty((X.shape[0], A.R), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = _load().nm_gather_bf16w(ctypes.byref(A), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(),
+                                 Y.stride(0) if A.R else 1, b.data_ptr() if b is not None else None,
+                                 _threads(nthreads))
+    _check(rc, "nm_gather_bf16w")
+    return Y
+
+
+def to_bf16(x: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
+    """A float32 tensor rounded to bfloat16 as ``x.to(torch.bfloat16)`` (nearest even, the
+    same bits; NaN as 0x7fc0), on the kernels' threads (a kernel's output under bf16 autocast)."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be float32, got {x.dtype}")
+    x = x.contiguous()
+    y = torch.empty(x.shape, dtype=torch.bfloat16)
+    _check(_load().nm_f32_to_bf16(x.data_ptr(), y.data_ptr(), x.numel(), _threads(nthreads)), "nm_f32_to_bf16")
+    return y
