@@ -87,6 +87,10 @@ int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx,
  * per block of rows in the kernel, float32 accumulation. */
 int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx,
                     float *Y, int64_t ldy, const float *bias, int nthreads);
+/* nm_grouped_gather_f32 for vals pointing to bfloat16 bits ([Q][G*n][16] uint16_t): each
+ * row group's chunk of slots widened in the kernel, float32 accumulation. */
+int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
+                            float *Y, int64_t ldy, const float *bias, int nthreads);
 /* y[i] = x[i] rounded to bfloat16 (nearest even, as torch; NaN -> 0x7fc0), i < n. */
 int nm_f32_to_bf16(const float *x, uint16_t *y, int64_t n, int nthreads);
 /* X[b][c] = sum_r A[r][c] Y[b][r] (+ bias[c]); Y is [B][R] (ldy), X [B][C] (ldx). */

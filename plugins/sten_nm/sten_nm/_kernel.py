@@ -383,6 +383,9 @@ def _declare_extra(lib: ctypes.CDLL) -> None:
     lib.nm_gather_bf16w.restype = ctypes.c_int
     lib.nm_f32_to_bf16.argtypes = [_c_p, _c_p, _c_i64, ctypes.c_int]
     lib.nm_f32_to_bf16.restype = ctypes.c_int
+    lib.nm_grouped_gather_bf16w.argtypes = [ctypes.POINTER(NMGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p,
+                                            ctypes.c_int]
+    lib.nm_grouped_gather_bf16w.restype = ctypes.c_int
 
 
 def colgrouped_grad_input(W: NMColGrouped, dY: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
@@ -434,3 +437,20 @@ def to_bf16(x: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=torch.bfloat16)
     _check(_load().nm_f32_to_bf16(x.data_ptr(), y.data_ptr(), x.numel(), _threads(nthreads)), "nm_f32_to_bf16")
     return y
+
+
+def grouped_gather_bf16w(W: NMGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                         nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`grouped_gather` for a descriptor of bfloat16 values (``grouped`` of bf16
+    contiguous ``vals``): widened per row group and chunk in the kernel, float32 result."""
+    keep = getattr(W, "_keep", None)
+    if keep is None or keep[0].dtype != torch.bfloat16 or not keep[0].is_contiguous():
+        raise ValueError("grouped_gather_bf16w needs a descriptor of contiguous bfloat16 values")
+    X = _rowmajor(X)
+    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = _load().nm_grouped_gather_bf16w(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(),
+                                         Y.stride(0) if W.N else 1, b.data_ptr() if b is not None else None,
+                                         _threads(nthreads))
+    _check(rc, "nm_grouped_gather_bf16w")
+    return Y

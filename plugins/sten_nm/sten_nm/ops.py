@@ -291,9 +291,16 @@ def grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = 
     if dtype == torch.float64:
         y2 = F.linear(x2.double(), W.to_dense().double(), None if bias is None else bias.double())
     else:
+        bf16 = (amp if amp is not None else W._vals.dtype) == torch.bfloat16
         if observing():
-            note(f"sten_nm: nm_grouped_gather ({_kernel.isa()}, not tuned)")
-        y2 = _kernel.grouped_gather(W.desc(amp), x2, bias)
+            note(f"sten_nm: nm_grouped_gather ({_kernel.isa()}, {'bf16' if bf16 else 'fp32'} values, not tuned)")
+        if bf16:   # bf16 values read in the kernel (no float32 copy of the weight)
+            from ._fp32 import kernel_values
+
+            v = kernel_values(W, W._vals, amp)
+            y2 = _kernel.grouped_gather_bf16w(_kernel.grouped(v, W.indices, W.perm, N, K, W.n, W.m), x2, bias)
+        else:
+            y2 = _kernel.grouped_gather(W.desc(amp), x2, bias)
     return _result(y2, dtype).reshape(*x.shape[:-1], N)
 
 

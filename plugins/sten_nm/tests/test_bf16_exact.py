@@ -120,3 +120,60 @@ def test_to_bf16_same_bits_as_torch_every_isa(isa):
         nan = ref.isnan()   # torch's NaN bits depend on its path (0x7fc0 or 0xffff): any NaN
         assert torch.equal(y.isnan(), nan)
         assert torch.equal(y[~nan].view(torch.int16), ref[~nan].view(torch.int16))
+
+
+# -- GroupedNMTensor (16 rows share a pattern) ------------------------------------------
+def _grouped_bf16_desc(g):
+    N, K = g.shape
+    return _kernel.grouped(g._vals, g.indices, g.perm, N, K, g.n, g.m)
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (3, 6), (1, 10), (3, 32)])
+@pytest.mark.parametrize("B", [1, 7, 64, 130])
+def test_grouped_bf16_gather_every_isa(isa, n, m, B, monkeypatch):
+    from sten_nm import GroupedNMTensor
+
+    for N, K, kc in ((19, 37, None), (70, 200, None), (40, 130, "8")):   # kc: several chunks of slots
+        if kc:
+            monkeypatch.setenv("STEN_NM_GROUPED_KC", kc)
+        g = GroupedNMTensor.from_dense(torch.randn(N, K).bfloat16(), n, m)
+        assert g._vals.dtype == torch.bfloat16
+        x, b = torch.randn(B, K), torch.randn(N)
+        ref = F.linear(x, g.to_dense().float(), b)
+        for threads in (1, 2, 3):
+            torch.testing.assert_close(_kernel.grouped_gather_bf16w(_grouped_bf16_desc(g), x, b, nthreads=threads),
+                                       ref, rtol=1e-5, atol=1e-4)
+        monkeypatch.delenv("STEN_NM_GROUPED_KC", raising=False)
+
+
+def test_grouped_bf16_through_f_linear_autocast_and_odd_offsets():
+    from sten_nm import GroupedNMTensor, grouped_linear
+
+    g = GroupedNMTensor.from_dense(torch.randn(48, 64).bfloat16(), 2, 4)
+    xb = torch.randn(9, 70)
+    x = xb[1:, 3:67]
+    y = F.linear(x, sten.SparseTensorWrapper(g))
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, x @ g.to_dense().float().t(), rtol=1e-5, atol=1e-4)
+    assert getattr(g, "_fp32_cache", None) is None      # read as bf16 in the kernel
+    v = g._vals
+    flat = torch.empty(v.numel() + 1, dtype=torch.bfloat16)
+    flat[1:] = v.flatten()
+    g_odd = g.with_values(flat[1:].view_as(v))
+    torch.testing.assert_close(grouped_linear(x, g_odd), x @ g.to_dense().float().t(), rtol=1e-5, atol=1e-4)
+    w32 = GroupedNMTensor.from_dense(torch.randn(40, 72), 1, 4)
+    xa = torch.randn(6, 72)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya = F.linear(xa, sten.SparseTensorWrapper(w32))
+        yd = F.linear(xa, w32.to_dense())
+    assert ya.dtype == yd.dtype == torch.bfloat16
+    torch.testing.assert_close(ya.float(), yd.float(), rtol=2e-2, atol=2e-2)
+    assert getattr(w32, "_fp32_cache", None) is None
+
+
+def test_grouped_bf16_rejects_float_values():
+    from sten_nm import GroupedNMTensor
+
+    g = GroupedNMTensor.from_dense(torch.randn(8, 16), 2, 4)
+    with pytest.raises(ValueError, match="bfloat16"):
+        _kernel.grouped_gather_bf16w(g.desc(), torch.randn(2, 16))
