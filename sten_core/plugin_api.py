@@ -7,7 +7,9 @@ plugins in this repository).
   (``DenseConvertible``, ``StoredValues``, ``StateTensors``, ``Movable``;
   ``implements(layout, Protocol)`` checks them), the wrappers, sparsifiers,
   the registry and its keys, the built-in torch layouts;
-- dispatch: ``sparsify``, ``convert``, errors and the failure mode;
+- dispatch: ``sparsify``, ``convert``, errors and the failure mode; ``note(text)``
+  says which variant an implementation picked (a tuned kernel, say): ``sten explain``
+  shows it under the running call's row (``observing()``: whether anyone listens);
 - one-shot pruning, for layouts with their own masks: ``CalibratedSparsifier``,
   ``WandaSparsifier``, ``SparseGPTSparsifier``, ``sparsegpt`` and its ``ChunkRule``;
 - helpers for the code every plugin writes: argument checks that name the
@@ -35,7 +37,7 @@ from typing import Any
 
 from sten_core.builtin.torch_layouts import CooTensor, CscTensor, CsrTensor, DenseTensor
 from sten_core.dispatch import (DispatchError, DispatchWarning, convert, failure_mode, get_dispatch_failure,
-                                lossy_fallback, set_dispatch_failure, sparsify)
+                                lossy_fallback, note, observing, set_dispatch_failure, sparsify)
 from sten_core.model.helpers import (FLOAT_DTYPES, bias_grad, check_nm, check_tensor, linear_inputs, needs_grad,
                                      register_member_linear_autograd, register_weight_product, wrap_layout)
 from sten_core.model.layouts import (DenseConvertible, Layout, Movable, StateTensors, StoredValues,
@@ -74,7 +76,7 @@ __all__ = [
     "StoredValues", "bias_grad", "block_keep_mask", "builds_from_dense", "check_nm", "check_tensor", "convert",
     "densify", "failure_mode", "get_dispatch_failure", "hookimpl", "implements", "layout_metadata",
     "linear_inputs", "lossy_fallback", "needs_grad", "nm_for_sparsity", "nm_keep_mask", "nm_label",
-    "normalize_inp", "normalize_out_pairs", "op_name", "register_member_linear_autograd", "register_plugin", "register_traceable_layout", "register_weight_product", "registry",
+    "normalize_inp", "note", "observing", "normalize_out_pairs", "op_name", "register_member_linear_autograd", "register_plugin", "register_traceable_layout", "register_weight_product", "registry",
     "set_dispatch_failure", "sparsify", "supports_values", "to_dense_tensor", "trim", "unregister_plugin",
     "wrap_layout",
 ]

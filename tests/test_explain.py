@@ -184,3 +184,29 @@ def test_backward_fallback_row_names_the_bwd_decorator():
         assert any(r.fix and r.fix.startswith("@sten.register_bwd_op_impl(") for r in report.fallbacks)
     finally:
         sten.registry.remove_owner(owner)
+
+
+def test_plugin_notes_attach_to_the_running_call():
+    """``plugin_api.note`` inside an implementation shows under that call's row (counted),
+    and costs nothing (no listener) outside ``explain``."""
+    from sten_core import plugin_api
+
+    class Noted(sten.CsrTensor):
+        pass
+
+    heard = []
+    assert not plugin_api.observing()
+    plugin_api.note(lambda: heard.append("built") or "x")     # no listener: text never built
+    assert heard == []
+    w = csr()
+    with sten.explain() as report:
+        with dispatch.listening_to_notes(heard.append):
+            plugin_api.note("outside any call")   # attaches to the next call that reports
+            F.linear(torch.randn(2, 8), w)
+            F.linear(torch.randn(2, 8), w)
+    (row,) = report.rows
+    assert row.notes == {"outside any call": 1}
+    assert heard == ["outside any call"]
+    assert "chose: outside any call (1 calls)" in str(report)
+    assert report.as_dicts()[0]["notes"] == {"outside any call": 1}
+    assert not plugin_api.observing()

@@ -31,7 +31,8 @@ from sten_core.dispatch.conversions import conversion_path, convert, wrap
 from sten_core.dispatch.entry import call_op, dispatch_call, sparsified_op
 from sten_core.dispatch.errors import (DispatchError, DispatchWarning, failure_mode, get_dispatch_failure,
                                        lossy_fallback, quiet_fallbacks, reset_warnings, set_dispatch_failure)
-from sten_core.dispatch.observers import add_observer, observed, remove_observer
+from sten_core.dispatch.observers import (add_note_listener, add_observer, listening_to_notes, note, observed,
+                                          observing, remove_note_listener, remove_observer)
 from sten_core.dispatch.plan import Plan, PlanKind, clear_caches, plan_for, plan_of
 from sten_core.dispatch.sparsifier_dispatch import apply_spec, same_format_layout, sparsify
 from sten_core.model.tensor import layout_of, services
@@ -40,7 +41,8 @@ services.install(dispatch_call=dispatch_call, dense_with_grad=dense_with_grad,
                  same_format_layout=same_format_layout, convert=convert)
 
 __all__ = [
-    "add_observer", "clear_caches", "remove_observer", "CallSpecs", "DispatchError", "DispatchWarning", "OpContext", "Plan", "PlanKind", "apply_spec", "call_op",
+    "add_note_listener", "add_observer", "clear_caches", "listening_to_notes", "note", "observing",
+    "remove_note_listener", "remove_observer", "CallSpecs", "DispatchError", "DispatchWarning", "OpContext", "Plan", "PlanKind", "apply_spec", "call_op",
     "compiled", "conversion_path", "convert", "dense_with_grad", "dispatch_call", "failure_mode",
     "get_dispatch_failure", "layout_of", "lossy_fallback", "observed", "plan_for", "plan_of", "quiet_fallbacks",
     "reset_warnings", "same_format_layout", "set_dispatch_failure", "sparsified_op", "sparsify", "wrap",

@@ -37,7 +37,9 @@ class Row:
     ``kind`` is ``op`` (forward or backward operator call), ``sparsifier`` or
     ``conversion``; ``plan`` is ``impl``, ``generic``, ``convert``, ``native``
     or ``fallback`` (conversions: ``convert``); ``ran`` names the function that
-    ran; ``fix`` is the decorator that would remove a fallback.
+    ran; ``fix`` is the decorator that would remove a fallback; ``notes`` what
+    the implementation said it picked (``plugin_api.note``, e.g. a tuned kernel),
+    with counts.
     """
 
     kind: str
@@ -49,10 +51,12 @@ class Row:
     seconds: float = 0.0
     sites: dict[str, int] = field(default_factory=dict)
     key: Any = None
+    notes: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "what": self.what, "plan": self.plan, "ran": self.ran, "fix": self.fix,
-                "calls": self.calls, "ms": round(self.seconds * 1e3, 3), "sites": dict(self.sites)}
+                "calls": self.calls, "ms": round(self.seconds * 1e3, 3), "sites": dict(self.sites),
+                "notes": dict(self.notes)}
 
 
 def _fn_name(fn: Any) -> str:
@@ -85,6 +89,7 @@ class Report:
         self._stack: list[str] = []
         self._undo: list[Callable[[], None]] = []
         self._warnings: Any = None
+        self._pending: list[str] = []
 
     # -- reading ---------------------------------------------------------------
     @property
@@ -114,6 +119,9 @@ class Report:
         row = self._rows.get(ident)
         if row is None:
             row = self._rows[ident] = make()
+        for text in self._pending:   # said inside this call (its notify comes after it ran)
+            row.notes[text] = row.notes.get(text, 0) + 1
+        self._pending.clear()
         row.calls += 1
         row.seconds += seconds
         site = self._site()
@@ -130,6 +138,9 @@ class Report:
             what = f"convert {_layout_name(src)} -> {_layout_name(target)}"
             self._add(("conversion", src, target), seconds,
                       lambda: Row("conversion", what, "convert", ran=_conversion_route(src, target)))
+
+    def _on_note(self, text: str) -> None:
+        self._pending.append(text)
 
     def _op_row(self, key: OpKey, kind: str) -> Row:
         plan = dispatch.plan_of(key)
@@ -175,6 +186,8 @@ class Report:
         plugins.ensure_loaded()
         dispatch.add_observer(self._on_event)
         self._undo.append(lambda: dispatch.remove_observer(self._on_event))
+        dispatch.add_note_listener(self._on_note)
+        self._undo.append(lambda: dispatch.remove_note_listener(self._on_note))
         from torch.nn.modules import module as nn_module
 
         handles = [nn_module.register_module_forward_pre_hook(self._pre_hook)]
@@ -192,6 +205,7 @@ class Report:
         while self._undo:
             self._undo.pop()()
         self._stack.clear()
+        self._pending.clear()
 
 
 def _conversion_route(src: Any, target: Any) -> str:
@@ -242,6 +256,8 @@ def format_report(report: Report) -> str:
         lines.append(f"{r.plan:8s}  {r.calls:5d}  {r.seconds * 1e3:9.3f}  {r.what:{width}s}  {_sites(r)}")
         if r.ran:
             lines.append(f"{'':8s}  {'':5s}  {'':9s}  ran: {r.ran}")
+        for text, count in r.notes.items():
+            lines.append(f"{'':8s}  {'':5s}  {'':9s}  chose: {text}" + (f" ({count} calls)" if count != r.calls else ""))
         if r.fix:
             lines.append(f"{'':8s}  {'':5s}  {'':9s}  fix: {r.fix}")
     n = len(report.fallbacks)

@@ -1054,3 +1054,9 @@ int nm_decompress_f32(const nm_mat *A, float *D, int64_t ldd, int nthreads)
     run_parallel(clamp_threads(nthreads, 4.0 * A->R * A->C, A->R), decompress_task, &da);
     return 0;
 }
+
+/* ------------------------------------------- column-grouped backward (own file) -- */
+#include "nm_colgrouped_bwd.h"
+
+/* ------------------------------------------------- bf16 values (own file) -- */
+#include "nm_bf16.h"

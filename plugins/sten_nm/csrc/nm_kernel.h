@@ -80,9 +80,28 @@ int nm_colgrouped_gather_variant_f32(const nm_colgrouped *W, int64_t B, const fl
                                      float *Y, int64_t ldy, const float *bias, int nthreads,
                                      int variant);
 
+/* Input gradient for Y = X W^T: dX[b][k] = sum_r dY[b][r] W[r][k]; dY [B][N] (ldg), dX [B][K] (ldx). */
+int nm_colgrouped_grad_input_f32(const nm_colgrouped *W, int64_t B, const float *dY, int64_t ldg,
+                                 float *dX, int64_t ldx, int nthreads);
+/* Gradient of the stored values for Y = X W^T, at the kept positions only:
+ * out[q][p][j][t] = sum_b dY[b][q*m + pats[p][j]] X[b][cols[q][p][t]] (0 at padding); out is
+ * float32 [Nb][P][n][L] whatever vtype. */
+int nm_colgrouped_grad_values_f32(const nm_colgrouped *W, int64_t B, const float *dY, int64_t ldg,
+                                  const float *X, int64_t ldx, float *out, int nthreads);
+
 /* Y[b][r] = sum_c A[r][c] X[b][c] (+ bias[r]); X is [B][C] (row stride ldx), Y [B][R] (ldy). */
 int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx,
                   float *Y, int64_t ldy, const float *bias, int nthreads);
+/* nm_gather_f32 for a matrix whose vals point to bfloat16 bits (uint16_t [R][G*n]): widened
+ * per block of rows in the kernel, float32 accumulation. */
+int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx,
+                    float *Y, int64_t ldy, const float *bias, int nthreads);
+/* nm_grouped_gather_f32 for vals pointing to bfloat16 bits ([Q][G*n][16] uint16_t): each
+ * row group's chunk of slots widened in the kernel, float32 accumulation. */
+int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
+                            float *Y, int64_t ldy, const float *bias, int nthreads);
+/* y[i] = x[i] rounded to bfloat16 (nearest even, as torch; NaN -> 0x7fc0), i < n. */
+int nm_f32_to_bf16(const float *x, uint16_t *y, int64_t n, int nthreads);
 /* X[b][c] = sum_r A[r][c] Y[b][r] (+ bias[c]); Y is [B][R] (ldy), X [B][C] (ldx). */
 int nm_scatter_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy,
                    float *X, int64_t ldx, const float *bias, int nthreads);

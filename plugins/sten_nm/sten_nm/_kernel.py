@@ -80,6 +80,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nm_colgrouped_gather_f32.restype = ctypes.c_int
     lib.nm_colgrouped_gather_variant_f32.argtypes = lib.nm_colgrouped_gather_f32.argtypes + [ctypes.c_int]
     lib.nm_colgrouped_gather_variant_f32.restype = ctypes.c_int
+    _declare_extra(lib)
     for name in ("nm_isa", "nm_threading", "nm_openmp_library"):
         getattr(lib, name).restype = ctypes.c_char_p
     lib.nm_set_isa.argtypes = [ctypes.c_char_p]
@@ -378,4 +379,88 @@ def colgrouped_gather(W: NMColGrouped, X: torch.Tensor, bias: Optional[torch.Ten
         ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(), Y.stride(0) if W.N else 1,
         b.data_ptr() if b is not None else None, _threads(nthreads), CG_VARIANTS[variant])
     _check(rc, "nm_colgrouped_gather")
+    return Y
+
+
+def _declare_extra(lib: ctypes.CDLL) -> None:
+    """Signatures of the kernels added after the first set (column-grouped backward)."""
+    PC = ctypes.POINTER(NMColGrouped)
+    lib.nm_colgrouped_grad_input_f32.argtypes = [PC, _c_i64, _c_p, _c_i64, _c_p, _c_i64, ctypes.c_int]
+    lib.nm_colgrouped_grad_input_f32.restype = ctypes.c_int
+    lib.nm_colgrouped_grad_values_f32.argtypes = [PC, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
+    lib.nm_colgrouped_grad_values_f32.restype = ctypes.c_int
+    lib.nm_gather_bf16w.argtypes = [ctypes.POINTER(NMMat), _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
+    lib.nm_gather_bf16w.restype = ctypes.c_int
+    lib.nm_f32_to_bf16.argtypes = [_c_p, _c_p, _c_i64, ctypes.c_int]
+    lib.nm_f32_to_bf16.restype = ctypes.c_int
+    lib.nm_grouped_gather_bf16w.argtypes = [ctypes.POINTER(NMGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p,
+                                            ctypes.c_int]
+    lib.nm_grouped_gather_bf16w.restype = ctypes.c_int
+
+
+def colgrouped_grad_input(W: NMColGrouped, dY: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
+    """Input gradient for a column-grouped ``W`` ``[N, K]``: ``dX = dY W``, ``[B, K]`` float32."""
+    dY = _rowmajor(dY)
+    dX = torch.empty((dY.shape[0], W.K), dtype=torch.float32)
+    rc = _load().nm_colgrouped_grad_input_f32(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0) if W.N else 1,
+                                              dX.data_ptr(), dX.stride(0) if W.K else 1, _threads(nthreads))
+    _check(rc, "nm_colgrouped_grad_input")
+    return dX
+
+
+def colgrouped_grad_values(W: NMColGrouped, dY: torch.Tensor, X: torch.Tensor,
+                           nthreads: Optional[int] = None) -> torch.Tensor:
+    """Gradient of a column-grouped ``W``'s stored values for ``Y = X Wᵀ`` (``dYᵀ X`` at the
+    kept positions only): float32 ``[Nb, P, n, L]``, the layout's order."""
+    dY, X = _rowmajor(dY), _rowmajor(X)
+    out = torch.empty((W.Nb, W.P, W.n, W.L), dtype=torch.float32)
+    rc = _load().nm_colgrouped_grad_values_f32(ctypes.byref(W), dY.shape[0], dY.data_ptr(),
+                                               dY.stride(0) if W.N else 1, X.data_ptr(),
+                                               X.stride(0) if W.K else 1, out.data_ptr(), _threads(nthreads))
+    _check(rc, "nm_colgrouped_grad_values")
+    return out
+
+
+def gather_bf16w(A: NMMat, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`gather` for a descriptor whose values are bfloat16 (``mat`` of bf16 contiguous
+    values): widened per block of rows in the kernel, float32 accumulation, float32 result."""
+    keep = getattr(A, "_keep", None)
+    if keep is None or keep[0].dtype != torch.bfloat16 or not keep[0].is_contiguous():
+        raise ValueError("gather_bf16w needs a descriptor of contiguous bfloat16 values")
+    X = _rowmajor(X)
+    Y = torch.empty((X.shape[0], A.R), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = _load().nm_gather_bf16w(ctypes.byref(A), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(),
+                                 Y.stride(0) if A.R else 1, b.data_ptr() if b is not None else None,
+                                 _threads(nthreads))
+    _check(rc, "nm_gather_bf16w")
+    return Y
+
+
+def to_bf16(x: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
+    """A float32 tensor rounded to bfloat16 as ``x.to(torch.bfloat16)`` (nearest even, the
+    same bits; NaN as 0x7fc0), on the kernels' threads (a kernel's output under bf16 autocast)."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be float32, got {x.dtype}")
+    x = x.contiguous()
+    y = torch.empty(x.shape, dtype=torch.bfloat16)
+    _check(_load().nm_f32_to_bf16(x.data_ptr(), y.data_ptr(), x.numel(), _threads(nthreads)), "nm_f32_to_bf16")
+    return y
+
+
+def grouped_gather_bf16w(W: NMGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                         nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`grouped_gather` for a descriptor of bfloat16 values (``grouped`` of bf16
+    contiguous ``vals``): widened per row group and chunk in the kernel, float32 result."""
+    keep = getattr(W, "_keep", None)
+    if keep is None or keep[0].dtype != torch.bfloat16 or not keep[0].is_contiguous():
+        raise ValueError("grouped_gather_bf16w needs a descriptor of contiguous bfloat16 values")
+    X = _rowmajor(X)
+    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = _load().nm_grouped_gather_bf16w(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(),
+                                         Y.stride(0) if W.N else 1, b.data_ptr() if b is not None else None,
+                                         _threads(nthreads))
+    _check(rc, "nm_grouped_gather_bf16w")
     return Y

@@ -3,10 +3,11 @@
 The forward runs the C kernel (``nm_colgrouped_gather_f32``: per row block and pattern,
 each owned column's batch vector of ``x`` from a packed panel feeds ``n`` FMAs; of its two
 loop orders the tuner picks the faster per shape) where the
-extension is available and the compute dtype is float32. The backward runs exact n:m's
-kernels on ``Wᵀ`` (the same matrix is n:m along N: ``to_nm()``, pattern cached): ``gather``
-for the input gradient and ``sddmm`` for the values' gradient; without the extension or in
-float64 it decompresses the weight and runs dense GEMMs. The torch reference (the forward for other dtypes and without the extension;
+extension is available and the compute dtype is float32. The backward runs the layout's own
+C kernels (``nm_colgrouped_grad_input_f32``, ``nm_colgrouped_grad_values_f32``; float32 or
+bf16 stored values, float32 accumulation) or decompress + dense GEMMs, whichever tuning
+found faster here; without the extension or in float64 (gradcheck) it decompresses the
+weight and runs dense GEMMs. The torch reference (the forward for other dtypes and without the extension;
 ``input_grad`` / ``values_grad``, which the tests hold to dense): one dense product per (row block,
 pattern) - the columns a pattern owns gathered from ``x`` times that pattern's ``[n, L]``
 values - batched with ``torch.bmm`` over slabs of row blocks (the gathered ``x`` of a slab
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 
 from . import _kernel, tuning
 from .column_grouped import ColumnGroupedNMTensor, patterns
-from sten_core.plugin_api import linear_inputs, needs_grad, register_weight_product
+from sten_core.plugin_api import linear_inputs, needs_grad, note, observing, register_weight_product
 
 from .ops import _autocast_dtype, _cast, _check_input, _out_dtype, _rows
 
@@ -145,6 +146,8 @@ def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Ten
     if c == torch.float32 and _kernel.available()[0]:   # the C kernel (float32 accumulation)
         y2 = _tuned_forward(W, W.desc(amp), _rows(x), bias)
     else:
+        if observing():
+            note(f"sten_nm: per-pattern torch products in {c} (no C kernel for this dtype)")
         values = _cast(W._values, amp)
         with torch.autocast("cpu", enabled=False):   # operands already cast; compute in c
             y2 = forward(W, _rows(x).to(c), values.to(c))
@@ -159,14 +162,12 @@ def _tuned_forward(W: ColumnGroupedNMTensor, desc: Any, x2: torch.Tensor,
     few row blocks; ``"tiled"``: an L1 tile of x swept by many row blocks), timed once per
     (shape, pattern, batch bucket, dtype, threads, ISA) and cached (:mod:`sten_nm.tuning`);
     ``STEN_NM_TUNE=0``: ``STEN_NM_CG_VARIANT`` or stream."""
-    B = x2.shape[0]
-    if not tuning.enabled() or B == 0:
-        return _kernel.colgrouped_gather(desc, x2, bias)
-    N, K = W.shape
+    B, (N, K) = x2.shape[0], W.shape
     dt = "bfloat16" if desc.vtype == _kernel.VTYPES[torch.bfloat16] else "float32"
     k = tuning.key("cg_fwd", N, K, W.n, W.m, True, B, dt, torch.get_num_threads(), _kernel.isa())
     run = {v: (lambda v=v: _kernel.colgrouped_gather(desc, x2, bias, variant=v)) for v in ("stream", "tiled")}
-    return run[tuning.choose(k, run, reps=5)]()
+    choice = tuning.pick(k, run, empty=B == 0, default=None, reps=5)
+    return _kernel.colgrouped_gather(desc, x2, bias) if choice is None else run[choice]()
 
 
 def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
@@ -187,11 +188,12 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     need_x, need_w = needs_grad(ctx, 0), needs_grad(ctx, 1)
 
     def kernels() -> tuple:
-        # exact n:m's C kernels on the same matrix seen as A = Wᵀ (n:m along N, pattern
-        # converted once and cached): gx = gather(A, gy), values' gradient = sddmm(A, x, gy)
-        mat = W.to_nm().fp32().mat()
-        gx = _kernel.gather(mat, gy2) if need_x else None
-        gv = W.values_from_nm(_kernel.sddmm(mat, x2, gy2)) if need_w and sparse_grad else None
+        # the layout's own C kernels (csrc/nm_colgrouped_bwd.h): per (row block, pattern),
+        # gx[:, owned columns] += gy[:, pattern rows] @ values, and the values' gradient
+        # gy[:, pattern rows]ᵀ x[:, owned columns] at the kept positions only
+        desc = W.desc()
+        gx = _kernel.colgrouped_grad_input(desc, gy2) if need_x else None
+        gv = _kernel.colgrouped_grad_values(desc, gy2, x2) if need_w and sparse_grad else None
         return gx, gv
 
     def dense() -> tuple:
@@ -222,11 +224,10 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
 def _tuned_backward(W: ColumnGroupedNMTensor, B: int, kernels: Any, dense: Any) -> tuple:
     """The faster of the two backward paths on this machine (timed once, cached on disk,
     ``STEN_NM_TUNE=0``: always the kernels); see :mod:`sten_nm.tuning`."""
-    if not tuning.enabled() or B == 0:
-        return kernels()
     N, K = W.shape
     k = tuning.key("cg_bwd", N, K, W.n, W.m, True, B, "float32", torch.get_num_threads(), _kernel.isa())
-    return kernels() if tuning.choose(k, {tuning.KERNEL: kernels, tuning.DENSE: dense}) == tuning.KERNEL else dense()
+    choice = tuning.pick(k, {tuning.KERNEL: kernels, tuning.DENSE: dense}, empty=B == 0)
+    return kernels() if choice == tuning.KERNEL else dense()
 
 
 def linear_bwd_dense(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:

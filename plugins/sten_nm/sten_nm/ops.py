@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from sten_core.plugin_api import linear_inputs, needs_grad, register_weight_product
+from sten_core.plugin_api import linear_inputs, needs_grad, note, observing, register_weight_product
 
 from . import _kernel, tuning
 from ._checks import FLOAT_DTYPES
@@ -64,9 +64,21 @@ def _out_dtype(*ts: Optional[torch.Tensor]) -> torch.dtype:
 
 
 # -- the three products on 2-D operands (A is the stored matrix) -------------------
+def _bf16_weight(W: NMTensor, a_is_w: bool, round_to: Optional[torch.dtype] = None) -> bool:
+    """Whether the product reads the stored values as bf16 in the kernel (``gather`` with bf16
+    values, or values rounded to bf16 by CPU autocast): no float32 copy of the weight."""
+    return a_is_w and (round_to if round_to is not None else W._values.dtype) == torch.bfloat16
+
+
 def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: bool,
           round_to: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``x2 @ Weff^T (+ bias)`` in float32."""
+    """``x2 @ Weff^T (+ bias)`` in float32 (bf16 values widened in the kernel, fp32 accumulation)."""
+    if _bf16_weight(W, a_is_w, round_to):
+        from ._fp32 import kernel_values
+
+        R, C = W._rc()
+        v = kernel_values(W, W._values, round_to)
+        return _kernel.gather_bf16w(_kernel.mat(v, W.indices, R, C, W.n, W.m), x2, bias)
     A = W.fp32(round_to)
     mat = A.mat()
     return _kernel.gather(mat, x2, bias) if a_is_w else _kernel.tgather(mat, x2, bias)
@@ -108,25 +120,34 @@ def _apply(x: torch.Tensor, W: NMTensor, bias: Optional[torch.Tensor], a_is_w: b
         y2 = x2.double() @ (W.to_dense().double().t() if a_is_w == (W.dim == 1) else W.to_dense().double())
         y2 = y2 if bias is None else y2 + bias.double()
     else:
+        bf16 = _bf16_weight(W, a_is_w, amp)
+
         def dense() -> torch.Tensor:   # decompress into a scratch buffer + dense GEMM
-            D = W.fp32(amp).to_dense()
+            D = _cast(W.to_dense(), amp).float() if bf16 else W.fp32(amp).to_dense()
             with torch.autocast("cpu", enabled=False):
                 y = x2.float() @ (D.t() if a_is_w == (W.dim == 1) else D)
                 return y if bias is None else y + bias.float()
 
-        y2 = _tuned("fwd", W, x2.shape[0], a_is_w, lambda: _x_at(W, x2, bias, a_is_w, amp), dense)
-    return y2.to(dtype).reshape(*x.shape[:-1], n_out)
+        y2 = _tuned("fwd", W, x2.shape[0], a_is_w, lambda: _x_at(W, x2, bias, a_is_w, amp), dense,
+                    "bfloat16" if bf16 else "float32")
+    return _result(y2, dtype).reshape(*x.shape[:-1], n_out)
+
+
+def _result(y2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 kernel result in ``dtype``: bf16 rounded on the kernels' threads (the same
+    bits as ``.to``, faster there), anything else by ``.to``."""
+    if dtype == torch.bfloat16 and y2.dtype == torch.float32 and y2.is_contiguous() and _kernel.available()[0]:
+        return _kernel.to_bf16(y2)
+    return y2.to(dtype)
 
 
 def _tuned(op: str, W: NMTensor, B: int, a_is_w: bool, kernel: Callable[[], torch.Tensor],
-           dense: Callable[[], torch.Tensor]) -> torch.Tensor:
+           dense: Callable[[], torch.Tensor], dtype: str = "float32") -> torch.Tensor:
     """Run the faster of the sparse kernel and decompress + dense GEMM for this (op, shape,
     pattern, batch bucket, threads, ISA): timed once, cached on disk (:mod:`sten_nm.tuning`)."""
-    if not tuning.enabled() or B == 0:
-        return kernel()
     R, C = W._rc()
-    k = tuning.key(op, R, C, W.n, W.m, a_is_w, B, "float32", torch.get_num_threads(), _kernel.isa())
-    choice = tuning.choose(k, {tuning.KERNEL: kernel, tuning.DENSE: dense})
+    k = tuning.key(op, R, C, W.n, W.m, a_is_w, B, dtype, torch.get_num_threads(), _kernel.isa())
+    choice = tuning.pick(k, {tuning.KERNEL: kernel, tuning.DENSE: dense}, empty=B == 0)
     return kernel() if choice == tuning.KERNEL else dense()
 
 
@@ -270,8 +291,17 @@ def grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = 
     if dtype == torch.float64:
         y2 = F.linear(x2.double(), W.to_dense().double(), None if bias is None else bias.double())
     else:
-        y2 = _kernel.grouped_gather(W.desc(amp), x2, bias)
-    return y2.to(dtype).reshape(*x.shape[:-1], N)
+        bf16 = (amp if amp is not None else W._vals.dtype) == torch.bfloat16
+        if observing():
+            note(f"sten_nm: nm_grouped_gather ({_kernel.isa()}, {'bf16' if bf16 else 'fp32'} values, not tuned)")
+        if bf16:   # bf16 values read in the kernel (no float32 copy of the weight)
+            from ._fp32 import kernel_values
+
+            v = kernel_values(W, W._vals, amp)
+            y2 = _kernel.grouped_gather_bf16w(_kernel.grouped(v, W.indices, W.perm, N, K, W.n, W.m), x2, bias)
+        else:
+            y2 = _kernel.grouped_gather(W.desc(amp), x2, bias)
+    return _result(y2, dtype).reshape(*x.shape[:-1], N)
 
 
 def grouped_linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:

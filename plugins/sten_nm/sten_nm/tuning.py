@@ -5,7 +5,9 @@ dtype, threads, ISA) and cached on disk, like FFTW's wisdom. The paper format's 
 
 * ``STEN_NM_TUNE=0`` turns tuning off (always the sparse kernel);
 * ``STEN_NM_TUNE_CACHE`` names the cache file (default ``~/.cache/sten_nm/tuning.json``);
-* :func:`choices` returns what was chosen (also ``python -m sten_nm.tuning``).
+* :func:`choices` returns what was chosen (also ``python -m sten_nm.tuning``);
+* :func:`status` says, for one key, what tuning chose, would choose or why it is off;
+  the products say it to ``sten explain`` through ``plugin_api.note`` (:func:`pick`).
 
 Example:
     >>> from sten_nm import tuning
@@ -109,6 +111,57 @@ def choose(k: str, candidates: dict[str, Callable[[], object]], reps: int = 3) -
     table[k] = {"choice": best, "ms": {name: round(t * 1e3, 3) for name, t in med.items()}}
     _save()
     return best
+
+
+def off_reason() -> Optional[str]:
+    """Why tuning is off here (``None`` when it is on)."""
+    if os.environ.get("STEN_NM_TUNE", "1").strip().lower() in ("0", "off", "false", "no"):
+        return f"tuning off via STEN_NM_TUNE={os.environ.get('STEN_NM_TUNE')}"
+    if _tracing():
+        return "tuning off while torch.compile/export traces"
+    return None
+
+
+def _times(entry: dict) -> str:
+    return ", ".join(f"{name} {ms} ms" for name, ms in sorted(entry.get("ms", {}).items()))
+
+
+def status(k: str) -> str:
+    """What tuning says for key ``k``: the cached choice with its timings, ``not tuned yet``
+    (the next call times the candidates), or why tuning is off.
+
+    >>> import os
+    >>> os.environ["STEN_NM_TUNE"] = "0"
+    >>> status("fwd R=8 C=8 2:4 a_is_w=1 B~1 float32 threads=1 avx2")
+    'tuning off via STEN_NM_TUNE=0: kernel'
+    >>> del os.environ["STEN_NM_TUNE"]
+    """
+    why = off_reason()
+    if why is not None:
+        return f"{why}: {KERNEL}"
+    entry = _load().get(k)
+    if entry is None:
+        return "not tuned yet"
+    return f"{entry['choice']} (cached; {_times(entry)})"
+
+
+def pick(k: str, candidates: dict[str, Callable[[], object]], empty: bool = False,
+         default: Optional[str] = KERNEL, reps: int = 3) -> Optional[str]:
+    """The candidate to run for key ``k`` (``default`` when tuning is off or the call is
+    ``empty``), told to ``sten explain`` with the key and how it was chosen."""
+    from sten_core.plugin_api import note, observing
+
+    if empty or off_reason() is not None:
+        if observing():
+            note(f"sten_nm {k}: " + (f"empty batch: {default}" if empty else status(k)))
+        return default
+    was_cached = k in _load()
+    choice = choose(k, candidates, reps=reps)
+    if observing():
+        entry = _load().get(k, {})
+        how = "cached" if was_cached else "tuned on this call"
+        note(f"sten_nm {k}: {choice} ({how}; {_times(entry)})")
+    return choice
 
 
 def choices() -> dict[str, dict]:

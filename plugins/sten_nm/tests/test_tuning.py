@@ -128,3 +128,35 @@ def test_paper_format_backward_choice_is_cached(tune):
     x = torch.randn(7, 40, requires_grad=True)
     F.linear(x, W).sum().backward()
     assert [k for k in tuning.choices() if k.startswith("cg_bwd R=22 C=40 2:4")]
+
+
+def test_explain_shows_the_tuning_choice(tune, monkeypatch):
+    """``sten explain`` names the chosen kernel: tuned on the first call, cached after it,
+    and tuning turned off by the environment variable; ``status`` tells it without a call."""
+    t = sten.SparseParameterWrapper(NMTensor.from_dense(torch.randn(32, 64), 2, 4))
+    x = torch.randn(5, 64, requires_grad=True)
+    k = tuning.key("fwd", 32, 64, 2, 4, True, 5, "float32", torch.get_num_threads(), sten_nm_isa())
+    assert tuning.status(k) == "not tuned yet"
+    with sten.explain() as report:
+        F.linear(x, t).sum().backward()
+    fwd, bwd = report.rows
+    (text,) = fwd.notes
+    assert text.startswith(f"sten_nm {k}: ") and "tuned on this call" in text
+    assert any(n.startswith("sten_nm bwd_x R=32 C=64 2:4") for n in bwd.notes)
+    choice = tuning.choices()[k]["choice"]
+    assert tuning.status(k).startswith(f"{choice} (cached; ")
+    with sten.explain() as report:
+        F.linear(x, t)
+    assert list(report.rows[0].notes) == [f"sten_nm {k}: {choice} (cached; " + text.split("(tuned on this call; ")[1]]
+    assert f"chose: sten_nm {k}: {choice} (cached" in str(report)
+    monkeypatch.setenv("STEN_NM_TUNE", "0")
+    with sten.explain() as report:
+        F.linear(x, t)
+    assert list(report.rows[0].notes) == [f"sten_nm {k}: tuning off via STEN_NM_TUNE=0: kernel"]
+    assert tuning.status(k) == "tuning off via STEN_NM_TUNE=0: kernel"
+
+
+def sten_nm_isa() -> str:
+    from sten_nm import _kernel
+
+    return _kernel.isa()

@@ -1,0 +1,71 @@
+"""bf16 vs fp32 stored values, exact NMTensor and GroupedNMTensor forward (``F.linear(x [B, K], W)``), the
+kernel only (tuning off), BERT shapes, one run, medians of turns (fp32 and bf16 timed alternately); bf16 values are widened per block
+of rows in the kernel (``nm_gather_bf16w``), fp32 ones read as they are.
+
+    python benchmarks/bench_bf16.py [--threads 2] [--batch 1024] [--reps 7] [--cpu-time]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ["STEN_NM_TUNE"] = "0"
+
+import torch  # noqa: E402
+
+from sten_nm import GroupedNMTensor, NMTensor, _kernel, grouped_linear, nm_linear  # noqa: E402
+
+
+CLOCK = time.perf_counter
+
+
+def interleaved(fns, reps: int) -> list[float]:
+    """Median ms of each function, timed in turns (load changes hit all alike)."""
+    for fn in fns:
+        fn()
+    ts = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t = CLOCK()
+            fn()
+            ts[i].append(CLOCK() - t)
+    return [statistics.median(t) * 1e3 for t in ts]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--cpu-time", action="store_true", help="CPU time of the process (less sensitive to load)")
+    a = ap.parse_args()
+    global CLOCK
+    if a.cpu_time:
+        CLOCK = time.process_time
+    torch.set_num_threads(a.threads)
+    from bench_cg_backward import cpu_model
+
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    print(f"CPU {cpu_model()}, ISA {_kernel.isa()}, {a.threads} threads, B={a.batch}, load {load}, "
+          f"{'CPU' if a.cpu_time else 'wall'} time")
+    print("| layout | W [N,K] | n:m | fp32 values ms | bf16 values ms | bf16 x and values (bf16 out) ms | bf16 vs fp32 | bf16 x vs fp32 |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for N, K in ((3072, 768), (768, 3072)):
+        for n, m in ((2, 4), (1, 10)):
+            torch.manual_seed(0)
+            w = torch.randn(N, K)
+            x = torch.randn(a.batch, K)
+            xb = x.bfloat16()
+            for name, cls, fn in (("NMTensor", NMTensor, nm_linear), ("GroupedNMTensor", GroupedNMTensor, grouped_linear)):
+                t32 = cls.from_dense(w, n, m)
+                t16 = cls.from_dense(w.bfloat16(), n, m)
+                f32, b16, bb = interleaved([lambda: fn(x, t32), lambda: fn(x, t16), lambda: fn(xb, t16)], a.reps)
+                print(f"| {name} | {N}x{K} | {n}:{m} | {f32:.1f} | {b16:.1f} | {bb:.1f} | {f32 / b16:.2f}x | "
+                      f"{f32 / bb:.2f}x |")
+
+if __name__ == "__main__":
+    main()

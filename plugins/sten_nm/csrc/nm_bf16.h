@@ -1,0 +1,226 @@
+/* Exact n:m forward with bf16 stored values (included once by nm_kernel.c after its
+ * driver). A block of NM_ROWS rows at a time, each thread widens the block's kept values
+ * into a scratch buffer in L1 (NM_ROWS x G*n floats, shifted into float32: exact) and runs
+ * the ISA's float32 gather kernel on that block (a descriptor of the block's rows); the
+ * widening is read once per block and reused over every batch chunk, ~1/B of the FMAs.
+ * float32 accumulation; no float32 copy of the weight is kept. */
+
+typedef struct {
+    const nm_mat *A; const float *xp; int64_t Cpad, nbc, B; float *Y; int64_t ldy;
+    const float *bias; int64_t kbg, bch; nm_gather_fn fn; int err; int64_t next;
+} bf16_gather_args;
+
+static void bf16_gather_task(void *p, int tid, int nth)
+{
+    bf16_gather_args *a = (bf16_gather_args *)p;
+    const nm_mat *A = a->A;
+    const int64_t gn = A->G * A->n;
+    (void)tid; (void)nth;
+    float *ytmp = NULL, *wv = NULL;
+    int32_t *offs = NULL;
+    for (int64_t u; (u = next_unit(&a->next)) * NM_ROWS < A->R;) {
+        if (!ytmp) {
+            ytmp = (float *)alloc64((size_t)(NM_ROWS * a->bch) * sizeof(float));
+            offs = (int32_t *)alloc64((size_t)(NM_ROWS * gn) * sizeof(int32_t));
+            wv = (float *)alloc64((size_t)(NM_ROWS * gn) * sizeof(float));
+            if (!ytmp || !offs || !wv) { free(ytmp); free(offs); free(wv); a->err = -3; return; }
+        }
+        const int64_t r0 = u * NM_ROWS, r1 = r0 + NM_ROWS < A->R ? r0 + NM_ROWS : A->R;
+        const uint16_t *h = (const uint16_t *)(const void *)A->vals + r0 * gn;
+        uint32_t *w = (uint32_t *)wv;
+        for (int64_t i = 0; i < (r1 - r0) * gn; i++) w[i] = (uint32_t)h[i] << 16;
+        nm_mat blk = *A;            /* rows [r0, r1) as a float32 matrix of their own */
+        blk.R = r1 - r0;
+        blk.vals = wv;
+        blk.idx = A->idx + r0 * A->iw;
+        a->fn(&blk, a->xp, a->Cpad, a->nbc, a->B, a->Y + r0, a->ldy, a->bias ? a->bias + r0 : NULL,
+              0, r1 - r0, ytmp, offs, a->kbg);
+    }
+    free(ytmp); free(offs); free(wv);
+}
+
+int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
+                    const float *bias, int nthreads)
+{
+    if (check_mat(A) || B < 0) return -1;
+    if (B == 0 || A->R == 0) return 0;
+    if (A->C == 0) {
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t r = 0; r < A->R; r++) Y[b * ldy + r] = bias ? bias[r] : 0.0f;
+        return 0;
+    }
+    const nm_isa_table *T = table();
+    int nvi; const int64_t bch = (int64_t)choose_nv(B, T->vw, &nvi) * T->vw;
+    const int64_t Cpad = A->G * A->m;
+    int nth = clamp_threads(nthreads, 2.0 * B * A->R * A->G * A->n, (A->R + NM_ROWS - 1) / NM_ROWS);
+    int64_t nbc;
+    float *xp = make_panel(X, ldx, B, A->C, Cpad, bch, &nbc, nth);
+    if (!xp) return -3;
+    bf16_gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0};
+    run_parallel(nth, bf16_gather_task, &ga);
+    free(xp);
+    return ga.err;
+}
+
+/* float32 -> bfloat16 bits, round to nearest even, NaN -> 0x7fc0 (torch's scalar
+ * rounding; its vectorised one gives 0xffff, also a NaN);
+ * branch-free so the loop vectorises, run on the kernels' threads. Faster than torch's
+ * Tensor.to(bfloat16) on the kernels' outputs (measured 8 ms for 1024 x 3072 with two
+ * threads there). */
+static inline uint16_t f32_to_bf16_rne(uint32_t u)
+{
+    const uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(nan ? 0x7fc0u : r);
+}
+
+typedef struct { const uint32_t *x; uint16_t *y; int64_t n; } to_bf16_args;
+
+static void to_bf16_span(const uint32_t *restrict x, uint16_t *restrict y, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) y[i] = f32_to_bf16_rne(x[i]);
+}
+
+#ifdef STEN_NM_X86
+__attribute__((target("avx2"))) static void to_bf16_span_avx2(const uint32_t *restrict x, uint16_t *restrict y,
+                                                               int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) y[i] = f32_to_bf16_rne(x[i]);
+}
+#endif
+
+static void to_bf16_task(void *p, int tid, int nth)
+{
+    to_bf16_args *a = (to_bf16_args *)p;
+    int64_t i0, i1;
+    split(a->n, tid, nth, &i0, &i1);
+#ifdef STEN_NM_X86
+    if (table()->vw >= 8) { to_bf16_span_avx2(a->x + i0, a->y + i0, i1 - i0); return; }
+#endif
+    to_bf16_span(a->x + i0, a->y + i0, i1 - i0);
+}
+
+int nm_f32_to_bf16(const float *x, uint16_t *y, int64_t n, int nthreads)
+{
+    if (n < 0) return -1;
+    if (n == 0) return 0;
+    to_bf16_args a = {(const uint32_t *)(const void *)x, y, n};
+    run_parallel(clamp_threads(nthreads, 4.0 * n, (n + 4095) / 4096), to_bf16_task, &a);
+    return 0;
+}
+
+/* ------------------------------------------------- grouped n:m, bf16 values -- */
+/* Grouped forward with bf16 values: the float32 driver's two schedules, but the kernel runs
+ * one row group at a time on that group's chunk of slots widened into a per-thread buffer
+ * (kc x 16 floats, in L1/L2) and its offsets copied beside them, through a descriptor of
+ * just that chunk (K = the chunk's columns, Q = 1); widening costs ~1/(6 x panels) of the FMAs. */
+static void gbf16_group(const ggather_args *a, int64_t q, int64_t e0, int64_t e1, const float *xp,
+                        int64_t pstride, int64_t cbase, int64_t np, float *T, float *wv, int32_t *ob,
+                        int first)
+{
+    const nm_grouped *W = a->W;
+    const int64_t gn = (W->K + W->m - 1) / W->m * W->n, ne = e1 - e0;
+    const uint16_t *h = (const uint16_t *)(const void *)W->vals + (q * gn + e0) * NM_GR;
+    uint32_t *w = (uint32_t *)wv;
+    for (int64_t i = 0; i < ne * NM_GR; i++) w[i] = (uint32_t)h[i] << 16;
+    memcpy(ob, a->offs + q * gn + e0, (size_t)ne * sizeof(int32_t));
+    nm_grouped sub = *W;
+    sub.K = ne / W->n * W->m;   /* chunks are whole groups of m columns: G*n = ne */
+    sub.Q = 1;
+    sub.vals = wv;
+    a->fn(&sub, ob, xp, pstride, cbase, np, 0, ne, 0, 1, T + q * NM_GR, a->ldt, first);
+}
+
+static void gbf16_rows_task(void *p, int tid, int nth)
+{
+    ggather_args *a = (ggather_args *)p;
+    const nm_grouped *W = a->W;
+    const int64_t gn = (W->K + W->m - 1) / W->m * W->n, ccols = a->kc / W->n * W->m;
+    int64_t pa, pb;
+    split(a->npan, tid, nth, &pa, &pb);
+    if (pb <= pa) return;
+    float *T = (float *)alloc64((size_t)(a->mcp * NM_MB * a->ldt) * sizeof(float));
+    float *xb = (float *)alloc64((size_t)(a->mcp * NM_MB * ccols) * sizeof(float));
+    float *wv = (float *)alloc64((size_t)(a->kc * NM_GR) * sizeof(float));
+    int32_t *ob = (int32_t *)alloc64((size_t)a->kc * sizeof(int32_t));
+    if (!T || !xb || !wv || !ob) { free(T); free(xb); free(wv); free(ob); a->err = -3; return; }
+    for (int64_t p0 = pa; p0 < pb; p0 += a->mcp) {
+        const int64_t np = p0 + a->mcp < pb ? a->mcp : pb - p0;
+        for (int64_t e0 = 0; e0 < gn; e0 += a->kc) {
+            const int64_t e1 = e0 + a->kc < gn ? e0 + a->kc : gn;
+            const int64_t c0 = e0 / W->n * W->m, c1 = e1 / W->n * W->m;
+            for (int64_t i = 0; i < np; i++)
+                pack_panel(a->X, a->ldx, a->B, W->K, (p0 + i) * NM_MB, NM_MB, c0, c1,
+                           xb + i * NM_MB * (c1 - c0));
+            for (int64_t q = 0; q < W->Q; q++)
+                gbf16_group(a, q, e0, e1, xb, NM_MB * (c1 - c0), c0, np, T, wv, ob, e0 == 0);
+        }
+        const int64_t b1 = (p0 + np) * NM_MB < a->B ? (p0 + np) * NM_MB : a->B;
+        unpermute(a, T, p0 * NM_MB, b1);
+    }
+    free(T); free(xb); free(wv); free(ob);
+}
+
+static void gbf16_groups_task(void *p, int tid, int nth)
+{
+    ggather_args *a = (ggather_args *)p;
+    const int64_t gn = (a->W->K + a->W->m - 1) / a->W->m * a->W->n;
+    int64_t q0, q1;
+    split(a->W->Q, tid, nth, &q0, &q1);
+    if (q1 <= q0) return;
+    float *wv = (float *)alloc64((size_t)(a->kc * NM_GR) * sizeof(float));
+    int32_t *ob = (int32_t *)alloc64((size_t)a->kc * sizeof(int32_t));
+    if (!wv || !ob) { free(wv); free(ob); a->err = -3; return; }
+    for (int64_t e0 = 0; e0 < gn; e0 += a->kc) {
+        const int64_t e1 = e0 + a->kc < gn ? e0 + a->kc : gn;
+        for (int64_t q = q0; q < q1; q++)
+            gbf16_group(a, q, e0, e1, a->xp, a->Kpad * NM_MB, 0, a->npan, a->T, wv, ob, e0 == 0);
+    }
+    free(wv); free(ob);
+}
+
+int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
+                            float *Y, int64_t ldy, const float *bias, int nthreads)
+{
+    if (check_grouped(W) || B < 0) return -1;
+    const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n;
+    if (B == 0 || W->N == 0) return 0;
+    if (W->K == 0) {
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t r = 0; r < W->N; r++) Y[b * ldy + r] = bias ? bias[r] : 0.0f;
+        return 0;
+    }
+    const int64_t Q = W->Q, Kpad = G * W->m;
+    int32_t *offs = grouped_slot_columns(W, NM_MB);
+    int32_t *inv = (int32_t *)alloc64((size_t)W->N * sizeof(int32_t));
+    if (!offs || !inv) { free(offs); free(inv); return -3; }
+    for (int64_t r = 0; r < W->N; r++) inv[r] = -1;
+    for (int64_t j = 0; j < Q * NM_GR; j++)
+        if (W->perm[j] >= 0 && W->perm[j] < W->N) inv[W->perm[j]] = (int32_t)j;
+    for (int64_t r = 0; r < W->N; r++)
+        if (inv[r] < 0) { free(offs); free(inv); return -1; }
+    const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, Q * B);
+    const int64_t npan = (B + NM_MB - 1) / NM_MB;
+    ggather_args a = {W, offs, inv, X, ldx, NULL, Kpad, B, npan, 0, 0, Y, ldy, bias, NULL, 0,
+                      table()->ggather, 0};
+    a.kc = equal_chunk_slots(G, env_int("STEN_NM_GROUPED_KC", 512) / W->n, W->n);
+    a.ldt = Q * NM_GR + NM_GR;
+    /* 4x the float32 driver's panels per block: each widening serves 4x the batch rows */
+    a.mcp = env_int("STEN_NM_GROUPED_PANEL_BYTES", 512 * 1024) / (a.kc / W->n * W->m * NM_MB * 4);
+    if (a.mcp < 1) a.mcp = 1;
+    if (npan >= 2 * (int64_t)nth || nth == 1) {
+        run_parallel(nth, gbf16_rows_task, &a);
+    } else {
+        int64_t np;
+        float *xp = make_panel(X, ldx, B, W->K, Kpad, NM_MB, &np, nth);
+        a.T = (float *)alloc64((size_t)(npan * NM_MB * a.ldt) * sizeof(float));
+        a.xp = xp;
+        if (!xp || !a.T) { a.err = -3; } else {
+            run_parallel(nth, gbf16_groups_task, &a);
+            run_parallel(nth, unpermute_task, &a);
+        }
+        free(xp); free(a.T);
+    }
+    free(offs); free(inv);
+    return a.err;
+}
