@@ -4,7 +4,9 @@ dtype, threads, ISA) and cached on disk, like FFTW's wisdom. The paper format's 
 (op ``cg_fwd``) chooses its kernel's loop order the same way (``"stream"`` or ``"tiled"``).
 
 * ``STEN_NM_TUNE=0`` turns tuning off (always the sparse kernel);
-* ``STEN_NM_TUNE_CACHE`` names the cache file (default ``~/.cache/sten_nm/tuning.json``);
+* ``STEN_NM_TUNE_CACHE`` names the cache file (default
+  ``~/.cache/sten_nm/tuning-<cpu>.json``, one file per CPU model: a home directory
+  shared by different machines never hands one CPU's timings to another);
 * :func:`choices` returns what was chosen (also ``python -m sten_nm.tuning``);
 * :func:`status` says, for one key, what tuning chose, would choose or why it is off;
   the products say it to ``sten explain`` through ``plugin_api.note`` (:func:`pick`).
@@ -42,9 +44,42 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
 
 
+def cpu_model() -> str:
+    """The CPU's model name with its family/model numbers (``/proc/cpuinfo`` on Linux: a
+    virtual machine may name only "AMD EPYC" for Zen 1 to Zen 5), else ``platform.processor()``.
+
+    >>> isinstance(cpu_model(), str)
+    True
+    """
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if not name:  # the first processor's block ends here
+                    break
+                fields.setdefault(name, value.strip())
+    except OSError:
+        pass
+    if "model name" in fields:
+        return f"{fields['model name']} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})"
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def cache_path() -> str:
-    return os.environ.get("STEN_NM_TUNE_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "sten_nm", "tuning.json")
+    """The cache file: ``STEN_NM_TUNE_CACHE``, else one per CPU model under ``~/.cache/sten_nm``."""
+    if os.environ.get("STEN_NM_TUNE_CACHE"):
+        return os.environ["STEN_NM_TUNE_CACHE"]
+    import hashlib
+    import re
+
+    model = cpu_model()
+    slug = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")[:40]
+    digest = hashlib.sha1(model.encode()).hexdigest()[:8]
+    return os.path.join(os.path.expanduser("~"), ".cache", "sten_nm", f"tuning-{slug}-{digest}.json")
 
 
 def batch_bucket(B: int) -> int:

@@ -160,3 +160,16 @@ def sten_nm_isa() -> str:
     from sten_nm import _kernel
 
     return _kernel.isa()
+
+
+def test_default_cache_file_is_per_cpu_model(monkeypatch, tmp_path):
+    monkeypatch.delenv("STEN_NM_TUNE_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(tuning, "cpu_model", lambda: "AMD EPYC (family 23 model 1)")
+    zen1 = tuning.cache_path()
+    monkeypatch.setattr(tuning, "cpu_model", lambda: "AMD EPYC (family 26 model 2)")
+    zen5 = tuning.cache_path()
+    assert zen1 != zen5 and all(p.startswith(str(tmp_path / ".cache" / "sten_nm")) for p in (zen1, zen5))
+    assert "family-23-model-1" in zen1
+    monkeypatch.setenv("STEN_NM_TUNE_CACHE", str(tmp_path / "mine.json"))
+    assert tuning.cache_path() == str(tmp_path / "mine.json")
