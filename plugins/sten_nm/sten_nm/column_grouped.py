@@ -501,6 +501,11 @@ class ColumnGroupedNMTensor(_Base):
     def values(self) -> torch.Tensor:
         return self._values
 
+    def to(self, device: Any = None, dtype: Optional[torch.dtype] = None) -> "ColumnGroupedNMTensor":
+        """The same pattern, values cast to ``dtype`` and both tensors on ``device`` (``"meta"`` too)."""
+        return ColumnGroupedNMTensor._trusted(self._values.to(device=device, dtype=dtype), self.columns.to(device=device),
+                                              self._shape, self.n, self.m, self.g)
+
     def state_tensors(self) -> tuple[torch.Tensor, ...]:
         """``(values, columns, [n, m, g])``: plain tensors that ``from_state_tensors`` rebuilds it from."""
         return (self._values, self.columns, torch.tensor([self.n, self.m, self.g], dtype=torch.int64))

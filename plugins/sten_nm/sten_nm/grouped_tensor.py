@@ -277,6 +277,11 @@ class GroupedNMTensor(_Base):
                 and (other.n, other.m) == (self.n, self.m)
                 and torch.equal(other.indices, self.indices) and torch.equal(other.perm, self.perm))
 
+    def to(self, device: Any = None, dtype: "torch.dtype | None" = None) -> "GroupedNMTensor":
+        """The same pattern, values cast to ``dtype`` and every tensor on ``device`` (``"meta"`` too)."""
+        return GroupedNMTensor._trusted(self._vals.to(device=device, dtype=dtype), self.indices.to(device=device),
+                                        self.perm.to(device=device), self._shape, self.n, self.m)
+
     # -- saving: torch.save / torch.load(weights_only=True) ---------------------
     def state_tensors(self) -> tuple[torch.Tensor, ...]:
         """``(vals, indices, perm, [n, m])``: plain tensors that ``from_state_tensors`` rebuilds it from."""

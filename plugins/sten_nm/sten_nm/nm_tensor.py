@@ -261,6 +261,16 @@ class NMTensor(_Base):
             and (other.indices is self.indices or torch.equal(other.indices, self.indices))
         )
 
+    def to(self, device: Any = None, dtype: Optional[torch.dtype] = None) -> "NMTensor":
+        """The same pattern, values cast to ``dtype`` and both tensors on ``device`` (the
+        ``"meta"`` device too: a move reads no index, unlike ``from_state_tensors``).
+
+        >>> NMTensor.from_dense(torch.ones(2, 4)).to(dtype=torch.float64).dtype
+        torch.float64
+        """
+        return NMTensor._trusted(self._values.to(device=device, dtype=dtype), self.indices.to(device=device),
+                                 self._shape, self.n, self.m, self.dim)
+
     # -- saving: torch.save / torch.load(weights_only=True) ---------------------
     def state_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(values, indices, [n, m, dim])``: plain tensors that ``from_state_tensors`` rebuilds it from.

@@ -2,11 +2,14 @@
 ``torch.save(model.state_dict())`` and loads with the default ``torch.load``
 (``weights_only=True``) into a fresh sparse model and into a dense one."""
 
+import copy
+
+import pytest
 import torch
 
 import sten_core as sten
 from sten_core.testing import check_checkpoint
-from sten_nm import GroupedNMSparsifier, GroupedNMTensor, NMSparsifier, NMTensor
+from sten_nm import ColumnGroupedNMTensor, GroupedNMSparsifier, GroupedNMTensor, NMSparsifier, NMTensor
 
 
 def mlp():
@@ -54,3 +57,22 @@ def test_conformance_checkpoint():
     check_checkpoint(NMTensor, sparsifier=sten.PerBlockFractionSparsifier(1, 8),
                      make=lambda d: NMTensor.from_dense(d, n=1, m=8))
     check_checkpoint(GroupedNMTensor, sparsifier=GroupedNMSparsifier(2, 4))
+
+
+@pytest.mark.parametrize("layout", [NMTensor, GroupedNMTensor, ColumnGroupedNMTensor])
+def test_module_moves_keep_the_pattern(layout):
+    """``.double()`` / ``.bfloat16()`` / ``.to("meta")`` move the layout itself (its pattern
+    kept, no index re-read: ``"meta"`` used to fail reading n:m from a meta tensor)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(48, 32)
+    model.weight = sten.SparseParameterWrapper(layout.from_dense(model.weight.detach()))
+    x = torch.randn(4, 48)
+    y = model(x)
+    for move, dtype in ((lambda m: m.double(), torch.float64), (lambda m: m.bfloat16(), torch.bfloat16)):
+        moved = move(copy.deepcopy(model))
+        assert isinstance(moved.weight.wrapped_tensor, layout) and moved.weight.dtype == dtype
+        assert torch.equal(moved.weight.to_dense() != 0, model.weight.to_dense() != 0)
+        torch.testing.assert_close(moved(x.to(dtype)).float(), y, rtol=2e-2, atol=5e-2)
+    meta = copy.deepcopy(model).to("meta")
+    assert isinstance(meta.weight.wrapped_tensor, layout) and meta.weight.device.type == "meta"
+    assert meta.weight.shape == model.weight.shape and isinstance(meta.weight, torch.nn.Parameter)
