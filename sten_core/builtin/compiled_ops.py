@@ -124,24 +124,34 @@ def csc_linear_kernel(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor]
     return y.reshape(*x.shape[:-1], n)
 
 
-def _csr_members(layout: CsrTensor) -> tuple[list, list]:
+def _csr_members(layout: Any) -> tuple[list, list]:
+    """A ``CsrTensor``'s or ``CscTensor``'s (compressed indices, plain indices, values) and shape."""
     rows, cols = layout.shape
     return list(layout.state_tensors()), [rows, cols]
 
 
-def _csr_from_members(tensors: list, consts: list) -> CsrTensor:
-    """A ``CsrTensor`` around its members; while tracing (fake members, where no sparse
-    tensor can be made) its ``data`` is a dense stand-in of the right metadata, which the
-    compiled implementations never read (they take the members)."""
-    crow, col, values = tensors
+def _compressed_from_members(cls: type, tensors: list, consts: list) -> Any:
+    """A ``CsrTensor`` / ``CscTensor`` around its members; while tracing (fake members, where
+    no sparse tensor can be made) its ``data`` is a dense stand-in of the right metadata,
+    which the compiled implementations never read (they take the members)."""
+    compressed, plain, values = tensors
     shape = (consts[0], consts[1])
     from torch._subclasses.fake_tensor import is_fake
 
-    if is_fake(values) or is_fake(crow):
+    if is_fake(values) or is_fake(compressed):
         data = values.new_empty(shape)
     else:
-        data = torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
-    return CsrTensor(data, (crow, col, values))
+        make = torch.sparse_csr_tensor if cls is CsrTensor else torch.sparse_csc_tensor
+        data = make(compressed, plain, values, shape, check_invariants=False)
+    return cls(data, (compressed, plain, values))
+
+
+def _csr_from_members(tensors: list, consts: list) -> CsrTensor:
+    return _compressed_from_members(CsrTensor, tensors, consts)
+
+
+def _csc_from_members(tensors: list, consts: list) -> CscTensor:
+    return _compressed_from_members(CscTensor, tensors, consts)
 
 
 def _csr_grad_input(gy: torch.Tensor, x: torch.Tensor, layout: CsrTensor) -> torch.Tensor:
@@ -156,10 +166,27 @@ def _csr_grad_values(gy: torch.Tensor, x: torch.Tensor, layout: CsrTensor) -> to
     return torch.ops.sten_core.csr_sampled(g2.t(), x2.to(g2.dtype), crow, col).to(values.dtype)
 
 
+def _csc_grad_input(gy: torch.Tensor, x: torch.Tensor, layout: CscTensor) -> torch.Tensor:
+    """``gy @ W`` for a CSC ``W`` [N, K]: its members are the CSR ``W.t()`` [K, N], so
+    ``(W.t() @ gy.t()).t()`` is one ``sten_core::csr_mm``."""
+    ccol, row, values = layout.state_tensors()
+    g2 = gy.reshape(-1, gy.shape[-1])
+    return torch.ops.sten_core.csr_mm(ccol, row, values, gy.shape[-1], g2.t()).t().reshape(x.shape)
+
+
+def _csc_grad_values(gy: torch.Tensor, x: torch.Tensor, layout: CscTensor) -> torch.Tensor:
+    """The values' gradient: ``(gy.t() @ x).t() = x.t() @ gy`` at the CSR-of-``W.t()`` pattern."""
+    ccol, row, values = layout.state_tensors()
+    g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
+    return torch.ops.sten_core.csr_sampled(x2.t().to(g2.dtype), g2, ccol, row).to(values.dtype)
+
+
 def register(registry: Any) -> None:
     from sten_core.dispatch.traceable import register_traceable_layout
 
     register_traceable_layout(CsrTensor, _csr_members, _csr_from_members, _csr_grad_input, _csr_grad_values,
+                              values_index=2)
+    register_traceable_layout(CscTensor, _csr_members, _csc_from_members, _csc_grad_input, _csc_grad_values,
                               values_index=2)
     T = torch.Tensor
     for inp in ((T, CsrTensor, T), (T, CsrTensor)):

@@ -56,9 +56,12 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
     for i, a in enumerate(args):
         if isinstance(a, SparseTensorWrapper):
             if grad and a.requires_grad:
-                from sten_core.dispatch.traceable import trains_compiled  # loaded with the plugins (not at import: custom ops)
+                from sten_core.dispatch.traceable import (  # loaded with the plugins (not at import: custom ops)
+                    trains_compiled, traceable)
 
                 if not (op is torch.nn.functional.linear and i == 1 and trains_compiled(a)):
+                    if traceable(a):  # a graph input: the eager dispatcher cannot run on its fake members
+                        raise UnsupportedTrainingOp(unsupported_training_message(op, a))
                     return None
                 training = True  # a traceable wrapper: its gradient is computed in the graph
             layouts.append(type(a.wrapped_tensor))
@@ -76,6 +79,36 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
     if impl is None and op in DENSE_RESULT_OPS:
         return dense_call
     return impl
+
+
+class UnsupportedTrainingOp(TypeError):
+    """An operator other than ``F.linear`` on a sparse weight whose gradient a compiled graph
+    computes (a traceable wrapper that requires grad): raised while Dynamo traces."""
+
+
+_WEIGHT_PRODUCTS = {torch.mm: "torch.mm", torch.matmul: "torch.matmul", torch.addmm: "torch.addmm",
+                    torch.Tensor.mm: "Tensor.mm", torch.Tensor.matmul: "Tensor.matmul",
+                    torch.Tensor.__matmul__: "@", torch.Tensor.__rmatmul__: "@", torch.Tensor.t: "Tensor.t",
+                    torch.t: "torch.t", torch.Tensor.transpose: "Tensor.transpose"}
+
+
+def unsupported_training_message(op: Any, weight: Any) -> str:
+    """What ``UnsupportedTrainingOp`` says: the operator, the weight's layout, what to use instead.
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> w = sten.SparseTensorWrapper(sten.DenseTensor.from_dense(torch.ones(2, 2)))
+        >>> unsupported_training_message(torch.mm, w).split(":")[0]
+        'torch.compile: torch.mm on a trainable DenseTensor weight'
+    """
+    name = _WEIGHT_PRODUCTS.get(op) or getattr(op, "__qualname__", None) or getattr(op, "__name__", repr(op))
+    layout = type(weight.wrapped_tensor).__name__
+    return (f"torch.compile: {name} on a trainable {layout} weight: only F.linear(x, weight, bias) (nn.Linear) "
+            f"computes a compiled gradient of a sparse weight whose grad_fmt keeps its layout; a weight product "
+            f"such as x @ W.t(), torch.mm(x, W.t()), torch.matmul(x, W.t()) or torch.addmm(b, x, W.t()) must be "
+            f"written F.linear(x, W, b) to train compiled (the eager one densifies W and re-sparsifies its "
+            f"gradient); or run this step eagerly, or freeze W (requires_grad=False) for inference. "
+            f"See docs/compile.md")
 
 
 def _plugins_loaded() -> bool:

@@ -70,6 +70,12 @@ def register_traceable_layout(layout: type, flatten: Callable, unflatten: Callab
     TRACEABLE_LAYOUTS[layout] = (flatten, unflatten, lambda grad_fmt: keeps_layout(grad_fmt, layout))
 
 
+def unregister_traceable_layout(layout: type) -> None:
+    """Undo ``register_traceable_layout`` (wrappers made afterwards are the eager classes)."""
+    TRACEABLE_LAYOUTS.pop(layout, None)
+    _GRADS.pop(layout, None)
+
+
 def keeps_layout(grad_fmt: Any, layout: type) -> bool:
     """Whether ``grad_fmt`` asks for the values' gradient at the weight's pattern:
     ``(KeepAll(), layout, KeepAll(), layout)``.

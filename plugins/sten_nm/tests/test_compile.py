@@ -256,8 +256,7 @@ def test_check_compile_passes_with_the_custom_operator(layout):
 def test_bert_layer_with_nm_weights_compiles_whole(layout, nm):
     """A BERT encoder layer (tiny config) whose six Linear weights are n:m: no graph
     breaks, fullgraph runs, strict export runs; all equal eager."""
-    pytest.importorskip("transformers")
-    from sten_core.tools.bench.models import bert_case
+    from sten_core.tools.bench.models import bert_case  # transformers: in sten_nm's [test] extra
 
     case = bert_case(batch=2, seq_len=8, size="tiny")
     model = case.model
