@@ -524,3 +524,63 @@ def test_weight_products_other_than_linear_on_a_trainable_weight_say_what_to_use
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"Tensor.t on a trainable CsrTensor weight"):
         torch.compile(f)(torch.randn(3, 8))
+
+
+DENSE_GRAD = (sten.KeepAll(), torch.Tensor, sten.KeepAll(), torch.Tensor)
+"""The explicit dense gradient format: eager gives the same dense gradient as the default None."""
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor])
+def test_training_step_with_dense_weight_gradients_compiles_whole(layout):
+    """grad_fmt=(KeepAll(), Tensor, KeepAll(), Tensor): traceable wrappers whose compiled
+    gradient is the plain dense gy.T @ x: no breaks, fullgraph, weight gradients bitwise
+    equal to eager's (and to the default grad_fmt's), all equal to the dense model's."""
+    model = sparse_mlp(layout)
+    default_grads = None
+    x = torch.randn(2, 3, 24, requires_grad=True)
+
+    def grads(fn):
+        model.zero_grad()
+        x.grad = None
+        fn(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+    default_grads = grads(model)
+    for name in ("0", "2"):
+        lin = model.get_submodule(name)
+        lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True, grad_fmt=DENSE_GRAD)
+        assert sten.dispatch.traceable.trains_compiled(lin.weight)
+    want = grads(model)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, fullgraph=True))
+    assert all(type(g) is torch.Tensor for g in got)
+    for i in (0, 2):
+        assert torch.equal(got[i], want[i]) and torch.equal(want[i], default_grads[i])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    w0 = model[0].weight.to_dense().detach().requires_grad_(True)
+    w2 = model[2].weight.to_dense().detach().requires_grad_(True)
+    rx = x.detach().clone().requires_grad_(True)
+    F.linear(torch.relu(F.linear(rx, w0, model[0].bias.detach())), w2, model[2].bias.detach()).square().sum().backward()
+    torch.testing.assert_close(got[0], w0.grad)
+    torch.testing.assert_close(got[2], w2.grad)
+    torch.testing.assert_close(got[-1], rx.grad)
+
+
+def test_other_operators_on_a_frozen_traceable_weight_run_densely():
+    """A traceable wrapper is a graph input even when frozen: operators without a compiled
+    implementation run on its traced to_dense() (eager's dense fallback), with eager's values."""
+    w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.randn(6, 8)), grad_fmt=KEEP_CSR)
+    w.requires_grad_(False)
+
+    def f(x):
+        return torch.mm(x, w.t()) + 1
+
+    x = torch.randn(3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        want = f(x)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), want)
+    torch.testing.assert_close(want, x @ w.to_dense().t() + 1)

@@ -132,18 +132,42 @@ def _csr_members(layout: Any) -> tuple[list, list]:
 
 def _compressed_from_members(cls: type, tensors: list, consts: list) -> Any:
     """A ``CsrTensor`` / ``CscTensor`` around its members; while tracing (fake members, where
-    no sparse tensor can be made) its ``data`` is a dense stand-in of the right metadata,
-    which the compiled implementations never read (they take the members)."""
+    no sparse tensor can be made) its ``data`` is the dense matrix computed from the members
+    in traced torch ops (what ``to_dense()`` and aten-level fallbacks read; the compiled
+    implementations take the members; unused ops are dropped from the graph)."""
     compressed, plain, values = tensors
     shape = (consts[0], consts[1])
     from torch._subclasses.fake_tensor import is_fake
 
     if is_fake(values) or is_fake(compressed):
-        data = values.new_empty(shape)
+        data = _dense_from_compressed(cls, compressed, plain, values, shape)
     else:
         make = torch.sparse_csr_tensor if cls is CsrTensor else torch.sparse_csc_tensor
         data = make(compressed, plain, values, shape, check_invariants=False)
     return cls(data, (compressed, plain, values))
+
+
+def dense_from_members(layout: Any) -> torch.Tensor:
+    """The dense matrix of a ``CsrTensor`` / ``CscTensor`` from its members in torch ops whose
+    output sizes are static (nnz is the plain indices' length), so Dynamo traces it on a
+    traceable wrapper's fake members.
+
+    >>> dense_from_members(CsrTensor.from_dense(torch.eye(2))).tolist()
+    [[1.0, 0.0], [0.0, 1.0]]
+    """
+    cls, shape = type(layout), tuple(layout.shape)
+    compressed, plain, values = layout.state_tensors()
+    return _dense_from_compressed(cls, compressed, plain, values, shape)
+
+
+def _dense_from_compressed(cls: type, compressed: torch.Tensor, plain: torch.Tensor, values: torch.Tensor,
+                           shape: tuple) -> torch.Tensor:
+    # every new tensor derives from the members (no torch.arange): unflatten runs this on fake
+    # members outside the fake mode
+    position = torch.ones_like(plain, dtype=torch.int64).cumsum(0) - 1            # 0 .. nnz-1
+    major = torch.searchsorted(compressed.to(torch.int64), position, right=True) - 1
+    rows, cols = (major, plain.long()) if cls is CsrTensor else (plain.long(), major)
+    return values.new_zeros(shape).index_put((rows, cols), values)
 
 
 def _csr_from_members(tensors: list, consts: list) -> CsrTensor:
@@ -188,6 +212,9 @@ def register(registry: Any) -> None:
                               values_index=2)
     register_traceable_layout(CscTensor, _csr_members, _csc_from_members, _csc_grad_input, _csc_grad_values,
                               values_index=2)
+    from sten_core.dispatch.compiled import TRACED_DENSE
+
+    TRACED_DENSE[CsrTensor] = TRACED_DENSE[CscTensor] = dense_from_members
     T = torch.Tensor
     for inp in ((T, CsrTensor, T), (T, CsrTensor)):
         registry.register_compiled_impl(F.linear, inp, csr_linear_kernel)

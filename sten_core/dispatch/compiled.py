@@ -78,6 +78,14 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
         return linear_training if impl is not None else None
     if impl is None and op in DENSE_RESULT_OPS:
         return dense_call
+    if impl is None and any(hasattr(type(a), "__tensor_flatten__") for a in args if isinstance(a, SparseTensorWrapper)):
+        # a traceable wrapper is a graph input (fake members while tracing): the eager dispatcher
+        # cannot run on it, so the operator runs on its traced to_dense() (eager's fallback too)
+        if getattr(op, "__name__", "").endswith("_"):
+            raise UnsupportedTrainingOp(f"torch.compile: the in-place {op.__name__} on a {layouts} sparse weight "
+                                        f"that is a graph input is not supported; change the weight outside the "
+                                        f"compiled function")
+        return dense_call
     return impl
 
 
@@ -135,8 +143,19 @@ def dense_call(op: Any, *args: Any, **kwargs: Any) -> Any:
     """``op`` on the dense tensors of its wrapper arguments: the compiled graph holds
     the layout's ``to_dense`` (traced; a graph break where it is not traceable) and
     the dense operator."""
-    dense = [to_dense_tensor(a.wrapped_tensor) if isinstance(a, SparseTensorWrapper) else a for a in args]
+    dense = [_dense_of(a) if isinstance(a, SparseTensorWrapper) else a for a in args]
     return op(*dense, **kwargs)
+
+
+TRACED_DENSE: dict = {}
+"""Layout class -> ``dense(layout)`` from its member tensors, for layouts whose ``to_dense()``
+reads state a traceable wrapper does not carry while traced (the torch CSR/CSC tensor)."""
+
+
+def _dense_of(wrapper: SparseTensorWrapper) -> torch.Tensor:
+    layout = wrapper.wrapped_tensor
+    from_members = TRACED_DENSE.get(type(layout)) if hasattr(type(wrapper), "__tensor_flatten__") else None
+    return from_members(layout) if from_members is not None else to_dense_tensor(layout)
 
 
 def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:
