@@ -112,7 +112,8 @@ def unsupported_training_message(op: Any, weight: Any) -> str:
     name = _WEIGHT_PRODUCTS.get(op) or getattr(op, "__qualname__", None) or getattr(op, "__name__", repr(op))
     layout = type(weight.wrapped_tensor).__name__
     return (f"torch.compile: {name} on a trainable {layout} weight: only F.linear(x, weight, bias) (nn.Linear) "
-            f"computes a compiled gradient of a sparse weight whose grad_fmt keeps its layout; a weight product "
+            f"computes a compiled gradient of a traceable sparse weight (grad_fmt keeping its layout, or the "
+            f"explicit dense (KeepAll(), Tensor, KeepAll(), Tensor)); a weight product "
             f"such as x @ W.t(), torch.mm(x, W.t()), torch.matmul(x, W.t()) or torch.addmm(b, x, W.t()) must be "
             f"written F.linear(x, W, b) to train compiled (the eager one densifies W and re-sparsifies its "
             f"gradient); or run this step eagerly, or freeze W (requires_grad=False) for inference. "
