@@ -379,16 +379,20 @@ def check_compile_training(layout_cls: type, *, shapes: Iterable[tuple] = ((6, 1
     tol = _tolerances(dtype)
     name = layout_cls.__name__
     keep = (KeepAll(), layout_cls, KeepAll(), layout_cls)
-    fix = (f"register it: sten_core.plugin_api.register_traceable_layout({name}, flatten, unflatten, grad_input, "
-           f"grad_values, values_index), see docs/compile.md")
+    fix = _training_fix(name)
     for i, (batch, k, n) in enumerate(shapes):
         case = f"{name} compiled training step x=[{batch},{k}] W=[{n},{k}]"
         linear = torch.nn.Linear(k, n).to(dtype).to(device)
         linear.weight = SparseParameterWrapper(layout_cls.from_dense(_sample((n, k), dtype, sparsifier, device, 300 + i)),
                                                requires_grad=True, grad_fmt=keep)
         assert traceable(linear.weight), f"{case}: its wrappers are not traceable tensor subclasses; {fix}"
-        assert trains_compiled(linear.weight), \
-            f"{case}: F.linear has no compiled implementation or the layout no gradient kernels; {fix}"
+        missing = []
+        if layout_cls not in _traceable_grads():
+            missing.append("no gradient kernels (register_traceable_layout's grad_input and grad_values)")
+        if registry.compiled.get((F.linear, (torch.Tensor, layout_cls, torch.Tensor))) is None:
+            missing.append(f"no compiled F.linear (registry.register_compiled_impl(F.linear, (torch.Tensor, {name}, "
+                           f"torch.Tensor), impl) and (torch.Tensor, {name}))")
+        assert trains_compiled(linear.weight) and not missing, f"{case}: {'; '.join(missing) or 'not trainable'}; {fix}"
         x = torch.randn(batch, k, generator=torch.Generator().manual_seed(i)).to(dtype).to(device).requires_grad_(True)
 
         def grads(fn: Callable) -> list:
@@ -422,6 +426,26 @@ def check_compile_training(layout_cls: type, *, shapes: Iterable[tuple] = ((6, 1
             torch.testing.assert_close(gw.wrapped_tensor.values(), layout.gather(w.grad).to(dtype),
                                        msg=lambda m: f"{case}: weight gradient vs dense at the stored positions: {m}", **tol)
     return {"traceable": True, "graph_breaks": 0}
+
+
+def _traceable_grads() -> dict:
+    from sten_core.dispatch.traceable import _GRADS
+
+    return _GRADS
+
+
+def _training_fix(name: str) -> str:
+    """What a layout following the plugin guide needs to train compiled (check_compile_training's advice)."""
+    return (f"a layout trains compiled when (1) its kernels are custom operators (torch.library.custom_op) on its "
+            f"plain member tensors with fake implementations: the forward F.linear and two gradient operators "
+            f"(grad_input: gy @ W shaped like x; grad_values: the stored values' gradient shaped like the values "
+            f"member); (2) registry.register_compiled_impl(F.linear, (torch.Tensor, {name}[, torch.Tensor]), impl) "
+            f"calls the forward one; (3) sten_core.plugin_api.register_traceable_layout({name}, flatten, unflatten, "
+            f"grad_input, grad_values, values_index) where flatten(layout) -> (member tensors, ints) and "
+            f"unflatten(tensors, ints) -> layout reads no tensor values (it runs on fake tensors), called from the "
+            f"plugin's sten_register; and (4) the weight's grad_fmt is (KeepAll(), {name}, KeepAll(), {name}) "
+            f"(the stored values' gradient, pattern kept). Worked example: sten_example_plugin/compiled.py, "
+            f"docs/guides/write-a-plugin.md and docs/compile.md")
 
 
 def _dense(value: Any) -> torch.Tensor:

@@ -400,3 +400,187 @@ def test_check_compile_training_says_what_a_layout_lacks(dense_copy):
 
     with pytest.raises(AssertionError, match="not traceable tensor subclasses.*register_traceable_layout"):
         check_compile_training(DenseCopyLayout, shapes=((4, 8, 6),))
+
+
+@pytest.fixture
+def trainable_bitmask(bitmask):
+    """The example plugin's BitmaskTensor after its opt-in compiled registration
+    (sten_example_plugin.compiled.register_compiled), undone afterwards."""
+    from sten_example_plugin.compiled import register_compiled
+
+    from sten_core.dispatch.traceable import unregister_traceable_layout
+
+    class CompiledBitmask:
+        sten_register = staticmethod(sten.plugins.hookimpl(register_compiled))
+
+    assert sten.plugins.register_plugin(CompiledBitmask, name="example-compiled")
+    try:
+        yield bitmask
+    finally:
+        sten.plugins.unregister_plugin("example-compiled")
+        unregister_traceable_layout(bitmask)
+
+
+def test_check_compile_training_says_what_a_third_party_layout_needs(bitmask):
+    """The plugin guide's BitmaskTensor before registering: the kit names every missing piece."""
+    from sten_core.testing import check_compile_training
+
+    with pytest.raises(AssertionError) as error:
+        check_compile_training(bitmask, shapes=((4, 8, 6),))
+    message = str(error.value)
+    for piece in ("register_traceable_layout(BitmaskTensor", "flatten", "unflatten", "grad_input", "grad_values",
+                  "register_compiled_impl(F.linear", "custom operator", "docs/guides/write-a-plugin.md"):
+        assert piece in message, piece
+
+
+def test_a_third_party_layout_trains_compiled_after_registering(trainable_bitmask):
+    """After the guide's registration the example layout's training step compiles whole
+    (no breaks, fullgraph) with eager's gradients and the dense ones at the kept positions."""
+    from sten_core.testing import check_compile_training
+
+    assert check_compile_training(trainable_bitmask, shapes=((4, 8, 6), (2, 16, 12))) == \
+        {"traceable": True, "graph_breaks": 0}
+    keep = (sten.KeepAll(), trainable_bitmask, sten.KeepAll(), trainable_bitmask)
+    model = sparse_mlp(trainable_bitmask)
+    for name in ("0", "2"):
+        lin = model.get_submodule(name)
+        lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True, grad_fmt=keep)
+        assert sten.dispatch.traceable.trains_compiled(lin.weight)
+    x = torch.randn(6, 24, requires_grad=True)
+
+    def grads(fn):
+        model.zero_grad()
+        x.grad = None
+        fn(x).square().sum().backward()
+        return [p.grad.to_dense() if isinstance(p.grad, sten.SparseTensorWrapper) else p.grad.clone()
+                for p in model.parameters()] + [x.grad.clone()]
+
+    want = grads(model)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, fullgraph=True))
+    assert type(model[0].weight.grad.wrapped_tensor) is trainable_bitmask
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    w0 = model[0].weight.to_dense().detach().requires_grad_(True)
+    w2 = model[2].weight.to_dense().detach().requires_grad_(True)
+    F.linear(torch.relu(F.linear(x.detach(), w0, model[0].bias.detach())), w2,
+             model[2].bias.detach()).square().sum().backward()
+    torch.testing.assert_close(got[0], w0.grad * (w0 != 0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[2], w2.grad * (w2 != 0), rtol=1e-5, atol=1e-5)
+
+
+KEEP_CSC = (sten.KeepAll(), sten.CscTensor, sten.KeepAll(), sten.CscTensor)
+
+
+def test_training_step_of_csc_weights_compiles_whole_with_eager_gradients():
+    """CscTensor trains compiled like CsrTensor (its members are the CSR of W.t())."""
+    from sten_core.testing import check_compile_training
+
+    assert check_compile_training(sten.CscTensor, shapes=((4, 8, 6), (3, 16, 12))) == \
+        {"traceable": True, "graph_breaks": 0}
+    model = sparse_mlp(sten.CscTensor)
+    for name in ("0", "2"):
+        lin = model.get_submodule(name)
+        lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True, grad_fmt=KEEP_CSC)
+        assert sten.dispatch.traceable.trains_compiled(lin.weight)
+    x = torch.randn(2, 3, 24, requires_grad=True)
+
+    def grads(fn):
+        model.zero_grad()
+        x.grad = None
+        fn(x).square().sum().backward()
+        return [p.grad.to_dense() if isinstance(p.grad, sten.SparseTensorWrapper) else p.grad.clone()
+                for p in model.parameters()] + [x.grad.clone()]
+
+    want = grads(model)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, fullgraph=True))
+    assert type(model[0].weight.grad.wrapped_tensor) is sten.CscTensor
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    w0 = model[0].weight.to_dense().detach().requires_grad_(True)
+    w2 = model[2].weight.to_dense().detach().requires_grad_(True)
+    F.linear(torch.relu(F.linear(x.detach(), w0, model[0].bias.detach())), w2,
+             model[2].bias.detach()).square().sum().backward()
+    torch.testing.assert_close(got[0], w0.grad * (w0 != 0))
+    torch.testing.assert_close(got[2], w2.grad * (w2 != 0))
+
+
+@pytest.mark.parametrize("product", ["mm", "matmul", "at", "addmm"])
+def test_weight_products_other_than_linear_on_a_trainable_weight_say_what_to_use(product):
+    """x @ W.t() and friends on a weight that trains compiled: a clear error naming the
+    operator and F.linear (eager densifies W and re-sparsifies its gradient, a new pattern,
+    which a compiled graph cannot give back in the weight's structure)."""
+    w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.randn(6, 8)), grad_fmt=KEEP_CSR)
+    b = torch.randn(6)
+    f = {"mm": lambda x: torch.mm(x, w.t()), "matmul": lambda x: torch.matmul(x, w.t()),
+         "at": lambda x: x @ w.t(), "addmm": lambda x: torch.addmm(b, x, w.t())}[product]
+    with pytest.raises(Exception, match=r"Tensor.t on a trainable CsrTensor weight.*F.linear\(x, W, b\)"):
+        torch.compile(f, fullgraph=True)(torch.randn(3, 8))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"Tensor.t on a trainable CsrTensor weight"):
+        torch.compile(f)(torch.randn(3, 8))
+
+
+DENSE_GRAD = (sten.KeepAll(), torch.Tensor, sten.KeepAll(), torch.Tensor)
+"""The explicit dense gradient format: eager gives the same dense gradient as the default None."""
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor])
+def test_training_step_with_dense_weight_gradients_compiles_whole(layout):
+    """grad_fmt=(KeepAll(), Tensor, KeepAll(), Tensor): traceable wrappers whose compiled
+    gradient is the plain dense gy.T @ x: no breaks, fullgraph, weight gradients bitwise
+    equal to eager's (and to the default grad_fmt's), all equal to the dense model's."""
+    model = sparse_mlp(layout)
+    default_grads = None
+    x = torch.randn(2, 3, 24, requires_grad=True)
+
+    def grads(fn):
+        model.zero_grad()
+        x.grad = None
+        fn(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+    default_grads = grads(model)
+    for name in ("0", "2"):
+        lin = model.get_submodule(name)
+        lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True, grad_fmt=DENSE_GRAD)
+        assert sten.dispatch.traceable.trains_compiled(lin.weight)
+    want = grads(model)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, fullgraph=True))
+    assert all(type(g) is torch.Tensor for g in got)
+    for i in (0, 2):
+        assert torch.equal(got[i], want[i]) and torch.equal(want[i], default_grads[i])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    w0 = model[0].weight.to_dense().detach().requires_grad_(True)
+    w2 = model[2].weight.to_dense().detach().requires_grad_(True)
+    rx = x.detach().clone().requires_grad_(True)
+    F.linear(torch.relu(F.linear(rx, w0, model[0].bias.detach())), w2, model[2].bias.detach()).square().sum().backward()
+    torch.testing.assert_close(got[0], w0.grad)
+    torch.testing.assert_close(got[2], w2.grad)
+    torch.testing.assert_close(got[-1], rx.grad)
+
+
+def test_other_operators_on_a_frozen_traceable_weight_run_densely():
+    """A traceable wrapper is a graph input even when frozen: operators without a compiled
+    implementation run on its traced to_dense() (eager's dense fallback), with eager's values."""
+    w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.randn(6, 8)), grad_fmt=KEEP_CSR)
+    w.requires_grad_(False)
+
+    def f(x):
+        return torch.mm(x, w.t()) + 1
+
+    x = torch.randn(3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        want = f(x)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), want)
+    torch.testing.assert_close(want, x @ w.to_dense().t() + 1)

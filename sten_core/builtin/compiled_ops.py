@@ -124,24 +124,58 @@ def csc_linear_kernel(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor]
     return y.reshape(*x.shape[:-1], n)
 
 
-def _csr_members(layout: CsrTensor) -> tuple[list, list]:
+def _csr_members(layout: Any) -> tuple[list, list]:
+    """A ``CsrTensor``'s or ``CscTensor``'s (compressed indices, plain indices, values) and shape."""
     rows, cols = layout.shape
     return list(layout.state_tensors()), [rows, cols]
 
 
-def _csr_from_members(tensors: list, consts: list) -> CsrTensor:
-    """A ``CsrTensor`` around its members; while tracing (fake members, where no sparse
-    tensor can be made) its ``data`` is a dense stand-in of the right metadata, which the
-    compiled implementations never read (they take the members)."""
-    crow, col, values = tensors
+def _compressed_from_members(cls: type, tensors: list, consts: list) -> Any:
+    """A ``CsrTensor`` / ``CscTensor`` around its members; while tracing (fake members, where
+    no sparse tensor can be made) its ``data`` is the dense matrix computed from the members
+    in traced torch ops (what ``to_dense()`` and aten-level fallbacks read; the compiled
+    implementations take the members; unused ops are dropped from the graph)."""
+    compressed, plain, values = tensors
     shape = (consts[0], consts[1])
     from torch._subclasses.fake_tensor import is_fake
 
-    if is_fake(values) or is_fake(crow):
-        data = values.new_empty(shape)
+    if is_fake(values) or is_fake(compressed):
+        data = _dense_from_compressed(cls, compressed, plain, values, shape)
     else:
-        data = torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
-    return CsrTensor(data, (crow, col, values))
+        make = torch.sparse_csr_tensor if cls is CsrTensor else torch.sparse_csc_tensor
+        data = make(compressed, plain, values, shape, check_invariants=False)
+    return cls(data, (compressed, plain, values))
+
+
+def dense_from_members(layout: Any) -> torch.Tensor:
+    """The dense matrix of a ``CsrTensor`` / ``CscTensor`` from its members in torch ops whose
+    output sizes are static (nnz is the plain indices' length), so Dynamo traces it on a
+    traceable wrapper's fake members.
+
+    >>> dense_from_members(CsrTensor.from_dense(torch.eye(2))).tolist()
+    [[1.0, 0.0], [0.0, 1.0]]
+    """
+    cls, shape = type(layout), tuple(layout.shape)
+    compressed, plain, values = layout.state_tensors()
+    return _dense_from_compressed(cls, compressed, plain, values, shape)
+
+
+def _dense_from_compressed(cls: type, compressed: torch.Tensor, plain: torch.Tensor, values: torch.Tensor,
+                           shape: tuple) -> torch.Tensor:
+    # every new tensor derives from the members (no torch.arange): unflatten runs this on fake
+    # members outside the fake mode
+    position = torch.ones_like(plain, dtype=torch.int64).cumsum(0) - 1            # 0 .. nnz-1
+    major = torch.searchsorted(compressed.to(torch.int64), position, right=True) - 1
+    rows, cols = (major, plain.long()) if cls is CsrTensor else (plain.long(), major)
+    return values.new_zeros(shape).index_put((rows, cols), values)
+
+
+def _csr_from_members(tensors: list, consts: list) -> CsrTensor:
+    return _compressed_from_members(CsrTensor, tensors, consts)
+
+
+def _csc_from_members(tensors: list, consts: list) -> CscTensor:
+    return _compressed_from_members(CscTensor, tensors, consts)
 
 
 def _csr_grad_input(gy: torch.Tensor, x: torch.Tensor, layout: CsrTensor) -> torch.Tensor:
@@ -156,11 +190,31 @@ def _csr_grad_values(gy: torch.Tensor, x: torch.Tensor, layout: CsrTensor) -> to
     return torch.ops.sten_core.csr_sampled(g2.t(), x2.to(g2.dtype), crow, col).to(values.dtype)
 
 
+def _csc_grad_input(gy: torch.Tensor, x: torch.Tensor, layout: CscTensor) -> torch.Tensor:
+    """``gy @ W`` for a CSC ``W`` [N, K]: its members are the CSR ``W.t()`` [K, N], so
+    ``(W.t() @ gy.t()).t()`` is one ``sten_core::csr_mm``."""
+    ccol, row, values = layout.state_tensors()
+    g2 = gy.reshape(-1, gy.shape[-1])
+    return torch.ops.sten_core.csr_mm(ccol, row, values, gy.shape[-1], g2.t()).t().reshape(x.shape)
+
+
+def _csc_grad_values(gy: torch.Tensor, x: torch.Tensor, layout: CscTensor) -> torch.Tensor:
+    """The values' gradient: ``(gy.t() @ x).t() = x.t() @ gy`` at the CSR-of-``W.t()`` pattern."""
+    ccol, row, values = layout.state_tensors()
+    g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
+    return torch.ops.sten_core.csr_sampled(x2.t().to(g2.dtype), g2, ccol, row).to(values.dtype)
+
+
 def register(registry: Any) -> None:
     from sten_core.dispatch.traceable import register_traceable_layout
 
     register_traceable_layout(CsrTensor, _csr_members, _csr_from_members, _csr_grad_input, _csr_grad_values,
                               values_index=2)
+    register_traceable_layout(CscTensor, _csr_members, _csc_from_members, _csc_grad_input, _csc_grad_values,
+                              values_index=2)
+    from sten_core.dispatch.compiled import TRACED_DENSE
+
+    TRACED_DENSE[CsrTensor] = TRACED_DENSE[CscTensor] = dense_from_members
     T = torch.Tensor
     for inp in ((T, CsrTensor, T), (T, CsrTensor)):
         registry.register_compiled_impl(F.linear, inp, csr_linear_kernel)

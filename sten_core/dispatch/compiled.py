@@ -57,9 +57,12 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
     for i, a in enumerate(args):
         if isinstance(a, SparseTensorWrapper):
             if grad and a.requires_grad:
-                from sten_core.dispatch.traceable import trains_compiled  # loaded with the plugins (not at import: custom ops)
+                from sten_core.dispatch.traceable import (  # loaded with the plugins (not at import: custom ops)
+                    trains_compiled, traceable)
 
                 if not (op is torch.nn.functional.linear and i == 1 and trains_compiled(a)):
+                    if traceable(a):  # a graph input: the eager dispatcher cannot run on its fake members
+                        raise UnsupportedTrainingOp(unsupported_training_message(op, a))
                     return None
                 training = True  # a traceable wrapper: its gradient is computed in the graph
             layouts.append(type(a.wrapped_tensor))
@@ -76,7 +79,46 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
         return linear_training if impl is not None else None
     if impl is None and op in DENSE_RESULT_OPS:
         return dense_call
+    if impl is None and any(hasattr(type(a), "__tensor_flatten__") for a in args if isinstance(a, SparseTensorWrapper)):
+        # a traceable wrapper is a graph input (fake members while tracing): the eager dispatcher
+        # cannot run on it, so the operator runs on its traced to_dense() (eager's fallback too)
+        if getattr(op, "__name__", "").endswith("_"):
+            raise UnsupportedTrainingOp(f"torch.compile: the in-place {op.__name__} on a {layouts} sparse weight "
+                                        f"that is a graph input is not supported; change the weight outside the "
+                                        f"compiled function")
+        return dense_call
     return impl
+
+
+class UnsupportedTrainingOp(TypeError):
+    """An operator other than ``F.linear`` on a sparse weight whose gradient a compiled graph
+    computes (a traceable wrapper that requires grad): raised while Dynamo traces."""
+
+
+_WEIGHT_PRODUCTS = {torch.mm: "torch.mm", torch.matmul: "torch.matmul", torch.addmm: "torch.addmm",
+                    torch.Tensor.mm: "Tensor.mm", torch.Tensor.matmul: "Tensor.matmul",
+                    torch.Tensor.__matmul__: "@", torch.Tensor.__rmatmul__: "@", torch.Tensor.t: "Tensor.t",
+                    torch.t: "torch.t", torch.Tensor.transpose: "Tensor.transpose"}
+
+
+def unsupported_training_message(op: Any, weight: Any) -> str:
+    """What ``UnsupportedTrainingOp`` says: the operator, the weight's layout, what to use instead.
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> w = sten.SparseTensorWrapper(sten.DenseTensor.from_dense(torch.ones(2, 2)))
+        >>> unsupported_training_message(torch.mm, w).split(": only")[0]
+        'torch.compile: torch.mm on a trainable DenseTensor weight'
+    """
+    name = _WEIGHT_PRODUCTS.get(op) or getattr(op, "__qualname__", None) or getattr(op, "__name__", repr(op))
+    layout = type(weight.wrapped_tensor).__name__
+    return (f"torch.compile: {name} on a trainable {layout} weight: only F.linear(x, weight, bias) (nn.Linear) "
+            f"computes a compiled gradient of a traceable sparse weight (grad_fmt keeping its layout, or the "
+            f"explicit dense (KeepAll(), Tensor, KeepAll(), Tensor)); a weight product "
+            f"such as x @ W.t(), torch.mm(x, W.t()), torch.matmul(x, W.t()) or torch.addmm(b, x, W.t()) must be "
+            f"written F.linear(x, W, b) to train compiled (the eager one densifies W and re-sparsifies its "
+            f"gradient); or run this step eagerly, or freeze W (requires_grad=False) for inference. "
+            f"See docs/compile.md")
 
 
 def _plugins_loaded() -> bool:
@@ -103,8 +145,19 @@ def dense_call(op: Any, *args: Any, **kwargs: Any) -> Any:
     """``op`` on the dense tensors of its wrapper arguments: the compiled graph holds
     the layout's ``to_dense`` (traced; a graph break where it is not traceable) and
     the dense operator."""
-    dense = [to_dense_tensor(a.wrapped_tensor) if isinstance(a, SparseTensorWrapper) else a for a in args]
+    dense = [_dense_of(a) if isinstance(a, SparseTensorWrapper) else a for a in args]
     return op(*dense, **kwargs)
+
+
+TRACED_DENSE: dict = {}
+"""Layout class -> ``dense(layout)`` from its member tensors, for layouts whose ``to_dense()``
+reads state a traceable wrapper does not carry while traced (the torch CSR/CSC tensor)."""
+
+
+def _dense_of(wrapper: SparseTensorWrapper) -> torch.Tensor:
+    layout = wrapper.wrapped_tensor
+    from_members = TRACED_DENSE.get(type(layout)) if hasattr(type(wrapper), "__tensor_flatten__") else None
+    return from_members(layout) if from_members is not None else to_dense_tensor(layout)
 
 
 def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:

@@ -12,12 +12,14 @@ wrapper's ``__torch_dispatch__`` runs the layout's own custom operators on its
 members (its compiled ``F.linear`` implementation, ``grad_input`` and
 ``grad_values``).
 
-AOTAutograd rebuilds the gradient of a subclass input with the input's own
-structure, so only wrappers whose ``grad_fmt`` is their own layout and pattern
-(the values' gradient: ``SparsityBuilder.set_weight_grad(name,
-tmp_format=Layout, out_format=Layout)``) compile whole; those with a dense gradient (the default)
-run the eager dispatcher while compiled (a graph break per call, eager's
-gradients).
+Two gradient formats compile whole: the layout's own with its pattern kept (the
+values' gradient: ``SparsityBuilder.set_weight_grad(name, tmp_format=Layout,
+out_format=Layout)``), and the explicit dense one (``grad_fmt=(KeepAll(),
+torch.Tensor, KeepAll(), torch.Tensor)``): the autograd formula
+then returns ``gy.T @ x`` as a plain tensor, which AOTAutograd (torch 2.13) hands
+back as the wrapper's gradient. The default ``grad_fmt=None`` (dense, the same
+gradient) and re-sparsified formats keep the eager class: a graph break per
+call, eager's gradients.
 
 Example:
     >>> import torch, torch.nn.functional as F, sten_core as sten
@@ -67,7 +69,44 @@ def register_traceable_layout(layout: type, flatten: Callable, unflatten: Callab
         raise ValueError("grad_input and grad_values go together: give both or neither")
     if grad_input is not None:
         _GRADS[layout] = (grad_input, grad_values, values_index)
-    TRACEABLE_LAYOUTS[layout] = (flatten, unflatten, lambda grad_fmt: keeps_layout(grad_fmt, layout))
+    TRACEABLE_LAYOUTS[layout] = (flatten, unflatten,
+                                 lambda grad_fmt, requires_grad=False: takes(layout, grad_fmt, requires_grad))
+
+
+def takes(layout: type, grad_fmt: Any, requires_grad: bool = False) -> bool:
+    """Whether a new wrapper of ``layout`` is the traceable class: its ``grad_fmt`` keeps the
+    layout and pattern, or is the explicit dense format ``(KeepAll(), torch.Tensor, KeepAll(), torch.Tensor)`` (its layout having
+    gradient kernels). The default ``grad_fmt=None`` (dense too) keeps the eager class: a
+    frozen traceable wrapper is a graph input, which strict ``torch.export`` and swapping the
+    layout object for another class do not support (see docs/compile.md)."""
+    if keeps_layout(grad_fmt, layout):
+        return True
+    return layout in _GRADS and is_dense_grad(grad_fmt)
+
+
+def unregister_traceable_layout(layout: type) -> None:
+    """Undo ``register_traceable_layout`` (wrappers made afterwards are the eager classes)."""
+    TRACEABLE_LAYOUTS.pop(layout, None)
+    _GRADS.pop(layout, None)
+
+
+def is_dense_grad(grad_fmt: Any) -> bool:
+    """Whether ``grad_fmt`` is the explicit dense gradient format ``(KeepAll(), torch.Tensor,
+    KeepAll(), torch.Tensor)`` (eager gives the same dense gradient as
+    for ``None``).
+
+    >>> import torch, sten_core as sten
+    >>> is_dense_grad((sten.KeepAll(), torch.Tensor, sten.KeepAll(), torch.Tensor)), is_dense_grad(None)
+    (True, False)
+    """
+    if grad_fmt is None:
+        return False
+    from sten_core.model.sparsifiers import KeepAll
+    from sten_core.model.spec import OutputSpec
+
+    spec = OutputSpec.coerce(grad_fmt, "grad_fmt")
+    return (spec.out_format is torch.Tensor and spec.tmp_format is torch.Tensor
+            and isinstance(spec.inline_sparsifier, KeepAll) and isinstance(spec.external_sparsifier, KeepAll))
 
 
 def keeps_layout(grad_fmt: Any, layout: type) -> bool:
@@ -104,7 +143,7 @@ def trains_compiled(wrapper: Any) -> bool:
     if not traceable(wrapper):
         return False
     layout_cls = type(wrapper.wrapped_tensor)
-    return layout_cls in _GRADS and keeps_layout(wrapper.grad_fmt, layout_cls)
+    return layout_cls in _GRADS and (is_dense_grad(wrapper.grad_fmt) or keeps_layout(wrapper.grad_fmt, layout_cls))
 
 
 # -- the operators on wrappers ---------------------------------------------------------
@@ -147,6 +186,15 @@ def _(gy: Tensor, x: Tensor, weight: Tensor) -> Tensor:
     return torch.empty_like(weight)
 
 
+def dense_weight_grad(gy: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+    """The dense gradient ``gy.T @ x`` [out, in] of a weight whose ``grad_fmt`` is dense (the
+    default), as the eager backward computes it: plain graph ops on plain tensors, so
+    AOTAutograd records a plain-tensor gradient for the wrapper input (torch >= 2.6 takes a
+    subclass input's gradient structure from the traced gradient, not from the input)."""
+    g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
+    return (g2.t() @ x2.to(g2.dtype)).to(weight.dtype)
+
+
 def _setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
     x, weight, bias = inputs
     ctx.save_for_backward(x, weight)
@@ -157,7 +205,10 @@ def _backward(ctx: Any, gy: Tensor) -> tuple:
     x, weight = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad
     gx = torch.ops.sten_core.wrapper_linear_grad_input(gy, x, weight) if need_x else None
-    gw = torch.ops.sten_core.wrapper_linear_grad_weight(gy, x, weight) if need_w else None
+    gw = None
+    if need_w:
+        gw = dense_weight_grad(gy, x, weight) if is_dense_grad(weight.grad_fmt) else \
+            torch.ops.sten_core.wrapper_linear_grad_weight(gy, x, weight)
     gb = bias_grad(gy) if ctx.has_bias and need_b else None
     return gx, gw, gb
 

@@ -51,7 +51,7 @@ class SparseTensorWrapper(torch.Tensor):
         if grad_fmt is not None and not TRACEABLE_LAYOUTS:
             services.load_plugins()  # their traceable layouts
         traceable = TRACEABLE_LAYOUTS.get(type(wrapped_tensor))
-        if traceable is not None and traceable[2](grad_fmt):  # torch.compile takes it as a graph input
+        if traceable is not None and traceable[2](grad_fmt, requires_grad):  # torch.compile takes it as a graph input
             cls = _TRACEABLE_TWIN.get(cls, cls)
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
@@ -94,10 +94,12 @@ class SparseTensorWrapper(torch.Tensor):
         extra = ", requires_grad=True" if self.requires_grad else ""
         if self.grad_fn is not None:
             extra = f", grad_fn=<{type(self.grad_fn).__name__}>"
-        try:
-            layout = repr(self.wrapped_tensor)
-        except Exception:  # e.g. data-dependent on the fake tensors torch.compile logs: repr never raises
-            layout = f"{type(self.wrapped_tensor).__name__}(shape={tuple(self.shape)}, dtype={self.dtype})"
+        layout = f"{type(self.wrapped_tensor).__name__}(shape={tuple(self.shape)}, dtype={self.dtype})"
+        if not _has_fake_members(self.wrapped_tensor):  # a layout's repr may read values (nnz): on fake
+            try:  # members (torch.compile logs them) that makes unbacked symbols Inductor then rejects
+                layout = repr(self.wrapped_tensor)
+            except Exception:  # e.g. data-dependent: repr never raises
+                pass
         return f"{type(self).__name__}({layout}{extra})"
 
     def __reduce_ex__(self, protocol: int) -> Any:
@@ -170,8 +172,8 @@ class SparseParameterWrapper(SparseTensorWrapper):
 
 
 TRACEABLE_LAYOUTS: dict = {}
-"""Layout class -> ``(flatten, unflatten, takes(grad_fmt))``: layouts whose wrappers (with a
-``grad_fmt`` that ``takes`` accepts) are traceable tensor subclasses (filled by
+"""Layout class -> ``(flatten, unflatten, takes(grad_fmt, requires_grad))``: layouts whose wrappers
+(with a ``grad_fmt`` and ``requires_grad`` that ``takes`` accepts) are traceable tensor subclasses (filled by
 ``sten_core.dispatch.traceable.register_traceable_layout``)."""
 TRACED_OPS: dict = {}
 """Operator overload -> implementation, for ``sten_core.traceable``'s operators on wrappers."""
@@ -217,6 +219,19 @@ class TraceableSparseParameterWrapper(_Traceable, SparseParameterWrapper):
 
 _TRACEABLE_TWIN = {SparseTensorWrapper: TraceableSparseTensorWrapper,
                    SparseParameterWrapper: TraceableSparseParameterWrapper}
+
+
+def _has_fake_members(layout: Any) -> bool:
+    """Whether a traceable layout's member tensors are fake (torch.compile is tracing it)."""
+    entry = TRACEABLE_LAYOUTS.get(type(layout))
+    if entry is None:
+        return False
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+
+        return any(is_fake(t) for t in entry[0](layout)[0])
+    except Exception:
+        return True
 
 
 def write_back(target: SparseTensorWrapper, dense: torch.Tensor) -> SparseTensorWrapper:
