@@ -193,11 +193,33 @@ class _Traceable:
             raise ValueError(f"{type(layout).__name__}: at most {_MAX_MEMBERS} member tensors, got {len(tensors)}")
         return [f"_sten_m{i}" for i in range(len(tensors))], (type(self), type(layout), tuple(consts), self.grad_fmt)
 
+    def _stable_hash_for_caching(self) -> str:
+        """torch's AOTAutograd cache key of this input: its flatten metadata, its members'
+        tensor metadata and the fingerprint of STen's and the layout's code, so no cache
+        entry of another version of the code is reused."""
+        import hashlib
+
+        from sten_core.model.code_fingerprint import package_fingerprint
+
+        layout = self.wrapped_tensor
+        names, (cls, layout_cls, consts, grad_fmt) = self.__tensor_flatten__()
+        flatten, unflatten = TRACEABLE_LAYOUTS[layout_cls][:2]
+        members = [_tensor_metadata(getattr(self, name)) for name in names]
+        modules = sorted({"sten_core", layout_cls.__module__, flatten.__module__, unflatten.__module__})
+        text = repr((cls.__qualname__, f"{layout_cls.__module__}.{layout_cls.__qualname__}", consts, grad_fmt,
+                     self.requires_grad, members, [package_fingerprint(m) for m in modules], type(layout).__name__))
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> "SparseTensorWrapper":
         cls, layout_cls, consts, grad_fmt = ctx
         tensors = [inner[f"_sten_m{i}"] for i in range(len(inner))]
         return cls(TRACEABLE_LAYOUTS[layout_cls][1](tensors, list(consts)), False, grad_fmt)
+
+
+def _tensor_metadata(tensor: torch.Tensor) -> tuple:
+    return (tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype), str(tensor.device),
+            tensor.requires_grad, tensor.storage_offset())
 
 
 def _member(i: int) -> property:
