@@ -305,3 +305,29 @@ def test_unflatten_of_real_tensors_shares_their_memory(layout):
     names, ctx = wrapper.__tensor_flatten__()
     again = type(wrapper).__tensor_unflatten__({n: getattr(wrapper, n) for n in names}, ctx, None, None)
     assert type(again.wrapped_tensor) is layout and torch.equal(again.to_dense(), w.to_dense())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_other_operators_on_traceable_scipy_weights(layout):
+    """A frozen traceable weight: operators without a compiled implementation run on the
+    traced layout's dense matrix (torch ops on its members), with eager's values. A trainable
+    one: such a product says to write F.linear (only it trains compiled)."""
+    import warnings
+
+    w = sten.SparseParameterWrapper(layout.from_dense(torch.randn(6, 8) * (torch.rand(6, 8) > 0.5)),
+                                    grad_fmt=keep_layout(layout))
+    w.requires_grad_(False)
+
+    def f(x):
+        return torch.mm(x, w.t()) + 1
+
+    x = torch.randn(3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        want = f(x)
+        torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), want)
+    torch.testing.assert_close(want, x @ w.to_dense().t() + 1)
+    w.requires_grad_(True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=rf"Tensor.t on a trainable {layout.__name__} weight.*F.linear\(x, W, b\)"):
+        torch.compile(f, fullgraph=True)(x)
