@@ -56,6 +56,19 @@ def _rebuild(tensors: List[Tensor], consts: List[int]) -> ScipyCompressed:
     return cls.from_parts(values.numpy(), indices.numpy(), indptr.numpy(), (consts[0], consts[1]))
 
 
+def from_members(tensors: List[Tensor], consts: List[int]) -> ScipyCompressed:
+    """The layout of ``members(layout)`` (``register_traceable_layout``'s unflatten): reads no
+    tensor values; on traced tensors a traced layout without a scipy array
+    (``ScipyCompressed.from_torch_members``).
+
+    >>> from sten_scipy import ScipyCscTensor
+    >>> type(from_members(*members(ScipyCscTensor.from_dense(torch.eye(2))))).__name__
+    'ScipyCscTensor'
+    """
+    indptr, indices, values = tensors
+    return _BY_MAJOR[consts[2]].from_torch_members(indptr, indices, values, (consts[0], consts[1]))
+
+
 def _rows2(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1])
 
@@ -116,9 +129,24 @@ def linear_compiled(x: Tensor, weight: Any, bias: Optional[Tensor] = None) -> Te
     return linear(x, tensors, consts, bias)
 
 
+def grad_input(gy: Tensor, x: Tensor, layout: ScipyCompressed) -> Tensor:
+    """``register_traceable_layout``'s ``grad_input``: ``gy @ W`` as one ``sten_scipy::linear_grad_input``."""
+    tensors, consts = members(layout)
+    return linear_grad_input(gy, x, tensors, consts)
+
+
+def grad_values(gy: Tensor, x: Tensor, layout: ScipyCompressed) -> Tensor:
+    """``register_traceable_layout``'s ``grad_values``: one ``sten_scipy::linear_grad_values``."""
+    tensors, consts = members(layout)
+    return linear_grad_values(gy, x, tensors, consts)
+
+
 def register(registry: Any) -> None:
-    """Register the compiled ``F.linear`` for both scipy layouts (called by the plugin)."""
+    """Register the compiled ``F.linear`` for both scipy layouts and make their wrappers
+    traceable (called by the plugin): a compiled training step of a scipy weight whose
+    ``grad_fmt`` keeps its layout, or is the explicit dense format, is one graph."""
     T = torch.Tensor
     for layout in SCIPY_LAYOUTS:
         for inp in ((T, layout, T), (T, layout)):
             registry.register_compiled_impl(F.linear, inp, linear_compiled)
+        plugin_api.register_traceable_layout(layout, members, from_members, grad_input, grad_values, values_index=2)

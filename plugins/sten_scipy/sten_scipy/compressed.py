@@ -26,6 +26,14 @@ from sten_core.plugin_api import Layout
 from ._checks import check_dense, torch_dtype
 
 
+def _plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a real CPU tensor numpy can view (not one ``torch.compile`` traces)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return (type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type == "cpu"
+            and not is_fake(tensor) and not torch._is_functional_tensor(tensor))
+
+
 def compress(dense: torch.Tensor, keep: torch.Tensor | None, major: int) -> tuple:
     """``(data, indices, indptr)`` of the nonzeros of ``dense`` (where ``keep``),
     compressed along dim ``major`` (0: CSR, 1: CSC), without a masked dense copy.
@@ -71,11 +79,32 @@ class ScipyCompressed(Layout):
             data = self.array_type(data)
         if not data.has_canonical_format:
             data.sum_duplicates()
-        self.data = data
+        self._array = data
+        self._traced_shape: tuple | None = None
         self._coords: tuple[torch.Tensor, torch.Tensor] | None = None
         # torch views of scipy's arrays (same memory): what torch.compile takes as graph inputs
         self.torch_members = (torch.from_numpy(data.indptr), torch.from_numpy(data.indices),
                               torch.from_numpy(data.data))
+
+    @property
+    def data(self) -> Any:
+        """The scipy array (absent on a traced layout, see ``from_torch_members``)."""
+        if self._array is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: this layout was rebuilt from the tensors torch.compile traces "
+                f"(fake or functional tensors); it holds no scipy array, so scipy code cannot run on it "
+                f"in a compiled graph. The compiled F.linear and its gradients run scipy inside the "
+                f"sten_scipy::linear* custom operators; call other scipy operations outside torch.compile")
+        return self._array
+
+    @data.setter
+    def data(self, array: Any) -> None:
+        self.__init__(array)
+
+    @property
+    def traced(self) -> bool:
+        """Whether this layout holds traced member tensors and no scipy array (``from_torch_members``)."""
+        return self._array is None
 
     # -- construction -----------------------------------------------------------
     @classmethod
@@ -96,29 +125,66 @@ class ScipyCompressed(Layout):
         array.has_canonical_format = True
         return cls(array)
 
+    @classmethod
+    def from_torch_members(cls, indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
+                           shape: tuple) -> "ScipyCompressed":
+        """The layout around its ``torch_members`` ``(indptr, indices, values)``, reading no values.
+
+        Plain CPU tensors (a compiled graph's outputs, say the weight's gradient) give a
+        scipy array on numpy views of them (shared memory, trusted canonical, as
+        ``from_parts``). Tensors that ``torch.compile`` traces (fake, functional or meta)
+        give a *traced* layout: the members and the shape, no scipy array (``traced``);
+        its shape, dtype, device, ``values()``, ``coords()`` and ``to_dense()`` are torch
+        operations on the members, anything else that reads ``data`` says why it cannot run.
+
+        >>> from sten_scipy import ScipyCsrTensor
+        >>> m = ScipyCsrTensor.from_dense(torch.eye(2))
+        >>> ScipyCsrTensor.from_torch_members(*m.torch_members, (2, 2)).to_dense().tolist()
+        [[1.0, 0.0], [0.0, 1.0]]
+        >>> ScipyCsrTensor.from_torch_members(*(t.to("meta") for t in m.torch_members), (2, 2)).traced
+        True
+        """
+        if _plain(indptr) and _plain(indices) and _plain(values):
+            return cls.from_parts(values.detach().numpy(), indices.detach().numpy(), indptr.detach().numpy(),
+                                  tuple(shape))
+        self = cls.__new__(cls)
+        self._array = None
+        self._traced_shape = (int(shape[0]), int(shape[1]))
+        self._coords = None
+        self.torch_members = (indptr, indices, values)
+        return self
+
     def to_dense(self) -> torch.Tensor:
+        if self.traced:  # torch ops of static output size on the members (no scipy)
+            rows, cols = self.coords()
+            values = self.torch_members[2]
+            return values.new_zeros(self.shape).index_put((rows, cols), values)
         return torch.from_numpy(self.data.toarray())
 
     # -- metadata ---------------------------------------------------------------
     @property
     def shape(self) -> torch.Size:
-        return torch.Size(self.data.shape)
+        return torch.Size(self._traced_shape if self._array is None else self._array.shape)
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch_dtype(self.data.dtype, type(self).__name__)
+        if self._array is None:
+            return self.torch_members[2].dtype
+        return torch_dtype(self._array.dtype, type(self).__name__)
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return self.torch_members[2].device if self._array is None else torch.device("cpu")
 
     @property
     def nnz(self) -> int:
-        return int(self.data.nnz)
+        return self.torch_members[1].shape[0] if self._array is None else int(self._array.nnz)
 
     # -- stored-values protocol -------------------------------------------------
     def values(self) -> torch.Tensor:
         """The stored values, sharing memory with ``self.data.data``."""
+        if self._array is None:
+            return self.torch_members[2]
         return torch.from_numpy(self.data.data)
 
     def with_values(self, values: torch.Tensor) -> "ScipyCompressed":
@@ -135,6 +201,12 @@ class ScipyCompressed(Layout):
 
     def coords(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Row and column index of every stored value, in storage order (cached)."""
+        if self._coords is None and self._array is None:  # traced: static output sizes only
+            indptr, indices, _ = self.torch_members
+            position = torch.ones_like(indices, dtype=torch.int64).cumsum(0) - 1  # 0 .. nnz-1
+            major = torch.searchsorted(indptr.to(torch.int64), position, right=True) - 1
+            minor = indices.long()
+            return (major, minor) if self._major == 0 else (minor, major)
         if self._coords is None:
             indptr = torch.from_numpy(self.data.indptr).long()
             major = torch.repeat_interleave(torch.arange(indptr.numel() - 1), indptr[1:] - indptr[:-1])
