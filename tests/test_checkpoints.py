@@ -74,3 +74,23 @@ def test_move_to_meta(layout):
     meta = builder.get_sparse_model(model).to("meta")
     assert meta.weight.device.type == "meta" and isinstance(meta.weight.wrapped_tensor, layout)
     assert meta.weight.shape == (6, 5) and isinstance(meta.weight, torch.nn.Parameter)
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor])
+def test_state_dict_of_a_traceable_weight_loads_weights_only(layout, tmp_path):
+    """A weight whose gradient keeps its layout (a traceable wrapper: its ``detach()`` keeps
+    the ``grad_fmt``) saves its state dict in plain tensors, as every other wrapper."""
+    keep = (sten.KeepAll(), layout, sten.KeepAll(), layout)
+
+    def model(seed):
+        torch.manual_seed(seed)
+        linear = torch.nn.Linear(5, 6)
+        linear.weight = sten.SparseParameterWrapper(layout.from_dense(linear.weight.detach()), grad_fmt=keep)
+        return linear
+
+    saved = model(0)
+    torch.save(saved.state_dict(), tmp_path / "sd.pt")
+    loaded = model(1)
+    loaded.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))
+    assert torch.equal(loaded.weight.to_dense(), saved.weight.to_dense())
+    assert loaded.weight.grad_fmt == keep and isinstance(loaded.weight.wrapped_tensor, layout)

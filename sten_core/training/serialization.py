@@ -49,13 +49,15 @@ def rebuild_sparse(is_param: bool, layout_name: str, shape: tuple, tensors: tupl
 def reduce_wrapper(wrapper: SparseTensorWrapper) -> tuple:
     """The pickle form of a wrapper: plain tensors where the layout allows.
 
-    A wrapper with a ``grad_fmt`` (sparsifier objects) pickles whole; state
-    dicts hold detached wrappers, which have none.
+    A wrapper that trains with a ``grad_fmt`` (sparsifier objects) pickles whole;
+    state dicts hold detached wrappers (no gradient, so no gradient format to keep:
+    a traceable wrapper's ``detach()`` keeps it), which take the plain-tensor form.
     """
     layout = wrapper.wrapped_tensor
     plugins.ensure_loaded()
     name = _layout_name(type(layout))
-    if wrapper.grad_fmt is None and name is not None and implements(layout, StateTensors):
+    keeps_grad_fmt = wrapper.grad_fmt is not None and wrapper.requires_grad
+    if not keeps_grad_fmt and name is not None and implements(layout, StateTensors):
         args = (isinstance(wrapper, SparseParameterWrapper), name, tuple(wrapper.shape),
                 tuple(layout.state_tensors()), wrapper.requires_grad)
         return (rebuild_sparse, args)
