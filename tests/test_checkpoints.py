@@ -77,20 +77,24 @@ def test_move_to_meta(layout):
 
 
 @pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor])
-def test_state_dict_of_a_traceable_weight_loads_weights_only(layout, tmp_path):
-    """A weight whose gradient keeps its layout (a traceable wrapper: its ``detach()`` keeps
-    the ``grad_fmt``) saves its state dict in plain tensors, as every other wrapper."""
-    keep = (sten.KeepAll(), layout, sten.KeepAll(), layout)
+@pytest.mark.parametrize("kept", ["layout", "dense"])
+def test_state_dict_of_a_traceable_weight_loads_weights_only(layout, kept, tmp_path):
+    """A weight whose gradient keeps its layout or is dense (a traceable wrapper: its
+    ``detach()`` keeps the ``grad_fmt``) saves in plain tensors, its format named."""
+    grad = layout if kept == "layout" else torch.Tensor
+    fmt = (sten.KeepAll(), grad, sten.KeepAll(), grad)
 
     def model(seed):
         torch.manual_seed(seed)
         linear = torch.nn.Linear(5, 6)
-        linear.weight = sten.SparseParameterWrapper(layout.from_dense(linear.weight.detach()), grad_fmt=keep)
+        linear.weight = sten.SparseParameterWrapper(layout.from_dense(linear.weight.detach()), grad_fmt=fmt)
         return linear
 
     saved = model(0)
     torch.save(saved.state_dict(), tmp_path / "sd.pt")
+    state = torch.load(tmp_path / "sd.pt", weights_only=True)
+    assert state["weight"].grad_fmt == fmt and hasattr(type(state["weight"]), "__tensor_flatten__")
     loaded = model(1)
-    loaded.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))
+    loaded.load_state_dict(state)
     assert torch.equal(loaded.weight.to_dense(), saved.weight.to_dense())
-    assert loaded.weight.grad_fmt == keep and isinstance(loaded.weight.wrapped_tensor, layout)
+    assert loaded.weight.grad_fmt == fmt and isinstance(loaded.weight.wrapped_tensor, layout)

@@ -27,6 +27,7 @@ import torch
 
 from sten_core.model.layouts import StateTensors, implements
 from sten_core.model.registry import registry
+from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper, _rebuild, services
 from sten_core.plugins import manager as plugins
 
@@ -38,29 +39,62 @@ def _layout_name(cls: type) -> str | None:
     return None
 
 
-def rebuild_sparse(is_param: bool, layout_name: str, shape: tuple, tensors: tuple, requires_grad: bool) -> SparseTensorWrapper:
+GRAD_FORMAT_NAMES = ("keep", "dense")
+"""The gradient formats a plain-tensor checkpoint names: the layout's own
+``(KeepAll(), Layout, KeepAll(), Layout)`` and the dense ``(KeepAll(), Tensor, KeepAll(), Tensor)``."""
+
+
+def grad_format_name(wrapper: SparseTensorWrapper) -> str | None:
+    """``"keep"`` / ``"dense"`` for those two gradient formats, ``None`` for none; raises
+    ``LookupError`` for any other (sparsifier objects: the wrapper pickles whole)."""
+    fmt = wrapper.grad_fmt
+    if fmt is None:
+        return None
+    if len(fmt) == 4 and isinstance(fmt[0], KeepAll) and isinstance(fmt[2], KeepAll) and fmt[1] is fmt[3]:
+        if fmt[1] is type(wrapper.wrapped_tensor):
+            return "keep"
+        if fmt[1] is torch.Tensor:
+            return "dense"
+    raise LookupError(f"grad_fmt {fmt!r} has no plain-tensor name")
+
+
+def _grad_format(name: str | None, layout: type) -> tuple | None:
+    if name is None:
+        return None
+    if name not in GRAD_FORMAT_NAMES:
+        raise ValueError(f"unknown gradient format {name!r} in checkpoint; expected one of {GRAD_FORMAT_NAMES}")
+    kept = layout if name == "keep" else torch.Tensor
+    return (KeepAll(), kept, KeepAll(), kept)
+
+
+def rebuild_sparse(is_param: bool, layout_name: str, shape: tuple, tensors: tuple, requires_grad: bool,
+                   grad_format: str | None = None) -> SparseTensorWrapper:
     """Inverse of ``reduce_wrapper`` (a safe global for ``torch.load``)."""
     plugins.ensure_loaded()
-    layout = registry.layout(layout_name).from_state_tensors(tuple(tensors), tuple(shape))
+    layout_cls = registry.layout(layout_name)
+    layout = layout_cls.from_state_tensors(tuple(tensors), tuple(shape))
     cls = SparseParameterWrapper if is_param else SparseTensorWrapper
-    return cls(layout, requires_grad)
+    return cls(layout, requires_grad, _grad_format(grad_format, layout_cls))
 
 
 def reduce_wrapper(wrapper: SparseTensorWrapper) -> tuple:
     """The pickle form of a wrapper: plain tensors where the layout allows.
 
-    A wrapper that trains with a ``grad_fmt`` (sparsifier objects) pickles whole;
-    state dicts hold detached wrappers (no gradient, so no gradient format to keep:
-    a traceable wrapper's ``detach()`` keeps it), which take the plain-tensor form.
+    A wrapper whose ``grad_fmt`` holds sparsifier objects pickles whole; no
+    ``grad_fmt`` (a detached wrapper in a state dict), the layout's own or the dense
+    one (which traceable wrappers keep when detached) are named in plain form.
     """
     layout = wrapper.wrapped_tensor
     plugins.ensure_loaded()
     name = _layout_name(type(layout))
-    keeps_grad_fmt = wrapper.grad_fmt is not None and wrapper.requires_grad
-    if not keeps_grad_fmt and name is not None and implements(layout, StateTensors):
+    try:
+        grad_format = grad_format_name(wrapper)
+    except LookupError:
+        name = None
+    if name is not None and implements(layout, StateTensors):
         args = (isinstance(wrapper, SparseParameterWrapper), name, tuple(wrapper.shape),
                 tuple(layout.state_tensors()), wrapper.requires_grad)
-        return (rebuild_sparse, args)
+        return (rebuild_sparse, args + ((grad_format,) if grad_format is not None else ()))
     return (_rebuild, (type(wrapper), layout, wrapper.requires_grad, wrapper.grad_fmt))
 
 
