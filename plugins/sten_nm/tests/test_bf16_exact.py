@@ -129,7 +129,7 @@ def _grouped_bf16_desc(g):
 
 
 @pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (3, 6), (1, 10), (3, 32)])
-@pytest.mark.parametrize("B", [1, 7, 64, 130])
+@pytest.mark.parametrize("B", [1, 7, 13, 64, 130])   # 13: 3 micro-panels (the kernel pairs them)
 def test_grouped_bf16_gather_every_isa(isa, n, m, B, monkeypatch):
     from sten_nm import GroupedNMTensor
 
