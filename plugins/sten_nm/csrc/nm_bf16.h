@@ -110,12 +110,133 @@ int nm_f32_to_bf16(const float *x, uint16_t *y, int64_t n, int nthreads)
 }
 
 /* ------------------------------------------------- grouped n:m, bf16 values -- */
-/* Grouped forward with bf16 values: the float32 driver (both schedules) around the ISA's
- * ggather16 kernel (nm_grouped_bf16.h), which widens each slot's 16 values in registers
- * as it loads them: no scratch buffer, half the weight bytes of float32 (measured 1.04-1.13x
- * the float32 kernel on AVX-512, one thread; docs/nm.md). */
+/* Grouped forward with bf16 values, 8- and 4-float vectors (AVX2, portable): the float32
+ * driver's two schedules, but the kernel runs
+ * one row group at a time on that group's chunk of slots widened into a per-thread buffer
+ * (kc x 16 floats, in L1/L2) and its offsets copied beside them, through a descriptor of
+ * just that chunk (K = the chunk's columns, Q = 1); widening costs ~1/(6 x panels) of the FMAs. */
+static void gbf16_group(const ggather_args *a, int64_t q, int64_t e0, int64_t e1, const float *xp,
+                        int64_t pstride, int64_t cbase, int64_t np, float *T, float *wv, int32_t *ob,
+                        int first)
+{
+    const nm_grouped *W = a->W;
+    const int64_t gn = (W->K + W->m - 1) / W->m * W->n, ne = e1 - e0;
+    const uint16_t *h = (const uint16_t *)(const void *)W->vals + (q * gn + e0) * NM_GR;
+    uint32_t *w = (uint32_t *)wv;
+    for (int64_t i = 0; i < ne * NM_GR; i++) w[i] = (uint32_t)h[i] << 16;
+    memcpy(ob, a->offs + q * gn + e0, (size_t)ne * sizeof(int32_t));
+    nm_grouped sub = *W;
+    sub.K = ne / W->n * W->m;   /* chunks are whole groups of m columns: G*n = ne */
+    sub.Q = 1;
+    sub.vals = wv;
+    a->fn(&sub, ob, xp, pstride, cbase, np, 0, ne, 0, 1, T + q * NM_GR, a->ldt, first);
+}
+
+static void gbf16_rows_task(void *p, int tid, int nth)
+{
+    ggather_args *a = (ggather_args *)p;
+    const nm_grouped *W = a->W;
+    const int64_t gn = (W->K + W->m - 1) / W->m * W->n, ccols = a->kc / W->n * W->m;
+    int64_t pa, pb;
+    split(a->npan, tid, nth, &pa, &pb);
+    if (pb <= pa) return;
+    float *T = (float *)alloc64((size_t)(a->mcp * NM_MB * a->ldt) * sizeof(float));
+    float *xb = (float *)alloc64((size_t)(a->mcp * NM_MB * ccols) * sizeof(float));
+    float *wv = (float *)alloc64((size_t)(a->kc * NM_GR) * sizeof(float));
+    int32_t *ob = (int32_t *)alloc64((size_t)a->kc * sizeof(int32_t));
+    if (!T || !xb || !wv || !ob) { free(T); free(xb); free(wv); free(ob); a->err = -3; return; }
+    for (int64_t p0 = pa; p0 < pb; p0 += a->mcp) {
+        const int64_t np = p0 + a->mcp < pb ? a->mcp : pb - p0;
+        for (int64_t e0 = 0; e0 < gn; e0 += a->kc) {
+            const int64_t e1 = e0 + a->kc < gn ? e0 + a->kc : gn;
+            const int64_t c0 = e0 / W->n * W->m, c1 = e1 / W->n * W->m;
+            for (int64_t i = 0; i < np; i++)
+                pack_panel(a->X, a->ldx, a->B, W->K, (p0 + i) * NM_MB, NM_MB, c0, c1,
+                           xb + i * NM_MB * (c1 - c0));
+            for (int64_t q = 0; q < W->Q; q++)
+                gbf16_group(a, q, e0, e1, xb, NM_MB * (c1 - c0), c0, np, T, wv, ob, e0 == 0);
+        }
+        const int64_t b1 = (p0 + np) * NM_MB < a->B ? (p0 + np) * NM_MB : a->B;
+        unpermute(a, T, p0 * NM_MB, b1);
+    }
+    free(T); free(xb); free(wv); free(ob);
+}
+
+static void gbf16_groups_task(void *p, int tid, int nth)
+{
+    ggather_args *a = (ggather_args *)p;
+    const int64_t gn = (a->W->K + a->W->m - 1) / a->W->m * a->W->n;
+    int64_t q0, q1;
+    split(a->W->Q, tid, nth, &q0, &q1);
+    if (q1 <= q0) return;
+    float *wv = (float *)alloc64((size_t)(a->kc * NM_GR) * sizeof(float));
+    int32_t *ob = (int32_t *)alloc64((size_t)a->kc * sizeof(int32_t));
+    if (!wv || !ob) { free(wv); free(ob); a->err = -3; return; }
+    for (int64_t e0 = 0; e0 < gn; e0 += a->kc) {
+        const int64_t e1 = e0 + a->kc < gn ? e0 + a->kc : gn;
+        for (int64_t q = q0; q < q1; q++)
+            gbf16_group(a, q, e0, e1, a->xp, a->Kpad * NM_MB, 0, a->npan, a->T, wv, ob, e0 == 0);
+    }
+    free(wv); free(ob);
+}
+
+static int grouped_gather_bf16w_scratch(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
+                                        float *Y, int64_t ldy, const float *bias, int nthreads)
+{
+    if (check_grouped(W) || B < 0) return -1;
+    const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n;
+    if (B == 0 || W->N == 0) return 0;
+    if (W->K == 0) {
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t r = 0; r < W->N; r++) Y[b * ldy + r] = bias ? bias[r] : 0.0f;
+        return 0;
+    }
+    const int64_t Q = W->Q, Kpad = G * W->m;
+    int32_t *offs = grouped_slot_columns(W, NM_MB);
+    int32_t *inv = (int32_t *)alloc64((size_t)W->N * sizeof(int32_t));
+    if (!offs || !inv) { free(offs); free(inv); return -3; }
+    for (int64_t r = 0; r < W->N; r++) inv[r] = -1;
+    for (int64_t j = 0; j < Q * NM_GR; j++)
+        if (W->perm[j] >= 0 && W->perm[j] < W->N) inv[W->perm[j]] = (int32_t)j;
+    for (int64_t r = 0; r < W->N; r++)
+        if (inv[r] < 0) { free(offs); free(inv); return -1; }
+    const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, Q * B);
+    const int64_t npan = (B + NM_MB - 1) / NM_MB;
+    ggather_args a = {W, offs, inv, X, ldx, NULL, Kpad, B, npan, 0, 0, Y, ldy, bias, NULL, 0,
+                      table()->ggather, 0};
+    a.kc = equal_chunk_slots(G, env_int("STEN_NM_GROUPED_KC", 512) / W->n, W->n);
+    a.ldt = Q * NM_GR + NM_GR;
+    /* 4x the float32 driver's panels per block: each widening serves 4x the batch rows */
+    a.mcp = env_int("STEN_NM_GROUPED_PANEL_BYTES", 512 * 1024) / (a.kc / W->n * W->m * NM_MB * 4);
+    if (a.mcp < 1) a.mcp = 1;
+    if (npan >= 2 * (int64_t)nth || nth == 1) {
+        run_parallel(nth, gbf16_rows_task, &a);
+    } else {
+        int64_t np;
+        float *xp = make_panel(X, ldx, B, W->K, Kpad, NM_MB, &np, nth);
+        a.T = (float *)alloc64((size_t)(npan * NM_MB * a.ldt) * sizeof(float));
+        a.xp = xp;
+        if (!xp || !a.T) { a.err = -3; } else {
+            run_parallel(nth, gbf16_groups_task, &a);
+            run_parallel(nth, unpermute_task, &a);
+        }
+        free(xp); free(a.T);
+    }
+    free(offs); free(inv);
+    return a.err;
+}
+
+/* Grouped forward with bf16 values. AVX-512: the float32 driver (both schedules) around
+ * ggather16 (nm_grouped_bf16.h), which widens each slot's 16 values in registers as it loads
+ * them and pairs micro-panels, so each widened vector feeds 12 FMAs: no scratch buffer
+ * (measured 1.04-1.13x the float32 kernel, one thread). With 8- or 4-float vectors the
+ * registers do not hold two panels and the in-register widening costs 4 operations per 12 FMAs
+ * (measured 0.8-0.87x on AVX2), so those widen per row group and chunk into a buffer instead
+ * (docs/nm.md). */
 int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                             float *Y, int64_t ldy, const float *bias, int nthreads)
 {
-    return grouped_gather_with(W, B, X, ldx, Y, ldy, bias, nthreads, table()->ggather16);
+    if (table()->vw >= 16 || env_int("STEN_NM_BF16_IN_REGISTERS", 0))
+        return grouped_gather_with(W, B, X, ldx, Y, ldy, bias, nthreads, table()->ggather16);
+    return grouped_gather_bf16w_scratch(W, B, X, ldx, Y, ldy, bias, nthreads);
 }
