@@ -1,6 +1,7 @@
 """bf16 vs fp32 stored values, exact NMTensor and GroupedNMTensor forward (``F.linear(x [B, K], W)``), the
-kernel only (tuning off), BERT shapes, one run, medians of turns (fp32 and bf16 timed alternately); bf16 values are widened per block
-of rows in the kernel (``nm_gather_bf16w``), fp32 ones read as they are.
+kernel only (tuning off), BERT shapes, one run, medians of turns (fp32 and bf16 timed alternately); bf16 values are widened in
+the kernel (exact n:m: per block of rows, ``nm_gather_bf16w``; grouped: in registers on AVX-512, per row group and chunk
+elsewhere, ``nm_grouped_gather_bf16w``), fp32 ones read as they are. ``STEN_NM_ISA=avx2`` measures the AVX2 kernels.
 
     python benchmarks/bench_bf16.py [--threads 2] [--batch 1024] [--reps 7] [--cpu-time]
 """

@@ -110,7 +110,8 @@ int nm_f32_to_bf16(const float *x, uint16_t *y, int64_t n, int nthreads)
 }
 
 /* ------------------------------------------------- grouped n:m, bf16 values -- */
-/* Grouped forward with bf16 values: the float32 driver's two schedules, but the kernel runs
+/* Grouped forward with bf16 values, 8- and 4-float vectors (AVX2, portable): the float32
+ * driver's two schedules, but the kernel runs
  * one row group at a time on that group's chunk of slots widened into a per-thread buffer
  * (kc x 16 floats, in L1/L2) and its offsets copied beside them, through a descriptor of
  * just that chunk (K = the chunk's columns, Q = 1); widening costs ~1/(6 x panels) of the FMAs. */
@@ -179,8 +180,8 @@ static void gbf16_groups_task(void *p, int tid, int nth)
     free(wv); free(ob);
 }
 
-int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
-                            float *Y, int64_t ldy, const float *bias, int nthreads)
+static int grouped_gather_bf16w_scratch(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
+                                        float *Y, int64_t ldy, const float *bias, int nthreads)
 {
     if (check_grouped(W) || B < 0) return -1;
     const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n;
@@ -223,4 +224,19 @@ int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int6
     }
     free(offs); free(inv);
     return a.err;
+}
+
+/* Grouped forward with bf16 values. AVX-512: the float32 driver (both schedules) around
+ * ggather16 (nm_grouped_bf16.h), which widens each slot's 16 values in registers as it loads
+ * them and pairs micro-panels, so each widened vector feeds 12 FMAs: no scratch buffer
+ * (measured 1.04-1.13x the float32 kernel, one thread). With 8- or 4-float vectors the
+ * registers do not hold two panels and the in-register widening costs 4 operations per 12 FMAs
+ * (measured 0.8-0.87x on AVX2), so those widen per row group and chunk into a buffer instead
+ * (docs/nm.md). */
+int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
+                            float *Y, int64_t ldy, const float *bias, int nthreads)
+{
+    if (table()->vw >= 16 || env_int("STEN_NM_BF16_IN_REGISTERS", 0))
+        return grouped_gather_with(W, B, X, ldx, Y, ldy, bias, nthreads, table()->ggather16);
+    return grouped_gather_bf16w_scratch(W, B, X, ldx, Y, ldy, bias, nthreads);
 }

@@ -21,6 +21,7 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 #undef NV
 
 #include "nm_grouped.h"
+#include "nm_grouped_bf16.h"
 
 #define NMT_CAT3_(a, b, c) a##_##b##_##c
 #define NMT_CAT3(a, b, c) NMT_CAT3_(a, b, c)
@@ -32,4 +33,5 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 #define NMT_CAT2(a, b) NMT_CAT2_(a, b)
 const nm_isa_table TABLE = {NMT_STR(SUF), VW, NMT_ALL(gather), NMT_ALL(scatter), NMT_ALL(sddmm),
                             NMT_ALL(cgather), NMT_CAT2(ggather, SUF), NMT_CAT2(unperm, SUF),
-                            NMT_CAT2(gsddmm, SUF), NMT_ALL(cgg), NMT_CAT2(gtgather, SUF)};
+                            NMT_CAT2(gsddmm, SUF), NMT_ALL(cgg), NMT_CAT2(gtgather, SUF),
+                            NMT_CAT2(ggather16, SUF)};

@@ -79,7 +79,8 @@ typedef struct {
     nm_unperm_fn unperm;        /* grouped n:m: one output row back in the original order */
     nm_gsddmm_fn gsddmm;
     nm_cgg_fn cgg[4];           /* column-grouped n:m forward, NV = 1, 2, 4, 8 */
-    nm_gtgather_fn gtgather;    /* grouped n:m input gradient, 6 slots x 8 rows x 1 vector */        /* grouped n:m weight gradient, 6 slots x 16 rows */
+    nm_gtgather_fn gtgather;    /* grouped n:m input gradient, 6 slots x 8 rows x 1 vector */
+    nm_ggather_fn ggather16;    /* grouped n:m forward, bf16 values widened in registers */
 } nm_isa_table;
 
 extern const nm_isa_table nm_table_generic;

@@ -605,8 +605,11 @@ static int64_t equal_chunk_slots(int64_t G, int64_t groups, int n)
     return (G + nchunks - 1) / nchunks * n;
 }
 
-int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
-                          float *Y, int64_t ldy, const float *bias, int nthreads)
+/* The grouped forward driver around one kernel (fn: float32 values, or bf16 ones widened
+ * in registers). */
+static int grouped_gather_with(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
+                               float *Y, int64_t ldy, const float *bias, int nthreads,
+                               nm_ggather_fn fn)
 {
     if (check_grouped(W) || B < 0) return -1;
     const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n;
@@ -629,7 +632,7 @@ int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_
     const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, Q * B);
     const int64_t npan = (B + NM_MB - 1) / NM_MB;
     ggather_args a = {W, offs, inv, X, ldx, NULL, Kpad, B, npan, 0, 0, Y, ldy, bias, NULL, 0,
-                      table()->ggather, 0};
+                      fn, 0};
     /* chunks of kept slots: whole groups of m columns, about STEN_NM_GROUPED_KC slots,
      * equal sizes */
     a.kc = equal_chunk_slots(G, env_int("STEN_NM_GROUPED_KC", 512) / W->n, W->n);
@@ -652,6 +655,12 @@ int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_
     }
     free(offs); free(inv);
     return a.err;
+}
+
+int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
+                          float *Y, int64_t ldy, const float *bias, int nthreads)
+{
+    return grouped_gather_with(W, B, X, ldx, Y, ldy, bias, nthreads, table()->ggather);
 }
 
 /* ------------------------------------------------ grouped weight gradient -- */

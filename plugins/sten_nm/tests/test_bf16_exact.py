@@ -129,9 +129,15 @@ def _grouped_bf16_desc(g):
 
 
 @pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (3, 6), (1, 10), (3, 32)])
-@pytest.mark.parametrize("B", [1, 7, 64, 130])
-def test_grouped_bf16_gather_every_isa(isa, n, m, B, monkeypatch):
+@pytest.mark.parametrize("B", [1, 7, 13, 64, 130])   # 13: 3 micro-panels (the kernel pairs them)
+@pytest.mark.parametrize("in_registers", [False, True])
+def test_grouped_bf16_gather_every_isa(isa, n, m, B, in_registers, monkeypatch):
+    """Both bf16 kernels on every ISA: widening in registers (AVX-512's default, forced by
+    STEN_NM_BF16_IN_REGISTERS elsewhere) and per group into a buffer (AVX2's, portable's)."""
     from sten_nm import GroupedNMTensor
+
+    if in_registers:
+        monkeypatch.setenv("STEN_NM_BF16_IN_REGISTERS", "1")
 
     for N, K, kc in ((19, 37, None), (70, 200, None), (40, 130, "8")):   # kc: several chunks of slots
         if kc:
