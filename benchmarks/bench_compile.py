@@ -22,7 +22,7 @@ import warnings
 import torch
 
 import sten_core as sten
-from sten_core.tools.bench.machine import cpu_model, load_average
+from sten_core.machine import cpu_model, load_average
 from sten_core.tools.bench.models import bert_case
 
 

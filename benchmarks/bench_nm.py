@@ -25,7 +25,7 @@ from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor, _kernel
 from sten_nm import column_grouped_ops as cg_ops
 from sten_nm import ops as nm_ops
 from sten_nm import tuning
-from sten_core.tools.bench.machine import cpu_model
+from sten_core.machine import cpu_model
 
 
 def kept(layout_dense: torch.Tensor, W: torch.Tensor) -> float:

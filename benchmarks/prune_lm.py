@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import sten_core as sten
-from sten_core.tools.bench.machine import cpu_model
+from sten_core.machine import cpu_model
 
 # (method, sparsity, pattern, sequential): sequential=False calibrates every layer on the dense model
 SETTINGS = [("dense", None, None, True), ("magnitude", 0.5, None, True), ("wanda", 0.5, None, True),

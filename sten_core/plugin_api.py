@@ -38,8 +38,10 @@ from typing import Any
 from sten_core.builtin.torch_layouts import CooTensor, CscTensor, CsrTensor, DenseTensor
 from sten_core.dispatch import (DispatchError, DispatchWarning, convert, failure_mode, get_dispatch_failure,
                                 lossy_fallback, note, observing, set_dispatch_failure, sparsify)
-from sten_core.model.helpers import (FLOAT_DTYPES, bias_grad, check_nm, check_tensor, linear_inputs, needs_grad,
-                                     register_member_linear_autograd, register_weight_product, wrap_layout)
+from sten_core.machine import cpu_model
+from sten_core.model.helpers import (FLOAT_DTYPES, bias_grad, check_nm, check_tensor, linear_inputs, member_grads,
+                                     needs_grad, register_member_linear_autograd, register_weight_product,
+                                     wrap_layout)
 from sten_core.model.layouts import (DenseConvertible, Layout, Movable, StateTensors, StoredValues,
                                      builds_from_dense, implements, layout_metadata, supports_values,
                                      to_dense_tensor)
@@ -73,9 +75,9 @@ __all__ = [
     "KeepAll", "Layout", "Movable", "OpKey", "OutputSpec", "PerBlockFractionSparsifier",
     "RandomFractionSparsifier", "Registry", "SameFormatSparsifier", "ScalarFractionSparsifier",
     "ScalarThresholdSparsifier", "SparseParameterWrapper", "SparseTensorWrapper", "Sparsifier", "StateTensors",
-    "StoredValues", "bias_grad", "block_keep_mask", "builds_from_dense", "check_nm", "check_tensor", "convert",
+    "StoredValues", "bias_grad", "block_keep_mask", "builds_from_dense", "check_nm", "check_tensor", "convert", "cpu_model",
     "densify", "failure_mode", "get_dispatch_failure", "hookimpl", "implements", "layout_metadata",
-    "linear_inputs", "lossy_fallback", "needs_grad", "nm_for_sparsity", "nm_keep_mask", "nm_label",
+    "linear_inputs", "lossy_fallback", "member_grads", "needs_grad", "nm_for_sparsity", "nm_keep_mask", "nm_label",
     "normalize_inp", "note", "observing", "normalize_out_pairs", "op_name", "register_member_linear_autograd", "register_plugin", "register_traceable_layout", "register_weight_product", "registry",
     "set_dispatch_failure", "sparsify", "supports_values", "to_dense_tensor", "trim", "unregister_plugin",
     "wrap_layout",

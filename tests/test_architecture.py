@@ -16,10 +16,10 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "sten_core"
-LAYERS = ["version", "progress", "user_frames", "model", "plugins", "dispatch", "builtin", "training", "testing", "plugin_api", "tools"]
+LAYERS = ["version", "progress", "user_frames", "machine", "model", "plugins", "dispatch", "builtin", "training", "testing", "plugin_api", "tools"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 RANK["plugin_api"] = RANK["testing"]  # the two public kits sit side by side
-RANK["progress"] = RANK["user_frames"] = RANK["version"]  # base utilities, importing nothing of sten_core
+RANK["progress"] = RANK["user_frames"] = RANK["machine"] = RANK["version"]  # base utilities, importing nothing of sten_core
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -183,3 +183,21 @@ def register_weight_product(registry: Registry, op: Callable, layout: type, forw
             if sparse_grad_backward is not None:
                 grads[1] = (KeepAll, layout)
                 registry.register_bwd_op_impl(op, (grad_out,), tuple(grads), inp, sparse_grad_backward)
+
+
+def member_grads(flatten: Callable, grad_input_op: Callable, grad_values_op: Callable) -> tuple[Callable, Callable]:
+    """``register_traceable_layout``'s ``grad_input`` / ``grad_values`` (``(gy, x, layout)``)
+    from a plugin's member-level operators ``op(gy, x, tensors, consts)``, the layout
+    given to them as ``flatten(layout)``'s ``(tensors, consts)``.
+
+    Example (the shape of a plugin's registration):
+        >>> grad_input, grad_values = member_grads(members, my_grad_input, my_grad_values)  # doctest: +SKIP
+    """
+
+    def grad_input(gy: torch.Tensor, x: torch.Tensor, layout: Any) -> torch.Tensor:
+        return grad_input_op(gy, x, *flatten(layout))
+
+    def grad_values(gy: torch.Tensor, x: torch.Tensor, layout: Any) -> torch.Tensor:
+        return grad_values_op(gy, x, *flatten(layout))
+
+    return grad_input, grad_values

@@ -9,7 +9,7 @@ What a third-party layout needs (see docs/compile.md and the plugin guide):
 2. ``registry.register_compiled_impl(F.linear, ...)``: inference compiles whole
    and runs the operator (without it, the traced ``to_dense()`` runs densely).
 3. ``plugin_api.register_traceable_layout(BitmaskTensor, flatten, unflatten,
-   grad_input, grad_values, values_index)``: a weight whose ``grad_fmt`` keeps
+   *member_grads(...), values_index)``: a weight whose ``grad_fmt`` keeps
    its layout (``(KeepAll(), BitmaskTensor, KeepAll(), BitmaskTensor)``) trains
    compiled whole, its gradient a ``BitmaskTensor`` of the same mask holding the
    values' gradient.
@@ -108,20 +108,10 @@ def linear_compiled(x: Tensor, weight: Any, bias: Optional[Tensor] = None) -> Te
     return bitmask_linear(x, tensors, consts, bias)
 
 
-def grad_input(gy: Tensor, x: Tensor, layout: BitmaskTensor) -> Tensor:
-    """``register_traceable_layout``'s ``grad_input``: one custom operator."""
-    return bitmask_linear_grad_input(gy, x, *members(layout))
-
-
-def grad_values(gy: Tensor, x: Tensor, layout: BitmaskTensor) -> Tensor:
-    """``register_traceable_layout``'s ``grad_values``: one custom operator."""
-    return bitmask_linear_grad_values(gy, x, *members(layout))
-
-
 def register_compiled(registry: Any) -> None:
     """Register the compiled ``F.linear`` and make ``BitmaskTensor`` wrappers traceable."""
     T = torch.Tensor
     for inp in ((T, BitmaskTensor, T), (T, BitmaskTensor)):
         registry.register_compiled_impl(F.linear, inp, linear_compiled)
-    plugin_api.register_traceable_layout(BitmaskTensor, members, from_members, grad_input, grad_values,
-                                         values_index=1)
+    grads = plugin_api.member_grads(members, bitmask_linear_grad_input, bitmask_linear_grad_values)
+    plugin_api.register_traceable_layout(BitmaskTensor, members, from_members, *grads, values_index=1)

@@ -341,22 +341,10 @@ def register(registry: Any) -> None:
 
 
 # -- traceable wrappers (compiled training of 2:4 and block-sparse weights) -----------------
-def _grads(grad_input_op: Any, grad_values_op: Any) -> tuple[Callable, Callable]:
-    def grad_input(gy: Tensor, x: Tensor, layout: Any) -> Tensor:
-        tensors, consts = members(layout)
-        return grad_input_op(gy, x, tensors, consts)
-
-    def grad_values(gy: Tensor, x: Tensor, layout: Any) -> Tensor:
-        tensors, consts = members(layout)
-        return grad_values_op(gy, x, tensors, consts)
-
-    return grad_input, grad_values
-
-
 def register_traceable() -> None:
     """Make both layouts' wrappers traceable (``plugin_api.register_traceable_layout``): a compiled
     training step of weights whose gradient keeps their layout and pattern compiles whole."""
-    plugin_api.register_traceable_layout(Sparse24Tensor, members, rebuild24,
-                                         *_grads(linear24_grad_input, linear24_grad_values), values_index=0)
-    plugin_api.register_traceable_layout(BlockSparseTensor, members, rebuild_bsr,
-                                         *_grads(linear_bsr_grad_input, linear_bsr_grad_values), values_index=2)
+    grads24 = plugin_api.member_grads(members, linear24_grad_input, linear24_grad_values)
+    plugin_api.register_traceable_layout(Sparse24Tensor, members, rebuild24, *grads24, values_index=0)
+    grads_bsr = plugin_api.member_grads(members, linear_bsr_grad_input, linear_bsr_grad_values)
+    plugin_api.register_traceable_layout(BlockSparseTensor, members, rebuild_bsr, *grads_bsr, values_index=2)

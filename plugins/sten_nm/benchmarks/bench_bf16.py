@@ -17,6 +17,7 @@ os.environ["STEN_NM_TUNE"] = "0"
 
 import torch  # noqa: E402
 
+from sten_core.machine import cpu_model, load_average  # noqa: E402
 from sten_nm import GroupedNMTensor, NMTensor, _kernel, grouped_linear, nm_linear  # noqa: E402
 
 
@@ -47,11 +48,7 @@ def main() -> None:
     if a.cpu_time:
         CLOCK = time.process_time
     torch.set_num_threads(a.threads)
-    from bench_cg_backward import cpu_model
-
-    with open("/proc/loadavg") as f:
-        load = " ".join(f.read().split()[:3])
-    print(f"CPU {cpu_model()}, ISA {_kernel.isa()}, {a.threads} threads, B={a.batch}, load {load}, "
+    print(f"CPU {cpu_model()}, ISA {_kernel.isa()}, {a.threads} threads, B={a.batch}, load {load_average()}, "
           f"{'CPU' if a.cpu_time else 'wall'} time")
     print("| layout | W [N,K] | n:m | fp32 values ms | bf16 values ms | bf16 x and values (bf16 out) ms | bf16 vs fp32 | bf16 x vs fp32 |")
     print("|---|---|---|---:|---:|---:|---:|---:|")

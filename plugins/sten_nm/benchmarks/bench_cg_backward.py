@@ -8,24 +8,13 @@ the BERT shapes, ``x [B, K]``, fp32. One run, medians, ratios vs the previous pa
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
 
+from sten_core.machine import cpu_model, load_average
 from sten_nm import ColumnGroupedNMTensor, _kernel
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def median_ms(fn, reps: int) -> float:
@@ -45,9 +34,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[:3]
-    print(f"CPU {cpu_model()}, ISA {_kernel.isa()}, {a.threads} threads, B={a.batch}, load {' '.join(load)}")
+    print(f"CPU {cpu_model()}, ISA {_kernel.isa()}, {a.threads} threads, B={a.batch}, load {load_average()}")
     print("| W [N,K] | n:m | new gx ms | new gv ms | previous gx+gv ms | dense gx+gv ms | new vs previous | new vs dense |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for N, K in ((3072, 768), (768, 3072)):

@@ -28,7 +28,6 @@ import contextlib
 import functools
 import os
 import statistics
-import sys
 import tempfile
 import time
 from typing import Callable, Optional
@@ -37,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import sten_core
-from sten_core.tools.bench.machine import cpu_model, load_average
+from sten_core.machine import cpu_model, load_average
 from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor, _kernel, tuning
 
 DENSE = "dense torch"

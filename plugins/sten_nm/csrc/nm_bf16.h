@@ -180,50 +180,13 @@ static void gbf16_groups_task(void *p, int tid, int nth)
     free(wv); free(ob);
 }
 
+/* The grouped driver with the tasks above; 4x the float32 driver's panels per block: each
+ * widening serves 4x the batch rows. */
 static int grouped_gather_bf16w_scratch(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                                         float *Y, int64_t ldy, const float *bias, int nthreads)
 {
-    if (check_grouped(W) || B < 0) return -1;
-    const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n;
-    if (B == 0 || W->N == 0) return 0;
-    if (W->K == 0) {
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t r = 0; r < W->N; r++) Y[b * ldy + r] = bias ? bias[r] : 0.0f;
-        return 0;
-    }
-    const int64_t Q = W->Q, Kpad = G * W->m;
-    int32_t *offs = grouped_slot_columns(W, NM_MB);
-    int32_t *inv = (int32_t *)alloc64((size_t)W->N * sizeof(int32_t));
-    if (!offs || !inv) { free(offs); free(inv); return -3; }
-    for (int64_t r = 0; r < W->N; r++) inv[r] = -1;
-    for (int64_t j = 0; j < Q * NM_GR; j++)
-        if (W->perm[j] >= 0 && W->perm[j] < W->N) inv[W->perm[j]] = (int32_t)j;
-    for (int64_t r = 0; r < W->N; r++)
-        if (inv[r] < 0) { free(offs); free(inv); return -1; }
-    const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, Q * B);
-    const int64_t npan = (B + NM_MB - 1) / NM_MB;
-    ggather_args a = {W, offs, inv, X, ldx, NULL, Kpad, B, npan, 0, 0, Y, ldy, bias, NULL, 0,
-                      table()->ggather, 0};
-    a.kc = equal_chunk_slots(G, env_int("STEN_NM_GROUPED_KC", 512) / W->n, W->n);
-    a.ldt = Q * NM_GR + NM_GR;
-    /* 4x the float32 driver's panels per block: each widening serves 4x the batch rows */
-    a.mcp = env_int("STEN_NM_GROUPED_PANEL_BYTES", 512 * 1024) / (a.kc / W->n * W->m * NM_MB * 4);
-    if (a.mcp < 1) a.mcp = 1;
-    if (npan >= 2 * (int64_t)nth || nth == 1) {
-        run_parallel(nth, gbf16_rows_task, &a);
-    } else {
-        int64_t np;
-        float *xp = make_panel(X, ldx, B, W->K, Kpad, NM_MB, &np, nth);
-        a.T = (float *)alloc64((size_t)(npan * NM_MB * a.ldt) * sizeof(float));
-        a.xp = xp;
-        if (!xp || !a.T) { a.err = -3; } else {
-            run_parallel(nth, gbf16_groups_task, &a);
-            run_parallel(nth, unpermute_task, &a);
-        }
-        free(xp); free(a.T);
-    }
-    free(offs); free(inv);
-    return a.err;
+    const grouped_schedule s = {table()->ggather, gbf16_rows_task, gbf16_groups_task, 512 * 1024};
+    return grouped_drive(W, B, X, ldx, Y, ldy, bias, nthreads, &s);
 }
 
 /* Grouped forward with bf16 values. AVX-512: the float32 driver (both schedules) around

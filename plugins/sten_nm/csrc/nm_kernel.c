@@ -607,9 +607,20 @@ static int64_t equal_chunk_slots(int64_t G, int64_t groups, int n)
 
 /* The grouped forward driver around one kernel (fn: float32 values, or bf16 ones widened
  * in registers). */
-static int grouped_gather_with(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
-                               float *Y, int64_t ldy, const float *bias, int nthreads,
-                               nm_ggather_fn fn)
+/* What the grouped forward driver runs: the per-slot kernel, the tasks of its two schedules
+ * (whole rows of panels per thread, or row groups over shared packed panels) and the default
+ * packed-x bytes per block of panels (STEN_NM_GROUPED_PANEL_BYTES). The float32 and the bf16
+ * scratch-buffer forwards differ only in these. */
+typedef struct {
+    nm_ggather_fn fn;
+    void (*rows_task)(void *, int, int);
+    void (*groups_task)(void *, int, int);
+    int panel_bytes;
+} grouped_schedule;
+
+static int grouped_drive(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
+                         float *Y, int64_t ldy, const float *bias, int nthreads,
+                         const grouped_schedule *s)
 {
     if (check_grouped(W) || B < 0) return -1;
     const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n;
@@ -632,29 +643,39 @@ static int grouped_gather_with(const nm_grouped *W, int64_t B, const float *X, i
     const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, Q * B);
     const int64_t npan = (B + NM_MB - 1) / NM_MB;
     ggather_args a = {W, offs, inv, X, ldx, NULL, Kpad, B, npan, 0, 0, Y, ldy, bias, NULL, 0,
-                      fn, 0};
+                      s->fn, 0};
     /* chunks of kept slots: whole groups of m columns, about STEN_NM_GROUPED_KC slots,
      * equal sizes */
     a.kc = equal_chunk_slots(G, env_int("STEN_NM_GROUPED_KC", 512) / W->n, W->n);
     a.ldt = Q * NM_GR + NM_GR;   /* + one group: rows of T do not alias in L1 */
     /* panels per block: their packed x chunk (mcp * 6 * chunk columns) stays in L2 */
-    a.mcp = env_int("STEN_NM_GROUPED_PANEL_BYTES", 128 * 1024) / (a.kc / W->n * W->m * NM_MB * 4);
+    a.mcp = env_int("STEN_NM_GROUPED_PANEL_BYTES", s->panel_bytes) / (a.kc / W->n * W->m * NM_MB * 4);
     if (a.mcp < 1) a.mcp = 1;
     if (npan >= 2 * (int64_t)nth || nth == 1) {
-        run_parallel(nth, ggather_rows_task, &a);
+        run_parallel(nth, s->rows_task, &a);
     } else {
         int64_t np;
         float *xp = make_panel(X, ldx, B, W->K, Kpad, NM_MB, &np, nth);
         a.T = (float *)alloc64((size_t)(npan * NM_MB * a.ldt) * sizeof(float));
         a.xp = xp;
         if (!xp || !a.T) { a.err = -3; } else {
-            run_parallel(nth, ggather_groups_task, &a);
+            run_parallel(nth, s->groups_task, &a);
             run_parallel(nth, unpermute_task, &a);
         }
         free(xp); free(a.T);
     }
     free(offs); free(inv);
     return a.err;
+}
+
+/* The float32 grouped forward around a per-slot kernel (table()->ggather, or ggather16 for
+ * bf16 values widened in registers). */
+static int grouped_gather_with(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
+                               float *Y, int64_t ldy, const float *bias, int nthreads,
+                               nm_ggather_fn fn)
+{
+    const grouped_schedule s = {fn, ggather_rows_task, ggather_groups_task, 128 * 1024};
+    return grouped_drive(W, B, X, ldx, Y, ldy, bias, nthreads, &s);
 }
 
 int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,

@@ -209,29 +209,17 @@ _REBUILD = {NMTensor: (_nm, nm_linear), GroupedNMTensor: (_grouped, grouped_line
             ColumnGroupedNMTensor: (_column_grouped, column_grouped_linear)}
 
 
-def _grad_input_of(op_name: str) -> Callable:
-    def grad_input(gy: Tensor, x: Tensor, layout: Any) -> Tensor:
-        tensors, consts = members(layout)
-        return getattr(torch.ops.sten_nm, f"{op_name}_grad_input")(gy, x, tensors, consts)
-    return grad_input
-
-
-def _grad_values_of(op_name: str) -> Callable:
-    def grad_values(gy: Tensor, x: Tensor, layout: Any) -> Tensor:
-        tensors, consts = members(layout)
-        return getattr(torch.ops.sten_nm, f"{op_name}_grad_values")(gy, x, tensors, consts)
-    return grad_values
-
-
 def register_traceable(kernels: bool = True) -> None:
     """Make the n:m layouts' wrappers traceable (``plugin_api.register_traceable_layout``): compiled training
     steps of n:m weights whose gradient is in their own layout compile whole."""
     try:
-        from sten_core.plugin_api import register_traceable_layout
+        from sten_core.plugin_api import member_grads, register_traceable_layout
     except ImportError:  # an older core
         return
     names = {NMTensor: "nm_linear", GroupedNMTensor: "grouped_linear", ColumnGroupedNMTensor: "column_grouped_linear"}
     for layout, name in names.items():
         if not kernels and layout is not ColumnGroupedNMTensor:
             continue
-        register_traceable_layout(layout, members, _REBUILD[layout][0], _grad_input_of(name), _grad_values_of(name))
+        grads = member_grads(members, getattr(torch.ops.sten_nm, f"{name}_grad_input"),
+                             getattr(torch.ops.sten_nm, f"{name}_grad_values"))
+        register_traceable_layout(layout, members, _REBUILD[layout][0], *grads)

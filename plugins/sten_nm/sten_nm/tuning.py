@@ -19,11 +19,16 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
+import re
 import sys
 import time
 from typing import Callable, Optional
+
+from sten_core.plugin_api import cpu_model, note, observing
 
 KERNEL, DENSE = "kernel", "dense"
 _memory: dict[str, dict] = {}
@@ -44,42 +49,18 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
 
 
-def cpu_model() -> str:
-    """The CPU's model name with its family/model numbers (``/proc/cpuinfo`` on Linux: a
-    virtual machine may name only "AMD EPYC" for Zen 1 to Zen 5), else ``platform.processor()``.
-
-    >>> isinstance(cpu_model(), str)
-    True
-    """
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                name, _, value = line.partition(":")
-                name = name.strip()
-                if not name:  # the first processor's block ends here
-                    break
-                fields.setdefault(name, value.strip())
-    except OSError:
-        pass
-    if "model name" in fields:
-        return f"{fields['model name']} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})"
-    import platform
-
-    return platform.processor() or platform.machine() or "unknown"
-
-
 def cache_path() -> str:
     """The cache file: ``STEN_NM_TUNE_CACHE``, else one per CPU model under ``~/.cache/sten_nm``."""
     if os.environ.get("STEN_NM_TUNE_CACHE"):
         return os.environ["STEN_NM_TUNE_CACHE"]
-    import hashlib
-    import re
+    return os.path.join(os.path.expanduser("~"), ".cache", "sten_nm", _file_name(cpu_model()))
 
-    model = cpu_model()
+
+@functools.lru_cache(maxsize=None)
+def _file_name(model: str) -> str:
+    """``tuning-<slug>-<digest>.json`` for a CPU model (computed once: every tuned call asks)."""
     slug = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")[:40]
-    digest = hashlib.sha1(model.encode()).hexdigest()[:8]
-    return os.path.join(os.path.expanduser("~"), ".cache", "sten_nm", f"tuning-{slug}-{digest}.json")
+    return f"tuning-{slug}-{hashlib.sha1(model.encode()).hexdigest()[:8]}.json"
 
 
 def batch_bucket(B: int) -> int:
@@ -184,8 +165,6 @@ def pick(k: str, candidates: dict[str, Callable[[], object]], empty: bool = Fals
          default: Optional[str] = KERNEL, reps: int = 3) -> Optional[str]:
     """The candidate to run for key ``k`` (``default`` when tuning is off or the call is
     ``empty``), told to ``sten explain`` with the key and how it was chosen."""
-    from sten_core.plugin_api import note, observing
-
     if empty or off_reason() is not None:
         if observing():
             note(f"sten_nm {k}: " + (f"empty batch: {default}" if empty else status(k)))

@@ -129,24 +129,13 @@ def linear_compiled(x: Tensor, weight: Any, bias: Optional[Tensor] = None) -> Te
     return linear(x, tensors, consts, bias)
 
 
-def grad_input(gy: Tensor, x: Tensor, layout: ScipyCompressed) -> Tensor:
-    """``register_traceable_layout``'s ``grad_input``: ``gy @ W`` as one ``sten_scipy::linear_grad_input``."""
-    tensors, consts = members(layout)
-    return linear_grad_input(gy, x, tensors, consts)
-
-
-def grad_values(gy: Tensor, x: Tensor, layout: ScipyCompressed) -> Tensor:
-    """``register_traceable_layout``'s ``grad_values``: one ``sten_scipy::linear_grad_values``."""
-    tensors, consts = members(layout)
-    return linear_grad_values(gy, x, tensors, consts)
-
-
 def register(registry: Any) -> None:
     """Register the compiled ``F.linear`` for both scipy layouts and make their wrappers
     traceable (called by the plugin): a compiled training step of a scipy weight whose
     ``grad_fmt`` keeps its layout, or is the explicit dense format, is one graph."""
     T = torch.Tensor
+    grads = plugin_api.member_grads(members, linear_grad_input, linear_grad_values)
     for layout in SCIPY_LAYOUTS:
         for inp in ((T, layout, T), (T, layout)):
             registry.register_compiled_impl(F.linear, inp, linear_compiled)
-        plugin_api.register_traceable_layout(layout, members, from_members, grad_input, grad_values, values_index=2)
+        plugin_api.register_traceable_layout(layout, members, from_members, *grads, values_index=2)
