@@ -22,10 +22,13 @@ SOURCE_SUFFIXES = (".py", ".c", ".h", ".cu", ".so", ".pyd", ".dll", ".dylib")
 
 
 @functools.lru_cache(maxsize=None)
-def package_fingerprint(module_name: str) -> str:
-    """A hex digest of the top-level package of ``module_name``: each source file's
-    relative path, size and modification time (an edit or another version changes it)."""
-    top = module_name.split(".")[0]
+def package_fingerprint(package: str) -> str:
+    """A hex digest of the top-level ``package`` (a dotted name counts as its first part):
+    each source file's relative path, size and modification time (an edit or another
+    version changes it). Walked once per process and package."""
+    top = package.split(".")[0]
+    if top != package:
+        return package_fingerprint(top)
     spec = importlib.util.find_spec(top)
     digest = hashlib.blake2b(top.encode(), digest_size=16)
     roots = list(spec.submodule_search_locations or []) if spec else []

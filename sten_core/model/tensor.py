@@ -201,13 +201,13 @@ class _Traceable:
 
         from sten_core.model.code_fingerprint import package_fingerprint
 
-        layout = self.wrapped_tensor
         names, (cls, layout_cls, consts, grad_fmt) = self.__tensor_flatten__()
         flatten, unflatten = TRACEABLE_LAYOUTS[layout_cls][:2]
         members = [_tensor_metadata(getattr(self, name)) for name in names]
-        modules = sorted({"sten_core", layout_cls.__module__, flatten.__module__, unflatten.__module__})
+        packages = sorted({m.split(".")[0] for m in ("sten_core", layout_cls.__module__, flatten.__module__,
+                                                      unflatten.__module__)})
         text = repr((cls.__qualname__, f"{layout_cls.__module__}.{layout_cls.__qualname__}", consts, grad_fmt,
-                     self.requires_grad, members, [package_fingerprint(m) for m in modules], type(layout).__name__))
+                     self.requires_grad, members, [package_fingerprint(p) for p in packages]))
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
     @staticmethod
