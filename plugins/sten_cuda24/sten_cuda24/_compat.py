@@ -48,8 +48,16 @@ def has_cusparselt() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def has_cutlass() -> bool:
-    """torch's CUTLASS semi-structured ops are present (sm_80+ at run time)."""
-    return private_op("_sparse_semi_structured_mm") is not None or private_op("_sparse_semi_structured_linear") is not None
+    """torch's CUTLASS semi-structured ops are present and run on this GPU.
+
+    torch builds them for compute capability 8.x only: on an sm_90 (Hopper) device
+    they raise "Supported only on GPUs with compute capability 8.x", so there the
+    backend is cuSPARSELt alone. Without a GPU only their presence is checked (the
+    fake implementations trace on any machine).
+    """
+    present = private_op("_sparse_semi_structured_mm") is not None or private_op("_sparse_semi_structured_linear") is not None
+    cap = cuda_capability()
+    return present and (cap is None or cap[0] == 8)
 
 
 def cuda_capability(device: torch.device | None = None) -> tuple[int, int] | None:
@@ -61,6 +69,16 @@ def cuda_capability(device: torch.device | None = None) -> tuple[int, int] | Non
 @functools.lru_cache(maxsize=None)
 def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def ieee_fp32_dot(dtype: torch.dtype) -> bool:
+    """Whether a Triton ``tl.dot`` on ``dtype`` inputs must be full fp32 (``input_precision="ieee"``).
+
+    Triton's default for fp32 is TF32 (10-bit mantissa); torch's fp32 matmul is full
+    precision unless ``torch.backends.cuda.matmul.allow_tf32`` is set, and our kernels
+    follow torch's setting so that sparse and dense products agree.
+    """
+    return dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
 
 
 def triton_interpret() -> bool:

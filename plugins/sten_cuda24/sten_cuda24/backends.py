@@ -5,7 +5,8 @@
 zero-padded inside (weight rows to 32, columns to 64, tokens to 16) and the
 result is cut back. The matmul operand is prepared once per weight and cached
 on it; cuSPARSELt's algorithm is searched once per problem shape
-(``torch._cslt_sparse_mm_search``) and cached in ``ALG_CACHE``.
+(``torch._cslt_sparse_mm_search``, opt-in: ``STEN_CUDA24_CSLT_SEARCH=1``) and
+cached in ``ALG_CACHE``.
 
 fp32 runs on CUTLASS when the mask is 1:2 (one value per pair), else on the
 dense fallback (decompress + cuBLAS) with reason recorded in ``last_path``.
@@ -17,6 +18,7 @@ Example (needs a GPU):
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -136,20 +138,42 @@ def prepare(weight: Sparse24Tensor, backend: str | None = None) -> Prepared | No
 
 
 def _cslt_alg(prep: Prepared, dense_b: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """cuSPARSELt's algorithm id for this problem shape: 0 (the library's default) unless
+    ``STEN_CUDA24_CSLT_SEARCH=1`` asks for ``torch._cslt_sparse_mm_search`` (once per shape, cached).
+
+    The search is opt-in because on an H100 with torch 2.11 / cuSPARSELt 0.8 an fp16
+    search left the CUDA context broken: every later cuSPARSELt call failed with
+    "internal error when calling cusparseLtMatmulAlgSelectionInit" and the next kernel
+    with "illegal instruction" (docs/cuda24.md). A searched id is kept only if a
+    product with it equals the default algorithm's.
+    """
     search = _compat.private_op("_cslt_sparse_mm_search")
-    if search is None:
+    if search is None or os.environ.get("STEN_CUDA24_CSLT_SEARCH", "0") in ("", "0"):
         return 0
     key = (prep.n_pad, prep.k_pad, dense_b.shape[1], dense_b.dtype, dense_b.device.index, bias is not None)
     alg = ALG_CACHE.get(key)
     if alg is None:
         with _lock:
-            try:
-                found: Any = search(prep.compressed, dense_b, bias=bias, transpose_result=True)
-                alg = int(found[0] if isinstance(found, (tuple, list)) else found)
-            except Exception:
-                alg = 0
+            alg = _checked_search(search, prep.compressed, dense_b, bias)
             ALG_CACHE[key] = alg
     return alg
+
+
+def _checked_search(search: Any, compressed: torch.Tensor, dense_b: torch.Tensor, bias: torch.Tensor | None) -> int:
+    try:
+        found: Any = search(compressed, dense_b, bias=bias, transpose_result=True)
+        alg = int(found[0] if isinstance(found, (tuple, list)) else found)
+    except Exception:
+        return 0
+    if alg == 0:
+        return 0
+    try:
+        ref = torch._cslt_sparse_mm(compressed, dense_b, bias=bias, transpose_result=True, alg_id=0)
+        got = torch._cslt_sparse_mm(compressed, dense_b, bias=bias, transpose_result=True, alg_id=alg)
+    except Exception:
+        return 0
+    diff, scale = (got.float() - ref.float()).norm(), ref.float().norm()
+    return alg if bool(diff <= 1e-2 * scale) else 0
 
 
 def _check_operands(x: torch.Tensor, weight: Sparse24Tensor, bias: torch.Tensor | None) -> None:

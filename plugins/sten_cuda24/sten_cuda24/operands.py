@@ -151,7 +151,7 @@ class Refresher:
             self.kind, self.positions, self.buffer = "recompress", None, None
             return
         self.buffer, self.positions = found
-        self.buffer = self.buffer.reshape(-1).clone()
+        self.buffer = self.buffer.clone()   # keeps the compressed buffer's shape: torch's matmul wants it 2-D
         prefix = torch.arange(self.positions.numel(), device=self.positions.device)
         if torch.equal(self.positions, prefix):
             self.kind, self.positions = "prefix", None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _compat
 from .blocksparse import BlockSparseTensor
 from .triton_sparsify24 import _check_runnable
 
@@ -34,7 +35,7 @@ if triton is not None:
     def bsr_linear_kernel(
         x_ptr, crow_ptr, col_ptr, blk_ptr, bias_ptr, out_ptr,
         T, N, K, stride_x, stride_o,
-        HAS_BIAS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        HAS_BIAS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
     ):
         pid_t = tl.program_id(0)
         nb = tl.program_id(1)
@@ -50,7 +51,10 @@ if triton is not None:
             a = tl.load(x_ptr + rt[:, None].to(tl.int64) * stride_x + cols[None, :],
                         mask=(rt < T)[:, None] & (cols < K)[None, :], other=0.0)
             b = tl.load(blk_ptr + j * (BN * BK) + rn[:, None] * BK + rk[None, :])
-            acc += tl.dot(a, tl.trans(b))
+            if IEEE:
+                acc += tl.dot(a, tl.trans(b), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(b))
         n_idx = nb * BN + rn
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n_idx, mask=n_idx < N, other=0.0).to(tl.float32)[None, :]
@@ -61,7 +65,7 @@ if triton is not None:
     def bsr_sdd_kernel(
         g_ptr, x_ptr, brow_ptr, col_ptr, out_ptr,
         T, N, K, stride_g, stride_x,
-        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
     ):
         j = tl.program_id(0)
         nb = tl.load(brow_ptr + j)
@@ -75,7 +79,10 @@ if triton is not None:
                         mask=(rt < T)[:, None] & (rn < N)[None, :], other=0.0)
             x = tl.load(x_ptr + rt[:, None].to(tl.int64) * stride_x + rk[None, :],
                         mask=(rt < T)[:, None] & (rk < K)[None, :], other=0.0)
-            acc += tl.dot(tl.trans(g), x)
+            if IEEE:
+                acc += tl.dot(tl.trans(g), x, input_precision="ieee")
+            else:
+                acc += tl.dot(tl.trans(g), x)
         ln = tl.arange(0, BN)
         lk = tl.arange(0, BK)
         tl.store(out_ptr + j.to(tl.int64) * (BN * BK) + ln[:, None] * BK + lk[None, :], acc.to(out_ptr.dtype.element_ty))
@@ -114,7 +121,7 @@ def bsr_linear(x: torch.Tensor, w: BlockSparseTensor, bias: torch.Tensor | None 
         bsr_linear_kernel[grid](
             x2, w.crow, w.col, w.blocks, bias if bias is not None else out, out,
             t, n, k, x2.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BT=bt, BN=bn, BK=bk,
+            HAS_BIAS=bias is not None, BT=bt, BN=bn, BK=bk, IEEE=_compat.ieee_fp32_dot(x.dtype),
         )
     return out.reshape(*x.shape[:-1], n)
 
@@ -136,6 +143,6 @@ def bsr_sdd(grad: torch.Tensor, x: torch.Tensor, w: BlockSparseTensor) -> torch.
         t = g2.shape[0]
         bsr_sdd_kernel[(w.num_blocks,)](
             g2, x2, w.block_rows(), w.col, out, t, n, k, g2.stride(0), x2.stride(0),
-            BT=_tokens_tile(t), BN=bn, BK=bk,
+            BT=_tokens_tile(t), BN=bn, BK=bk, IEEE=_compat.ieee_fp32_dot(x2.dtype),
         )
     return out

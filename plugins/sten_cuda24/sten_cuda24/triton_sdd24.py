@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import encoding
+from . import _compat, encoding
 from .sparse24 import Sparse24Tensor
 from .triton_sparsify24 import _check_runnable
 
@@ -36,7 +36,7 @@ if triton is not None:
     def sdd24_kernel(
         g_ptr, x_ptr, meta_ptr, out_ptr,
         T, N, K, W, stride_g, stride_x,
-        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -49,7 +49,10 @@ if triton is not None:
                         mask=(rt < T)[:, None] & (rn < N)[None, :], other=0.0)
             x = tl.load(x_ptr + rt[:, None].to(tl.int64) * stride_x + rk[None, :],
                         mask=(rt < T)[:, None] & (rk < K)[None, :], other=0.0)
-            acc += tl.dot(tl.trans(g), x)
+            if IEEE:
+                acc += tl.dot(tl.trans(g), x, input_precision="ieee")
+            else:
+                acc += tl.dot(tl.trans(g), x)
         G: tl.constexpr = BK // 4
         gi = tl.arange(0, G)
         word = pid_k * (BK // 16) + gi // 4
@@ -93,7 +96,8 @@ def sdd24(grad: torch.Tensor, x: torch.Tensor, w: Sparse24Tensor) -> torch.Tenso
         bn, bk = 64, 64
         bt = 16 if t <= 16 else 32
         grid = (triton.cdiv(n, bn), triton.cdiv(words * encoding.WORD, bk))
-        sdd24_kernel[grid](g2, x2, w.meta, out, t, n, k, words, g2.stride(0), x2.stride(0), BT=bt, BN=bn, BK=bk)
+        sdd24_kernel[grid](g2, x2, w.meta, out, t, n, k, words, g2.stride(0), x2.stride(0), BT=bt, BN=bn, BK=bk,
+                           IEEE=_compat.ieee_fp32_dot(x2.dtype))
     if w.live is not None:
         out.masked_fill_(~w.live, 0)
     return out
