@@ -178,6 +178,37 @@ static void *alloc64(size_t bytes)
     return aligned_alloc(64, bytes);
 }
 
+/* A large scratch buffer kept between calls (the packed x panel: 12 MB for x[1024, 3072]).
+ * A fresh one costs a page fault per 4 KiB page on every call (~1/4 of the paper format's
+ * forward at 1:10); the one cached buffer is taken by one call at a time (an atomic
+ * exchange: concurrent calls allocate their own) and the larger one is kept on return. */
+typedef struct { size_t cap; char pad[56]; } scratch_head;
+static scratch_head *scratch_slot;
+
+static void *scratch_take(size_t bytes)
+{
+    scratch_head *h = __atomic_exchange_n(&scratch_slot, NULL, __ATOMIC_ACQ_REL);
+    if (h && h->cap >= bytes) return h + 1;
+    free(h);
+    h = (scratch_head *)alloc64(sizeof(scratch_head) + bytes);
+    if (!h) return NULL;
+    h->cap = bytes;
+    return h + 1;
+}
+
+static void scratch_give(void *p)
+{
+    if (!p) return;
+    scratch_head *h = (scratch_head *)p - 1;
+    scratch_head *old = __atomic_exchange_n(&scratch_slot, h, __ATOMIC_ACQ_REL);
+    if (!old) return;
+    if (old->cap > h->cap) {   /* keep the larger of the two */
+        scratch_head *back = __atomic_exchange_n(&scratch_slot, old, __ATOMIC_ACQ_REL);
+        old = back;
+    }
+    free(old);
+}
+
 /* --------------------------------------------------------------- panels -- */
 /* Pack X[B][C] (row stride ldx) into [nbc][Cpad][bch], transposed, zero padded. */
 typedef struct {
@@ -215,6 +246,17 @@ static void pack_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int64_
     const int64_t cend = c1 < C ? c1 : C;
     if (b0 + bch <= B && bch % 4 == 0) {          /* whole chunk: 4 x 4 tile transposes */
         int64_t c = c0;
+        /* blocks of 16 columns (one cache line of each row, read whole while it is in L1;
+         * the destination block, 16 x bch floats, stays in L1), each row's next lines
+         * fetched ahead: the bch rows are too many streams for the hardware prefetcher */
+        for (; c + 16 <= cend; c += 16)
+            for (int64_t bi = 0; bi < bch; bi += 4) {
+                const float *x = X + (b0 + bi) * ldx + c;
+                if (c + 48 <= cend)
+                    for (int r = 0; r < 4; r++) __builtin_prefetch(x + r * ldx + 32);
+                for (int64_t cc = 0; cc < 16; cc += 4)
+                    transpose4(x + cc, ldx, dst + (c + cc - c0) * bch + bi, bch);
+            }
         for (; c + 4 <= cend; c += 4)
             for (int64_t bi = 0; bi < bch; bi += 4) {
                 const float *x = X + (b0 + bi) * ldx + c;
@@ -956,15 +998,15 @@ int nm_colgrouped_gather_variant_f32(const nm_colgrouped *W, int64_t B, const fl
     const int64_t Kp = (int64_t)W->P * W->L;
     const int nth = clamp_threads(nthreads, 2.0 * B * W->Nb * W->n * Kp, W->Nb);
     const int64_t nbc = (B + bch - 1) / bch;
-    float *xp = (float *)alloc64((size_t)(nbc * Kp * bch) * sizeof(float));
+    float *xp = (float *)scratch_take((size_t)(nbc * Kp * bch) * sizeof(float));
     int *packed = (int *)calloc((size_t)nbc, sizeof(int));
-    if (!xp || !packed) { free(xp); free(packed); return -3; }
+    if (!xp || !packed) { scratch_give(xp); free(packed); return -3; }
     if (variant == NM_CG_AUTO) variant = (int)env_int("STEN_NM_CG_VARIANT", NM_CG_STREAM);
     int64_t kt, qb; int in_l1;
     cg_variant(W, variant, bch, nbc, nth, &kt, &qb, &in_l1);
     cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, qb, in_l1, T->cgg[nvi], 0, 0, X, ldx, packed};
     run_parallel(nth, cgg_task, &a);
-    free(xp);
+    scratch_give(xp);
     free(packed);
     return a.err;
 }
