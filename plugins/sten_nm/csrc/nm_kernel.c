@@ -303,11 +303,12 @@ static int choose_nv(int64_t B, int vw, int *nvi)
     return nv;
 }
 
-static float *make_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int64_t Cpad,
-                         int64_t bch, int64_t *nbc_out, int nth)
+static float *make_panel_in(const float *X, int64_t ldx, int64_t B, int64_t C, int64_t Cpad,
+                            int64_t bch, int64_t *nbc_out, int nth, int scratch)
 {
     const int64_t nbc = (B + bch - 1) / bch;
-    float *xp = (float *)alloc64((size_t)(nbc * Cpad * bch) * sizeof(float));
+    const size_t bytes = (size_t)(nbc * Cpad * bch) * sizeof(float);
+    float *xp = (float *)(scratch ? scratch_take(bytes) : alloc64(bytes));
     if (!xp) return NULL;
     pack_args pa = {X, ldx, B, C, Cpad, nbc, bch, xp, 0};
     int pth = nth;
@@ -315,6 +316,13 @@ static float *make_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int6
     run_parallel(pth, pack_task, &pa);
     *nbc_out = nbc;
     return xp;
+}
+
+/* the panel in a fresh buffer (the caller frees it) */
+static float *make_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int64_t Cpad,
+                         int64_t bch, int64_t *nbc_out, int nth)
+{
+    return make_panel_in(X, ldx, B, C, Cpad, bch, nbc_out, nth, 0);
 }
 
 static int64_t env_int(const char *name, int64_t dflt)
@@ -385,11 +393,11 @@ int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float
     const int64_t Cpad = A->G * A->m;
     int nth = clamp_threads(nthreads, 2.0 * B * A->R * A->G * A->n, A->R);
     int64_t nbc;
-    float *xp = make_panel(X, ldx, B, A->C, Cpad, bch, &nbc, nth);
+    float *xp = make_panel_in(X, ldx, B, A->C, Cpad, bch, &nbc, nth, 1);   /* scratch_give */
     if (!xp) return -3;
     gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0};
     run_parallel(nth, gather_task, &ga);
-    free(xp);
+    scratch_give(xp);
     return ga.err;
 }
 
