@@ -356,7 +356,7 @@ static int check_mat(const nm_mat *A)
 /* ---------------------------------------------------------------- gather -- */
 typedef struct {
     const nm_mat *A; const float *xp; int64_t Cpad, nbc, B; float *Y; int64_t ldy;
-    const float *bias; int64_t kbg, bch; nm_gather_fn fn; int err; int64_t next;
+    const float *bias; int64_t kbg, bch; nm_gather_fn fn; int err; int64_t next; int64_t rows;
 } gather_args;
 
 static void gather_task(void *p, int tid, int nth)
@@ -365,17 +365,38 @@ static void gather_task(void *p, int tid, int nth)
     (void)tid; (void)nth;
     float *ytmp = NULL;
     int32_t *offs = NULL;
-    /* units of NM_ROWS rows, taken dynamically */
-    for (int64_t u; (u = next_unit(&a->next)) * NM_ROWS < a->A->R;) {
+    /* units of a->rows rows, taken dynamically */
+    const int64_t rows = a->rows;
+    for (int64_t u; (u = next_unit(&a->next)) * rows < a->A->R;) {
         if (!ytmp) {
             ytmp = (float *)alloc64((size_t)(NM_ROWS * a->bch) * sizeof(float));
-            offs = (int32_t *)alloc64((size_t)(NM_ROWS * a->A->G * a->A->n) * sizeof(int32_t));
+            offs = (int32_t *)alloc64((size_t)(rows * a->A->G * a->A->n) * sizeof(int32_t));
             if (!ytmp || !offs) { free(ytmp); free(offs); a->err = -3; return; }
         }
-        const int64_t r0 = u * NM_ROWS, r1 = r0 + NM_ROWS < a->A->R ? r0 + NM_ROWS : a->A->R;
+        const int64_t r0 = u * rows, r1 = r0 + rows < a->A->R ? r0 + rows : a->A->R;
         a->fn(a->A, a->xp, a->Cpad, a->nbc, a->B, a->Y, a->ldy, a->bias, r0, r1, ytmp, offs, a->kbg);
     }
     free(ytmp); free(offs);
+}
+
+/* Rows per unit of the exact forward (a multiple of NM_ROWS): their kept values and
+ * decoded offsets (8 bytes per kept value) beside one batch chunk's panel in the L2 cache
+ * (size read at run time), so every block of NM_ROWS rows of the unit reads the panel from
+ * L2 instead of the whole panel (all batch chunks) streaming from L3 once per 32 rows;
+ * at least 4 units per thread. STEN_NM_GATHER_ROWS overrides (experiments). */
+static int64_t gather_rows(const nm_mat *A, int64_t Cpad, int64_t bch, int nth)
+{
+    long l2 = 0;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    if (l2 < 128 * 1024 || l2 > 64L * 1024 * 1024) l2 = 512 * 1024;
+    const int64_t per_row = A->G * A->n * 8, panel = Cpad * bch * 4;
+    int64_t rows = ((int64_t)l2 * 7 / 8 - panel) / (per_row > 0 ? per_row : 1);
+    rows = rows / NM_ROWS * NM_ROWS;
+    while (rows > NM_ROWS && (A->R + rows - 1) / rows < 4 * (int64_t)nth) rows -= NM_ROWS;
+    if (getenv("STEN_NM_GATHER_ROWS")) rows = (env_int("STEN_NM_GATHER_ROWS", NM_ROWS) + NM_ROWS - 1) / NM_ROWS * NM_ROWS;
+    return rows < NM_ROWS ? NM_ROWS : rows;
 }
 
 int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
@@ -395,7 +416,8 @@ int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float
     int64_t nbc;
     float *xp = make_panel_in(X, ldx, B, A->C, Cpad, bch, &nbc, nth, 1);   /* scratch_give */
     if (!xp) return -3;
-    gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0};
+    gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0,
+                      gather_rows(A, Cpad, bch, nth)};
     run_parallel(nth, gather_task, &ga);
     scratch_give(xp);
     return ga.err;

@@ -85,3 +85,18 @@ def test_tuning_times_close_calls_again(monkeypatch, tmp_path):
                                    "b": lambda: calls.append("b") or "b"}) == "a"
     assert len(calls) == 2 * tuning.MIN_ROUNDS
     tuning.forget()
+
+
+@pytest.mark.parametrize("rows", [None, "64", "96"])
+def test_exact_forward_units_of_several_row_blocks(isa, rows, monkeypatch):
+    """The exact forward's units span several 32-row blocks (chosen from the L2 size, or
+    STEN_NM_GATHER_ROWS): row counts that are not whole blocks or units, every batch chunk."""
+    if rows:
+        monkeypatch.setenv("STEN_NM_GATHER_ROWS", rows)
+    for R, K in ((1100, 64), (200, 50)):
+        t = NMTensor.from_dense(torch.randn(R, K), 1, 4)
+        for B in (3, 70, 130):
+            x, b = torch.randn(B, K), torch.randn(R)
+            for nth in (1, 2):
+                torch.testing.assert_close(_kernel.gather(t.mat(), x, b, nthreads=nth),
+                                           F.linear(x, t.to_dense(), b), rtol=1e-4, atol=1e-4)
