@@ -12,16 +12,18 @@ static void FN(gather)(const nm_mat *A, const float *xp, int64_t Cpad, int64_t n
                        float *Y, int64_t ldy, const float *bias, int64_t r0, int64_t r1,
                        float *ytmp, int32_t *offs, int64_t kbg)
 {
-    /* Loop order: block of rows (offsets decoded once) -> batch chunk -> block of
-     * columns (panel block in L1) -> row (accumulators in ytmp, L1) -> kept values. */
+    /* Loop order: the rows [r0, r1) (offsets decoded once; offs holds (r1 - r0) * G * n)
+     * -> batch chunk (its panel stays in L2 while every block of the rows sweeps it) ->
+     * block of NM_ROWS rows -> block of columns (panel block in L1) -> row (accumulators
+     * in ytmp, L1) -> kept values. */
     const int n = A->n;
     const int64_t G = A->G, gn = G * n;
-    for (int64_t rb = r0; rb < r1; rb += NM_ROWS) {
-        const int64_t re = rb + NM_ROWS < r1 ? rb + NM_ROWS : r1;
-        nm_decode(A, rb, re, 0, G, BCHN, offs);
-        for (int64_t bc = 0; bc < nbc; bc++) {
-            const float *panel = xp + bc * Cpad * BCHN;
-            const int64_t bmax = B - bc * BCHN < BCHN ? B - bc * BCHN : BCHN;
+    nm_decode(A, r0, r1, 0, G, BCHN, offs);
+    for (int64_t bc = 0; bc < nbc; bc++) {
+        const float *panel = xp + bc * Cpad * BCHN;
+        const int64_t bmax = B - bc * BCHN < BCHN ? B - bc * BCHN : BCHN;
+        for (int64_t rb = r0; rb < r1; rb += NM_ROWS) {
+            const int64_t re = rb + NM_ROWS < r1 ? rb + NM_ROWS : r1;
             for (int64_t g0 = 0; g0 < G; g0 += kbg) {
                 const int64_t g1 = g0 + kbg < G ? g0 + kbg : G;
                 const int64_t e0 = g0 * n, e1 = g1 * n;
@@ -41,7 +43,7 @@ static void FN(gather)(const nm_mat *A, const float *xp, int64_t Cpad, int64_t n
                         }
                     }
                     const float *v0 = A->vals + r * gn, *v1 = v0 + gn;
-                    const int32_t *o0 = offs + (r - rb) * gn, *o1 = o0 + gn;
+                    const int32_t *o0 = offs + (r - r0) * gn, *o1 = o0 + gn;
                     for (int64_t e = e0; e < e1; e++) {
                         const float s0 = v0[e], s1 = v1[e];
                         const float *px0 = panel + o0[e], *px1 = panel + o1[e];
@@ -66,7 +68,7 @@ static void FN(gather)(const nm_mat *A, const float *xp, int64_t Cpad, int64_t n
                         for (int u = 0; u < NV; u++) acc[u] = *(const vf *)(yt + u * VW);
                     }
                     const float *v = A->vals + r * gn;
-                    const int32_t *o = offs + (r - rb) * gn;
+                    const int32_t *o = offs + (r - r0) * gn;
                     for (int64_t e = e0; e < e1; e++) {
                         const float s = v[e];
                         const float *px = panel + o[e];

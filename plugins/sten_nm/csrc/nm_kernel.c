@@ -178,6 +178,37 @@ static void *alloc64(size_t bytes)
     return aligned_alloc(64, bytes);
 }
 
+/* A large scratch buffer kept between calls (the packed x panel: 12 MB for x[1024, 3072]).
+ * A fresh one costs a page fault per 4 KiB page on every call (~1/4 of the paper format's
+ * forward at 1:10); the one cached buffer is taken by one call at a time (an atomic
+ * exchange: concurrent calls allocate their own) and the larger one is kept on return. */
+typedef struct { size_t cap; char pad[56]; } scratch_head;
+static scratch_head *scratch_slot;
+
+static void *scratch_take(size_t bytes)
+{
+    scratch_head *h = __atomic_exchange_n(&scratch_slot, NULL, __ATOMIC_ACQ_REL);
+    if (h && h->cap >= bytes) return h + 1;
+    free(h);
+    h = (scratch_head *)alloc64(sizeof(scratch_head) + bytes);
+    if (!h) return NULL;
+    h->cap = bytes;
+    return h + 1;
+}
+
+static void scratch_give(void *p)
+{
+    if (!p) return;
+    scratch_head *h = (scratch_head *)p - 1;
+    scratch_head *old = __atomic_exchange_n(&scratch_slot, h, __ATOMIC_ACQ_REL);
+    if (!old) return;
+    if (old->cap > h->cap) {   /* keep the larger of the two */
+        scratch_head *back = __atomic_exchange_n(&scratch_slot, old, __ATOMIC_ACQ_REL);
+        old = back;
+    }
+    free(old);
+}
+
 /* --------------------------------------------------------------- panels -- */
 /* Pack X[B][C] (row stride ldx) into [nbc][Cpad][bch], transposed, zero padded. */
 typedef struct {
@@ -215,6 +246,17 @@ static void pack_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int64_
     const int64_t cend = c1 < C ? c1 : C;
     if (b0 + bch <= B && bch % 4 == 0) {          /* whole chunk: 4 x 4 tile transposes */
         int64_t c = c0;
+        /* blocks of 16 columns (one cache line of each row, read whole while it is in L1;
+         * the destination block, 16 x bch floats, stays in L1), each row's next lines
+         * fetched ahead: the bch rows are too many streams for the hardware prefetcher */
+        for (; c + 16 <= cend; c += 16)
+            for (int64_t bi = 0; bi < bch; bi += 4) {
+                const float *x = X + (b0 + bi) * ldx + c;
+                if (c + 48 <= cend)
+                    for (int r = 0; r < 4; r++) __builtin_prefetch(x + r * ldx + 32);
+                for (int64_t cc = 0; cc < 16; cc += 4)
+                    transpose4(x + cc, ldx, dst + (c + cc - c0) * bch + bi, bch);
+            }
         for (; c + 4 <= cend; c += 4)
             for (int64_t bi = 0; bi < bch; bi += 4) {
                 const float *x = X + (b0 + bi) * ldx + c;
@@ -261,11 +303,12 @@ static int choose_nv(int64_t B, int vw, int *nvi)
     return nv;
 }
 
-static float *make_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int64_t Cpad,
-                         int64_t bch, int64_t *nbc_out, int nth)
+static float *make_panel_in(const float *X, int64_t ldx, int64_t B, int64_t C, int64_t Cpad,
+                            int64_t bch, int64_t *nbc_out, int nth, int scratch)
 {
     const int64_t nbc = (B + bch - 1) / bch;
-    float *xp = (float *)alloc64((size_t)(nbc * Cpad * bch) * sizeof(float));
+    const size_t bytes = (size_t)(nbc * Cpad * bch) * sizeof(float);
+    float *xp = (float *)(scratch ? scratch_take(bytes) : alloc64(bytes));
     if (!xp) return NULL;
     pack_args pa = {X, ldx, B, C, Cpad, nbc, bch, xp, 0};
     int pth = nth;
@@ -273,6 +316,13 @@ static float *make_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int6
     run_parallel(pth, pack_task, &pa);
     *nbc_out = nbc;
     return xp;
+}
+
+/* the panel in a fresh buffer (the caller frees it) */
+static float *make_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int64_t Cpad,
+                         int64_t bch, int64_t *nbc_out, int nth)
+{
+    return make_panel_in(X, ldx, B, C, Cpad, bch, nbc_out, nth, 0);
 }
 
 static int64_t env_int(const char *name, int64_t dflt)
@@ -306,7 +356,7 @@ static int check_mat(const nm_mat *A)
 /* ---------------------------------------------------------------- gather -- */
 typedef struct {
     const nm_mat *A; const float *xp; int64_t Cpad, nbc, B; float *Y; int64_t ldy;
-    const float *bias; int64_t kbg, bch; nm_gather_fn fn; int err; int64_t next;
+    const float *bias; int64_t kbg, bch; nm_gather_fn fn; int err; int64_t next; int64_t rows;
 } gather_args;
 
 static void gather_task(void *p, int tid, int nth)
@@ -315,17 +365,38 @@ static void gather_task(void *p, int tid, int nth)
     (void)tid; (void)nth;
     float *ytmp = NULL;
     int32_t *offs = NULL;
-    /* units of NM_ROWS rows, taken dynamically */
-    for (int64_t u; (u = next_unit(&a->next)) * NM_ROWS < a->A->R;) {
+    /* units of a->rows rows, taken dynamically */
+    const int64_t rows = a->rows;
+    for (int64_t u; (u = next_unit(&a->next)) * rows < a->A->R;) {
         if (!ytmp) {
             ytmp = (float *)alloc64((size_t)(NM_ROWS * a->bch) * sizeof(float));
-            offs = (int32_t *)alloc64((size_t)(NM_ROWS * a->A->G * a->A->n) * sizeof(int32_t));
+            offs = (int32_t *)alloc64((size_t)(rows * a->A->G * a->A->n) * sizeof(int32_t));
             if (!ytmp || !offs) { free(ytmp); free(offs); a->err = -3; return; }
         }
-        const int64_t r0 = u * NM_ROWS, r1 = r0 + NM_ROWS < a->A->R ? r0 + NM_ROWS : a->A->R;
+        const int64_t r0 = u * rows, r1 = r0 + rows < a->A->R ? r0 + rows : a->A->R;
         a->fn(a->A, a->xp, a->Cpad, a->nbc, a->B, a->Y, a->ldy, a->bias, r0, r1, ytmp, offs, a->kbg);
     }
     free(ytmp); free(offs);
+}
+
+/* Rows per unit of the exact forward (a multiple of NM_ROWS): their kept values and
+ * decoded offsets (8 bytes per kept value) beside one batch chunk's panel in the L2 cache
+ * (size read at run time), so every block of NM_ROWS rows of the unit reads the panel from
+ * L2 instead of the whole panel (all batch chunks) streaming from L3 once per 32 rows;
+ * at least 4 units per thread. STEN_NM_GATHER_ROWS overrides (experiments). */
+static int64_t gather_rows(const nm_mat *A, int64_t Cpad, int64_t bch, int nth)
+{
+    long l2 = 0;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    if (l2 < 128 * 1024 || l2 > 64L * 1024 * 1024) l2 = 512 * 1024;
+    const int64_t per_row = A->G * A->n * 8, panel = Cpad * bch * 4;
+    int64_t rows = ((int64_t)l2 * 7 / 8 - panel) / (per_row > 0 ? per_row : 1);
+    rows = rows / NM_ROWS * NM_ROWS;
+    while (rows > NM_ROWS && (A->R + rows - 1) / rows < 4 * (int64_t)nth) rows -= NM_ROWS;
+    if (getenv("STEN_NM_GATHER_ROWS")) rows = (env_int("STEN_NM_GATHER_ROWS", NM_ROWS) + NM_ROWS - 1) / NM_ROWS * NM_ROWS;
+    return rows < NM_ROWS ? NM_ROWS : rows;
 }
 
 int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
@@ -343,11 +414,12 @@ int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float
     const int64_t Cpad = A->G * A->m;
     int nth = clamp_threads(nthreads, 2.0 * B * A->R * A->G * A->n, A->R);
     int64_t nbc;
-    float *xp = make_panel(X, ldx, B, A->C, Cpad, bch, &nbc, nth);
+    float *xp = make_panel_in(X, ldx, B, A->C, Cpad, bch, &nbc, nth, 1);   /* scratch_give */
     if (!xp) return -3;
-    gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0};
+    gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0,
+                      gather_rows(A, Cpad, bch, nth)};
     run_parallel(nth, gather_task, &ga);
-    free(xp);
+    scratch_give(xp);
     return ga.err;
 }
 
@@ -956,15 +1028,15 @@ int nm_colgrouped_gather_variant_f32(const nm_colgrouped *W, int64_t B, const fl
     const int64_t Kp = (int64_t)W->P * W->L;
     const int nth = clamp_threads(nthreads, 2.0 * B * W->Nb * W->n * Kp, W->Nb);
     const int64_t nbc = (B + bch - 1) / bch;
-    float *xp = (float *)alloc64((size_t)(nbc * Kp * bch) * sizeof(float));
+    float *xp = (float *)scratch_take((size_t)(nbc * Kp * bch) * sizeof(float));
     int *packed = (int *)calloc((size_t)nbc, sizeof(int));
-    if (!xp || !packed) { free(xp); free(packed); return -3; }
+    if (!xp || !packed) { scratch_give(xp); free(packed); return -3; }
     if (variant == NM_CG_AUTO) variant = (int)env_int("STEN_NM_CG_VARIANT", NM_CG_STREAM);
     int64_t kt, qb; int in_l1;
     cg_variant(W, variant, bch, nbc, nth, &kt, &qb, &in_l1);
     cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, qb, in_l1, T->cgg[nvi], 0, 0, X, ldx, packed};
     run_parallel(nth, cgg_task, &a);
-    free(xp);
+    scratch_give(xp);
     free(packed);
     return a.err;
 }
