@@ -35,6 +35,15 @@ static int bf16_dot_supported(void)
 #endif
 }
 
+int nm_bf16_dot_supported(void) { return bf16_dot_supported(); }
+
+/* The switch (env STEN_NM_BF16_DOT at first use, else on where supported; nm_set_bf16_dot). */
+int nm_bf16_dot_enabled(void)
+{
+    if (g_bf16_dot < 0) g_bf16_dot = bf16_dot_supported() && env_int("STEN_NM_BF16_DOT", 1) != 0;
+    return g_bf16_dot;
+}
+
 int nm_set_bf16_dot(int on)
 {
     if (on && !bf16_dot_supported()) return -1;
@@ -45,8 +54,7 @@ int nm_set_bf16_dot(int on)
 /* Whether a bf16-x, bf16-values product runs on vdpbf16ps now (the ISA avx512 and on). */
 int nm_bf16_dot(void)
 {
-    if (g_bf16_dot < 0) g_bf16_dot = bf16_dot_supported() && env_int("STEN_NM_BF16_DOT", 1) != 0;
-    return g_bf16_dot && table()->vw >= 16;
+    return nm_bf16_dot_enabled() && table()->vw >= 16;
 }
 
 typedef struct {

@@ -107,6 +107,9 @@ int nm_colgrouped_gather_bf16x(const nm_colgrouped *W, int64_t B, const uint16_t
                                float *Y, int64_t ldy, const float *bias, int nthreads);
 /* Whether bf16 x with bf16 values runs on vdpbf16ps now (CPU has it, ISA avx512, not off). */
 int nm_bf16_dot(void);
+/* Whether the CPU has AVX512_BF16 (and AVX-512BW); whether the vdpbf16ps switch is on. */
+int nm_bf16_dot_supported(void);
+int nm_bf16_dot_enabled(void);
 /* Turn the vdpbf16ps path on (1; -1 if the CPU lacks AVX512_BF16) or off (0). */
 int nm_set_bf16_dot(int on);
 /* y[i] = x[i] rounded to bfloat16 (nearest even, as torch; NaN -> 0x7fc0), i < n. */

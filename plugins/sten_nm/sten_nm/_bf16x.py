@@ -32,6 +32,8 @@ def _lib() -> ctypes.CDLL:
                                                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         lib.nm_colgrouped_gather_bf16x.restype = ctypes.c_int
         lib.nm_bf16_dot.restype = ctypes.c_int
+        lib.nm_bf16_dot_enabled.restype = ctypes.c_int
+        lib.nm_bf16_dot_supported.restype = ctypes.c_int
         lib.nm_set_bf16_dot.argtypes = [ctypes.c_int]
         lib.nm_set_bf16_dot.restype = ctypes.c_int
         _declared.add(id(lib))
@@ -46,10 +48,12 @@ def bf16_dot() -> bool:
 
 def bf16_dot_supported() -> bool:
     """Whether this CPU can run the ``vdpbf16ps`` path (AVX512_BF16)."""
-    lib, was = _lib(), bf16_dot()
-    ok = lib.nm_set_bf16_dot(1) == 0
-    lib.nm_set_bf16_dot(1 if was else 0)
-    return ok
+    return bool(_lib().nm_bf16_dot_supported())
+
+
+def bf16_dot_enabled() -> bool:
+    """The switch of :func:`set_bf16_dot` (used while the ISA is ``avx512``)."""
+    return bool(_lib().nm_bf16_dot_enabled())
 
 
 def set_bf16_dot(on: bool) -> None:
