@@ -40,7 +40,10 @@ int nm_bf16_dot_supported(void) { return bf16_dot_supported(); }
 /* The switch (env STEN_NM_BF16_DOT at first use, else on where supported; nm_set_bf16_dot). */
 int nm_bf16_dot_enabled(void)
 {
-    if (g_bf16_dot < 0) g_bf16_dot = bf16_dot_supported() && env_int("STEN_NM_BF16_DOT", 1) != 0;
+    if (g_bf16_dot < 0) {
+        const char *e = getenv("STEN_NM_BF16_DOT");
+        g_bf16_dot = bf16_dot_supported() && !(e && strcmp(e, "0") == 0);
+    }
     return g_bf16_dot;
 }
 

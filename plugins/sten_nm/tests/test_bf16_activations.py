@@ -171,3 +171,13 @@ def test_dot_switch():
         assert _bf16x.bf16_dot() == (_kernel.isa() == "avx512")
     finally:
         _bf16x.set_bf16_dot(before)
+
+
+def test_env_turns_the_dot_path_off(tmp_path):
+    """STEN_NM_BF16_DOT=0 at load: the widening path (a fresh process reads the variable)."""
+    import subprocess
+    import sys
+    code = "from sten_nm import _bf16x; print(_bf16x.bf16_dot_enabled())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "STEN_NM_BF16_DOT": "0"},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
