@@ -107,6 +107,12 @@ int nm_colgrouped_gather_bf16x(const nm_colgrouped *W, int64_t B, const uint16_t
                                float *Y, int64_t ldy, const float *bias, int nthreads);
 /* Whether bf16 x with bf16 values runs on vdpbf16ps now (CPU has it, ISA avx512, not off). */
 int nm_bf16_dot(void);
+/* nm_tgather_f32 / nm_grouped_tgather_f32 (input gradients) for values in bfloat16 bits:
+ * widened on the kernels' threads into a buffer for this call only (csrc/nm_bf16_bwd.h). */
+int nm_tgather_bf16w(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, float *X, int64_t ldx,
+                     const float *bias, int nthreads);
+int nm_grouped_tgather_bf16w(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
+                             float *dX, int64_t ldx, int nthreads);
 /* Whether the CPU has AVX512_BF16 (and AVX-512BW); whether the vdpbf16ps switch is on. */
 int nm_bf16_dot_supported(void);
 int nm_bf16_dot_enabled(void);

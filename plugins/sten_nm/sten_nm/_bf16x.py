@@ -1,4 +1,5 @@
-"""The paper-format forward with bf16 activations read by the C kernel (no float32 copy of x).
+"""bf16 in the C kernels without float32 copies: the paper-format forward with bf16 activations
+read by the kernel, and the exact / 16-row input gradients with bf16 values.
 
 On a CPU with AVX512_BF16 (ISA ``avx512``) and bf16 stored values the kernel multiplies on
 ``vdpbf16ps`` (pairs of slots, float32 accumulation); otherwise it widens x while packing its
@@ -36,6 +37,11 @@ def _lib() -> ctypes.CDLL:
         lib.nm_bf16_dot_supported.restype = ctypes.c_int
         lib.nm_set_bf16_dot.argtypes = [ctypes.c_int]
         lib.nm_set_bf16_dot.restype = ctypes.c_int
+        i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.nm_tgather_bf16w.argtypes = [ctypes.POINTER(_kernel.NMMat), i64, vp, i64, vp, i64, vp, ci]
+        lib.nm_tgather_bf16w.restype = ci
+        lib.nm_grouped_tgather_bf16w.argtypes = [ctypes.POINTER(_kernel.NMGrouped), i64, vp, i64, vp, i64, ci]
+        lib.nm_grouped_tgather_bf16w.restype = ci
         _declared.add(id(lib))
     return lib
 
@@ -80,3 +86,36 @@ def colgrouped_gather_bf16x(W: _kernel.NMColGrouped, X: torch.Tensor, bias: Opti
         b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
     _kernel._check(rc, "nm_colgrouped_gather_bf16x")
     return Y
+
+
+def _bf16_desc(desc: object, what: str) -> None:
+    vals = desc._keep[0]
+    if vals.dtype != torch.bfloat16 or not vals.is_contiguous():
+        raise ValueError(f"{what} needs a descriptor of contiguous bfloat16 values, got {vals.dtype}")
+
+
+def tgather_bf16w(A: _kernel.NMMat, Y: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`sten_nm._kernel.tgather` (``X = Y A``, float32) for a descriptor of bfloat16
+    values (``_kernel.mat`` of bf16 values): widened for this call only, fp32 accumulation."""
+    _bf16_desc(A, "tgather_bf16w")
+    Y = _kernel._rowmajor(Y)
+    X = torch.empty((Y.shape[0], A.C), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = _lib().nm_tgather_bf16w(ctypes.byref(A), Y.shape[0], Y.data_ptr(), Y.stride(0), X.data_ptr(),
+                                 X.stride(0) if A.C else 1, b.data_ptr() if b is not None else None,
+                                 _kernel._threads(nthreads))
+    _kernel._check(rc, "nm_tgather_bf16w")
+    return X
+
+
+def grouped_tgather_bf16w(W: _kernel.NMGrouped, dY: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`sten_nm._kernel.grouped_tgather` (``dX = dY W``, float32) for a descriptor of
+    bfloat16 values (``_kernel.grouped`` of bf16 values): widened for this call only."""
+    _bf16_desc(W, "grouped_tgather_bf16w")
+    dY = _kernel._rowmajor(dY)
+    dX = torch.empty((dY.shape[0], W.K), dtype=torch.float32)
+    rc = _lib().nm_grouped_tgather_bf16w(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0), dX.data_ptr(),
+                                         dX.stride(0) if W.K else 1, _kernel._threads(nthreads))
+    _kernel._check(rc, "nm_grouped_tgather_bf16w")
+    return dX

@@ -181,3 +181,53 @@ def test_env_turns_the_dot_path_off(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "STEN_NM_BF16_DOT": "0"},
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+# -- input gradients with bf16 stored values: no float32 copy of the weight ---------------
+from sten_nm import GroupedNMTensor, NMTensor  # noqa: E402
+
+
+@pytest.mark.parametrize("layout,dim", [(NMTensor, 1), (NMTensor, 0), (GroupedNMTensor, 1)])
+@pytest.mark.parametrize("sparse_grad", [False, True])
+@pytest.mark.parametrize("n,m", [(2, 4), (1, 10), (3, 8)])
+def test_bf16_values_backward_without_fp32_copy(isa, layout, dim, sparse_grad, n, m):
+    """bf16 stored values, fp32 x: gradients of x (and of the values, at the kept positions)
+    equal the dense fp32 product of the same bf16 values; no float32 copy is cached."""
+    N, K, B = 37, 53, 29
+    w = torch.randn(N, K).bfloat16()
+    t = NMTensor.from_dense(w, n, m, dim=dim) if layout is NMTensor else layout.from_dense(w, n, m)
+    fmt = (sten.KeepAll(), layout, sten.KeepAll(), layout) if sparse_grad else None
+    W = sten.SparseParameterWrapper(t, grad_fmt=fmt)
+    x = torch.randn(B, K, requires_grad=True)
+    wr = t.to_dense().float().requires_grad_()
+    xr = x.detach().requires_grad_()
+    y = F.linear(x, W)
+    yr = F.linear(xr, wr)
+    gy = torch.randn_like(yr)
+    y.backward(gy)
+    yr.backward(gy)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-4)
+    gw = W.grad.wrapped_tensor.to_dense().float() if sparse_grad else W.grad.float()
+    ref = (wr.grad * t.mask()) if sparse_grad else wr.grad
+    torch.testing.assert_close(gw, ref.to(gw.dtype) if not sparse_grad else ref.bfloat16().float(),
+                               rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+    assert getattr(t, "_fp32_cache", None) is None   # no float32 copy of the weight
+
+
+@pytest.mark.parametrize("B", [1, 17])
+def test_bf16_input_gradient_kernels_direct(isa, B):
+    """The two C entry points against torch, including an empty batch and bad descriptors."""
+    t = NMTensor.from_dense(torch.randn(24, 40).bfloat16(), 2, 4)
+    R, C = t._rc()
+    d = _kernel.mat(t.values().contiguous(), t.indices, R, C, 2, 4)
+    gy = torch.randn(B, 24)
+    torch.testing.assert_close(_bf16x.tgather_bf16w(d, gy), gy @ t.to_dense().float(), rtol=1e-5, atol=1e-4)
+    assert _bf16x.tgather_bf16w(d, gy[:0]).shape == (0, 40)
+    g = GroupedNMTensor.from_dense(torch.randn(24, 40).bfloat16(), 1, 4)
+    from sten_nm.ops import _grouped_bf16_desc
+    torch.testing.assert_close(_bf16x.grouped_tgather_bf16w(_grouped_bf16_desc(g), gy), gy @ g.to_dense().float(),
+                               rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        _bf16x.tgather_bf16w(t.fp32().mat(), gy)
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        _bf16x.grouped_tgather_bf16w(g.desc(), gy)
