@@ -1,7 +1,10 @@
-"""bf16 vs fp32 stored values, exact NMTensor and GroupedNMTensor forward (``F.linear(x [B, K], W)``), the
+"""bf16 vs fp32 stored values, exact NMTensor, GroupedNMTensor and ColumnGroupedNMTensor (the paper format) forward (``F.linear(x [B, K], W)``), the
 kernel only (tuning off), BERT shapes, one run, medians of turns (fp32 and bf16 timed alternately); bf16 values are widened in
 the kernel (exact n:m: per block of rows, ``nm_gather_bf16w``; grouped: in registers on AVX-512, per row group and chunk
-elsewhere, ``nm_grouped_gather_bf16w``), fp32 ones read as they are. ``STEN_NM_ISA=avx2`` measures the AVX2 kernels.
+elsewhere, ``nm_grouped_gather_bf16w``; paper format: per pattern and batch chunk), fp32 ones read as they are. bf16 x:
+the paper format reads it in the kernel (``vdpbf16ps`` on AVX512_BF16 CPUs, ``STEN_NM_BF16_DOT=0`` turns it off;
+widened while packing elsewhere), the other layouts widen it before the kernel; the "x.float() first" column is
+that widening done by torch for every layout (the paper format's previous path). ``STEN_NM_ISA=avx2`` measures the AVX2 kernels.
 
     python benchmarks/bench_bf16.py [--threads 2] [--batch 1024] [--reps 7] [--cpu-time]
 """
@@ -18,7 +21,8 @@ os.environ["STEN_NM_TUNE"] = "0"
 import torch  # noqa: E402
 
 from sten_core.machine import cpu_model, load_average  # noqa: E402
-from sten_nm import GroupedNMTensor, NMTensor, _kernel, grouped_linear, nm_linear  # noqa: E402
+from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor, _bf16x, _kernel, grouped_linear, nm_linear  # noqa: E402
+from sten_nm.column_grouped_ops import column_grouped_linear  # noqa: E402
 
 
 CLOCK = time.perf_counter
@@ -48,22 +52,25 @@ def main() -> None:
     if a.cpu_time:
         CLOCK = time.process_time
     torch.set_num_threads(a.threads)
-    print(f"CPU {cpu_model()}, ISA {_kernel.isa()}, {a.threads} threads, B={a.batch}, load {load_average()}, "
+    print(f"CPU {cpu_model()}, ISA {_kernel.isa()}{' + AVX512_BF16 (vdpbf16ps)' if _bf16x.bf16_dot() else ''}, {a.threads} threads, B={a.batch}, load {load_average()}, "
           f"{'CPU' if a.cpu_time else 'wall'} time")
-    print("| layout | W [N,K] | n:m | fp32 values ms | bf16 values ms | bf16 x and values (bf16 out) ms | bf16 vs fp32 | bf16 x vs fp32 |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("| layout | W [N,K] | n:m | fp32 values ms | bf16 values ms | bf16 x and values (bf16 out) ms | "
+          "bf16 x, x.float() first ms | bf16 vs fp32 | bf16 x vs fp32 | bf16 x vs x.float() first |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for N, K in ((3072, 768), (768, 3072)):
         for n, m in ((2, 4), (1, 10)):
             torch.manual_seed(0)
             w = torch.randn(N, K)
             x = torch.randn(a.batch, K)
             xb = x.bfloat16()
-            for name, cls, fn in (("NMTensor", NMTensor, nm_linear), ("GroupedNMTensor", GroupedNMTensor, grouped_linear)):
+            for name, cls, fn in (("NMTensor", NMTensor, nm_linear), ("GroupedNMTensor", GroupedNMTensor, grouped_linear),
+                                  ("ColumnGroupedNMTensor", ColumnGroupedNMTensor, column_grouped_linear)):
                 t32 = cls.from_dense(w, n, m)
                 t16 = cls.from_dense(w.bfloat16(), n, m)
-                f32, b16, bb = interleaved([lambda: fn(x, t32), lambda: fn(x, t16), lambda: fn(xb, t16)], a.reps)
-                print(f"| {name} | {N}x{K} | {n}:{m} | {f32:.1f} | {b16:.1f} | {bb:.1f} | {f32 / b16:.2f}x | "
-                      f"{f32 / bb:.2f}x |")
+                f32, b16, bb, bw = interleaved([lambda: fn(x, t32), lambda: fn(x, t16), lambda: fn(xb, t16),
+                                                lambda: fn(xb.float(), t16).bfloat16()], a.reps)
+                print(f"| {name} | {N}x{K} | {n}:{m} | {f32:.1f} | {b16:.1f} | {bb:.1f} | {bw:.1f} | {f32 / b16:.2f}x | "
+                      f"{f32 / bb:.2f}x | {bw / bb:.2f}x |")
 
 if __name__ == "__main__":
     main()

@@ -1162,3 +1162,5 @@ int nm_decompress_f32(const nm_mat *A, float *D, int64_t ldd, int nthreads)
 
 /* ------------------------------------------------- bf16 values (own file) -- */
 #include "nm_bf16.h"
+#include "nm_cg_bf16x.h"
+#include "nm_bf16_bwd.h"

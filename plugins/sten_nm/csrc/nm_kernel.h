@@ -100,6 +100,24 @@ int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx,
  * row group's chunk of slots widened in the kernel, float32 accumulation. */
 int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                             float *Y, int64_t ldy, const float *bias, int nthreads);
+/* nm_colgrouped_gather_f32 with X in bfloat16 bits (uint16_t [B][K], row stride ldx), read by
+ * the kernel: on AVX512_BF16 CPUs (ISA avx512) with bf16 values, vdpbf16ps on adjacent-slot
+ * pairs; otherwise x widened while packing and the float32 kernel (csrc/nm_cg_bf16x.h). */
+int nm_colgrouped_gather_bf16x(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                               float *Y, int64_t ldy, const float *bias, int nthreads);
+/* Whether bf16 x with bf16 values runs on vdpbf16ps now (CPU has it, ISA avx512, not off). */
+int nm_bf16_dot(void);
+/* nm_tgather_f32 / nm_grouped_tgather_f32 (input gradients) for values in bfloat16 bits:
+ * widened on the kernels' threads into a buffer for this call only (csrc/nm_bf16_bwd.h). */
+int nm_tgather_bf16w(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, float *X, int64_t ldx,
+                     const float *bias, int nthreads);
+int nm_grouped_tgather_bf16w(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
+                             float *dX, int64_t ldx, int nthreads);
+/* Whether the CPU has AVX512_BF16 (and AVX-512BW); whether the vdpbf16ps switch is on. */
+int nm_bf16_dot_supported(void);
+int nm_bf16_dot_enabled(void);
+/* Turn the vdpbf16ps path on (1; -1 if the CPU lacks AVX512_BF16) or off (0). */
+int nm_set_bf16_dot(int on);
 /* y[i] = x[i] rounded to bfloat16 (nearest even, as torch; NaN -> 0x7fc0), i < n. */
 int nm_f32_to_bf16(const float *x, uint16_t *y, int64_t n, int nthreads);
 /* X[b][c] = sum_r A[r][c] Y[b][r] (+ bias[c]); Y is [B][R] (ldy), X [B][C] (ldx). */

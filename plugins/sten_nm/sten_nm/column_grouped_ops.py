@@ -36,7 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from . import _kernel, tuning
+from . import _bf16x, _kernel, tuning
 from .column_grouped import ColumnGroupedNMTensor, patterns
 from sten_core.plugin_api import linear_inputs, needs_grad, note, observing, register_weight_product
 
@@ -144,7 +144,16 @@ def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Ten
     dtype = amp if amp is not None else _out_dtype(x, W._values, bias)
     c = _compute_dtype(dtype)
     if c == torch.float32 and _kernel.available()[0]:   # the C kernel (float32 accumulation)
-        y2 = _tuned_forward(W, W.desc(amp), _rows(x), bias)
+        x2 = _rows(x)
+        if x2.dtype == torch.bfloat16:   # bf16 x read by the kernel (vdpbf16ps where the CPU has it)
+            desc = W.desc(amp)
+            if observing():
+                dot = _bf16x.bf16_dot() and desc.vtype == _kernel.VTYPES[torch.bfloat16]
+                note(f"sten_nm: nm_colgrouped_gather_bf16x ({_kernel.isa()}, "
+                     f"{'vdpbf16ps' if dot else 'x widened in the panel'}, not tuned)")
+            y2 = _bf16x.colgrouped_gather_bf16x(desc, x2, bias)
+        else:
+            y2 = _tuned_forward(W, W.desc(amp), x2, bias)
     else:
         if observing():
             note(f"sten_nm: per-pattern torch products in {c} (no C kernel for this dtype)")

@@ -79,20 +79,43 @@ def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: b
         R, C = W._rc()
         v = kernel_values(W, W._values, round_to)
         return _kernel.gather_bf16w(_kernel.mat(v, W.indices, R, C, W.n, W.m), x2, bias)
+    if (round_to if round_to is not None else W._values.dtype) == torch.bfloat16:   # transposed product
+        from ._bf16x import tgather_bf16w
+        from ._fp32 import kernel_values
+
+        R, C = W._rc()
+        v = kernel_values(W, W._values, round_to)
+        return tgather_bf16w(_kernel.mat(v, W.indices, R, C, W.n, W.m), x2, bias)
     A = W.fp32(round_to)
     mat = A.mat()
     return _kernel.gather(mat, x2, bias) if a_is_w else _kernel.tgather(mat, x2, bias)
 
 
+def _bf16_mat(W: NMTensor) -> Optional[Any]:
+    """A descriptor of W's own bf16 values (no float32 copy), or None for other dtypes."""
+    if W._values.dtype != torch.bfloat16:
+        return None
+    from ._fp32 import kernel_values
+
+    R, C = W._rc()
+    return _kernel.mat(kernel_values(W, W._values), W.indices, R, C, W.n, W.m)
+
+
 def _gy_w(W: NMTensor, gy2: torch.Tensor, a_is_w: bool) -> torch.Tensor:
-    """``gy2 @ Weff`` in float32 (gradient wrt the input)."""
+    """``gy2 @ Weff`` in float32 (gradient wrt the input; bf16 values widened in the kernel call)."""
+    m16 = _bf16_mat(W)
+    if m16 is not None:
+        from ._bf16x import tgather_bf16w
+
+        return tgather_bf16w(m16, gy2) if a_is_w else _kernel.gather_bf16w(m16, gy2)
     mat = W.fp32().mat()
     return _kernel.tgather(mat, gy2) if a_is_w else _kernel.gather(mat, gy2)
 
 
 def _grad_values(W: NMTensor, x2: torch.Tensor, gy2: torch.Tensor, a_is_w: bool) -> torch.Tensor:
-    """Gradient of the stored values (``gy2^T x2`` at the kept positions only)."""
-    mat = W.fp32().mat()
+    """Gradient of the stored values (``gy2^T x2`` at the kept positions only; reads no values)."""
+    mat = _bf16_mat(W)
+    mat = mat if mat is not None else W.fp32().mat()
     return _kernel.sddmm(mat, gy2, x2) if a_is_w else _kernel.sddmm(mat, x2, gy2)
 
 
@@ -310,6 +333,14 @@ def grouped_linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torc
     return grouped_linear(x, w, bias)
 
 
+def _grouped_bf16_desc(G: Any) -> Any:
+    """C descriptor of G's own bf16 values (no float32 copy)."""
+    from ._fp32 import kernel_values
+
+    N, K = G.shape
+    return _kernel.grouped(kernel_values(G, G._vals), G.indices, G.perm, N, K, G.n, G.m)
+
+
 def _grouped_backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     """Input gradient and weight gradient at the kept positions by the grouped kernels
     (the latter in the layout's own order); a dense weight gradient is the full product."""
@@ -327,10 +358,17 @@ def _grouped_backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple
     x2 = _rows(x)
     gx = gw = gb = None
     if needs_grad(ctx, 0):
-        gx = _kernel.grouped_tgather(G.desc(), gy2).to(x.dtype).reshape(x.shape)
+        if G._vals.dtype == torch.bfloat16:   # bf16 values widened in the kernel call
+            from ._bf16x import grouped_tgather_bf16w
+
+            gx2 = grouped_tgather_bf16w(_grouped_bf16_desc(G), gy2)
+        else:
+            gx2 = _kernel.grouped_tgather(G.desc(), gy2)
+        gx = gx2.to(x.dtype).reshape(x.shape)
     if needs_grad(ctx, 1):
-        if sparse_grad:
-            vals = _kernel.grouped_sddmm(G.desc(), gy2, x2)
+        if sparse_grad:   # reads no values: the bf16 descriptor as is
+            d = _grouped_bf16_desc(G) if G._vals.dtype == torch.bfloat16 else G.desc()
+            vals = _kernel.grouped_sddmm(d, gy2, x2)
             gw = SparseTensorWrapper(G.with_values(vals.to(G.dtype)))
         else:
             gw = (gy2.t() @ x2.to(gy2.dtype)).to(G.dtype)

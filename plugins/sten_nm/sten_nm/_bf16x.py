@@ -1,0 +1,121 @@
+"""bf16 in the C kernels without float32 copies: the paper-format forward with bf16 activations
+read by the kernel, and the exact / 16-row input gradients with bf16 values.
+
+On a CPU with AVX512_BF16 (ISA ``avx512``) and bf16 stored values the kernel multiplies on
+``vdpbf16ps`` (pairs of slots, float32 accumulation); otherwise it widens x while packing its
+panel and runs the float32 kernel. Both are exact products of the bf16 operands up to float32
+rounding order (``csrc/nm_cg_bf16x.h``).
+
+    >>> import torch
+    >>> from sten_nm import ColumnGroupedNMTensor
+    >>> W = ColumnGroupedNMTensor.from_dense(torch.randn(8, 16).bfloat16(), 2, 4)
+    >>> colgrouped_gather_bf16x(W.desc(), torch.randn(3, 16).bfloat16()).shape
+    torch.Size([3, 8])
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from . import _kernel
+
+_declared: set[int] = set()
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _kernel._load()
+    if id(lib) not in _declared:
+        lib.nm_colgrouped_gather_bf16x.argtypes = [ctypes.POINTER(_kernel.NMColGrouped), ctypes.c_int64,
+                                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        lib.nm_colgrouped_gather_bf16x.restype = ctypes.c_int
+        lib.nm_bf16_dot.restype = ctypes.c_int
+        lib.nm_bf16_dot_enabled.restype = ctypes.c_int
+        lib.nm_bf16_dot_supported.restype = ctypes.c_int
+        lib.nm_set_bf16_dot.argtypes = [ctypes.c_int]
+        lib.nm_set_bf16_dot.restype = ctypes.c_int
+        i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.nm_tgather_bf16w.argtypes = [ctypes.POINTER(_kernel.NMMat), i64, vp, i64, vp, i64, vp, ci]
+        lib.nm_tgather_bf16w.restype = ci
+        lib.nm_grouped_tgather_bf16w.argtypes = [ctypes.POINTER(_kernel.NMGrouped), i64, vp, i64, vp, i64, ci]
+        lib.nm_grouped_tgather_bf16w.restype = ci
+        _declared.add(id(lib))
+    return lib
+
+
+def bf16_dot() -> bool:
+    """Whether bf16 x with bf16 values runs on ``vdpbf16ps`` now (CPU has AVX512_BF16, ISA
+    ``avx512``, not turned off by ``STEN_NM_BF16_DOT=0`` or :func:`set_bf16_dot`)."""
+    return bool(_lib().nm_bf16_dot())
+
+
+def bf16_dot_supported() -> bool:
+    """Whether this CPU can run the ``vdpbf16ps`` path (AVX512_BF16)."""
+    return bool(_lib().nm_bf16_dot_supported())
+
+
+def bf16_dot_enabled() -> bool:
+    """The switch of :func:`set_bf16_dot` (used while the ISA is ``avx512``)."""
+    return bool(_lib().nm_bf16_dot_enabled())
+
+
+def set_bf16_dot(on: bool) -> None:
+    """Turn the ``vdpbf16ps`` path on or off (tests, benchmarks); on needs AVX512_BF16 (it
+    is used while the ISA is ``avx512``)."""
+    if _lib().nm_set_bf16_dot(1 if on else 0) != 0:
+        raise ValueError("set_bf16_dot(True): this CPU has no AVX512_BF16")
+
+
+def colgrouped_gather_bf16x(W: _kernel.NMColGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                            nthreads: Optional[int] = None) -> torch.Tensor:
+    """``Y = X W^T (+ bias)`` (float32 ``[B, N]``) for bfloat16 ``X`` ``[B, K]`` read by the
+    kernel, ``W`` a column-grouped descriptor (:func:`sten_nm._kernel.colgrouped`)."""
+    if X.dtype != torch.bfloat16 or X.dim() != 2:
+        raise ValueError(f"X must be a 2-D bfloat16 tensor, got {X.dtype} of shape {tuple(X.shape)}")
+    if X.shape[1] != W.K:
+        raise ValueError(f"X must have {W.K} columns, got shape {tuple(X.shape)}")
+    if X.stride(-1) != 1 or (X.size(0) > 1 and X.stride(0) < X.size(1)):
+        X = X.contiguous()
+    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = _lib().nm_colgrouped_gather_bf16x(
+        ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0) if W.K else 1, Y.data_ptr(), Y.stride(0) if W.N else 1,
+        b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
+    _kernel._check(rc, "nm_colgrouped_gather_bf16x")
+    return Y
+
+
+def _bf16_desc(desc: object, what: str) -> None:
+    vals = desc._keep[0]
+    if vals.dtype != torch.bfloat16 or not vals.is_contiguous():
+        raise ValueError(f"{what} needs a descriptor of contiguous bfloat16 values, got {vals.dtype}")
+
+
+def tgather_bf16w(A: _kernel.NMMat, Y: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`sten_nm._kernel.tgather` (``X = Y A``, float32) for a descriptor of bfloat16
+    values (``_kernel.mat`` of bf16 values): widened for this call only, fp32 accumulation."""
+    _bf16_desc(A, "tgather_bf16w")
+    Y = _kernel._rowmajor(Y)
+    X = torch.empty((Y.shape[0], A.C), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = _lib().nm_tgather_bf16w(ctypes.byref(A), Y.shape[0], Y.data_ptr(), Y.stride(0), X.data_ptr(),
+                                 X.stride(0) if A.C else 1, b.data_ptr() if b is not None else None,
+                                 _kernel._threads(nthreads))
+    _kernel._check(rc, "nm_tgather_bf16w")
+    return X
+
+
+def grouped_tgather_bf16w(W: _kernel.NMGrouped, dY: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`sten_nm._kernel.grouped_tgather` (``dX = dY W``, float32) for a descriptor of
+    bfloat16 values (``_kernel.grouped`` of bf16 values): widened for this call only."""
+    _bf16_desc(W, "grouped_tgather_bf16w")
+    dY = _kernel._rowmajor(dY)
+    dX = torch.empty((dY.shape[0], W.K), dtype=torch.float32)
+    rc = _lib().nm_grouped_tgather_bf16w(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0), dX.data_ptr(),
+                                         dX.stride(0) if W.K else 1, _kernel._threads(nthreads))
+    _kernel._check(rc, "nm_grouped_tgather_bf16w")
+    return dX
