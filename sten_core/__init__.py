@@ -110,7 +110,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "GradualPruning", "MovementSparsifier", "OneShot", "PruneRegrow", "ScoreSparsifier",
+    "__version__", "GradualPruning", "MovementSparsifier", "OneShot", "PruneRegrow", "ScoreSparsifier",
     "SparsityScheduler", "TaylorSparsifier",
     "BlockwiseFractionSparsifier", "CooTensor", "CscTensor", "CsrTensor", "DenseTensor",
     "DispatchError", "DispatchWarning", "KeepAll", "Layout", "OpKey", "OutputSpec",
