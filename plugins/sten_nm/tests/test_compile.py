@@ -104,8 +104,8 @@ DENSE = (sten.KeepAll(), torch.Tensor, sten.KeepAll(), torch.Tensor)
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_trainable_sparse_weights_compile_with_eager_gradients(layout):
-    """n:m weights that require grad with the default grad_fmt (None, dense) run the eager
-    dispatcher while compiled (a graph break per call): the gradients equal eager's."""
+    """n:m weights that require grad with the default grad_fmt (None, dense) are traceable
+    parameters: no graph breaks, fullgraph, dense weight gradients bitwise eager's."""
     model = nm_mlp(layout, requires_grad=True)
     x = torch.randn(6, 32, requires_grad=True)
 
@@ -116,7 +116,12 @@ def test_trainable_sparse_weights_compile_with_eager_gradients(layout):
         return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
 
     want = grads(model)
-    got = grads(torch.compile(model))
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, fullgraph=True))
+    assert all(type(g) is torch.Tensor for g in got)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
 
@@ -227,13 +232,16 @@ def test_compiled_training_steps_with_an_optimizer_follow_eager():
 
 def test_which_wrappers_are_traceable():
     """The explicit dense gradient format or the layout's own: traceable (a compiled step
-    computes the gradient in the graph); the default None, or a re-sparsified gradient format
-    (a new pattern, not the weight's structure): the eager class (a graph break per call)."""
+    computes the gradient in the graph); the default None on a parameter that requires grad too;
+    a re-sparsified gradient format (a new pattern, not the weight's structure): the eager
+    class (a graph break per call)."""
     layout = NMTensor.from_dense(torch.randn(4, 8))
     traceable = sten.dispatch.traceable.traceable
     assert traceable(sten.SparseParameterWrapper(layout, grad_fmt=DENSE))
     assert traceable(sten.SparseParameterWrapper(layout, grad_fmt=keep_layout(NMTensor)))
-    assert not traceable(sten.SparseParameterWrapper(layout))
+    assert traceable(sten.SparseParameterWrapper(layout))  # the default None while it trains
+    assert not traceable(sten.SparseParameterWrapper(layout, requires_grad=False))
+    assert not traceable(sten.SparseTensorWrapper(layout, requires_grad=True))  # not a parameter
     assert not traceable(sten.SparseParameterWrapper(layout, grad_fmt=(sten.KeepAll(), torch.Tensor,
                                                                        sten.KeepAll(), NMTensor)))
 
@@ -403,3 +411,23 @@ def test_a_wrapper_on_fake_members_prints_without_reading_values():
     assert "ColumnGroupedNMTensor(shape=(8, 16)" in text and "nnz" not in text
     assert not shape_env.pending_fresh_unbacked_symbols
     assert "nnz=" in repr(w)  # real members: the layout's own repr
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("product", ["W @ x", "matmul", "mm", "W @ vector", "W @ batch"])
+def test_weight_first_products_compile_whole(layout, product):
+    """``W @ x`` with the n:m wrapper first: the layout's compiled F.linear transposed, no graph
+    break (two before, in the dense path's ctypes/nonzero), eager's and the dense values."""
+    torch.manual_seed(2)
+    dense = torch.randn(8, 16)
+    w = sten.SparseTensorWrapper(layout.from_dense(dense, n=2, m=4))
+    wd = w.wrapped_tensor.to_dense()
+    f = {"W @ x": lambda w, x: w @ x, "matmul": lambda w, x: torch.matmul(w, x), "mm": lambda w, x: torch.mm(w, x),
+         "W @ vector": lambda w, x: w @ x[:, 0], "W @ batch": lambda w, x: w @ torch.stack([x, -x])}[product]
+    x = torch.randn(16, 5)
+    explained = torch._dynamo.explain(lambda x: f(w, x))(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = torch.compile(lambda x: f(w, x), fullgraph=True)(x)
+    torch.testing.assert_close(got, f(w, x))
+    torch.testing.assert_close(got, f(wd, x), rtol=1e-4, atol=1e-5)
