@@ -431,3 +431,34 @@ def test_weight_first_products_compile_whole(layout, product):
     got = torch.compile(lambda x: f(w, x), fullgraph=True)(x)
     torch.testing.assert_close(got, f(w, x))
     torch.testing.assert_close(got, f(wd, x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("grad_fmt", ["default", "keep"])
+def test_paper_format_compiled_backward_does_not_rebuild_its_nm_view(grad_fmt, monkeypatch):
+    """The compiled backward of a ColumnGroupedNMTensor weight (its custom operators rebuild the
+    layout from its members per call) runs the layout's own kernels or dense products: it never
+    re-derives the n:m view (to_nm / _nm_pattern), which the eager layout caches."""
+    from sten_nm import column_grouped as cg
+
+    calls = []
+    for name in ("to_nm", "_nm_pattern"):
+        original = getattr(cg.ColumnGroupedNMTensor, name)
+        monkeypatch.setattr(cg.ColumnGroupedNMTensor, name,
+                            lambda self, *a, _o=original, _n=name, **k: calls.append(_n) or _o(self, *a, **k))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 16)
+    fmt = None if grad_fmt == "default" else keep_layout(ColumnGroupedNMTensor)
+    lin.weight = sten.SparseParameterWrapper(ColumnGroupedNMTensor.from_dense(lin.weight.detach(), n=2, m=4),
+                                             grad_fmt=fmt)
+    x = torch.randn(8, 32, requires_grad=True)
+    lin(x).square().sum().backward()
+    want = lin.weight.grad.to_dense() if fmt else lin.weight.grad.clone()
+    lin.zero_grad()
+    calls.clear()
+    step = torch.compile(lin, fullgraph=True)
+    for _ in range(3):
+        lin.zero_grad()
+        step(x).square().sum().backward()
+    assert calls == []
+    got = lin.weight.grad.to_dense() if fmt else lin.weight.grad
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
