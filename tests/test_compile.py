@@ -11,7 +11,7 @@ from fake_layouts import DenseCopyLayout
 
 import sten_core as sten
 from sten_core.builtin import compiled_ops
-from sten_core.testing import check_compile
+from sten_core.testing import check_compile, compiled_training_grads
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "sten_example_plugin"
 
@@ -27,6 +27,11 @@ def sparse_mlp(layout=sten.CsrTensor, fraction=0.5, seed=0, requires_grad=True):
         for p in model.parameters():
             p.requires_grad_(False)
     return model
+
+
+def dense_grads(grads):
+    """Gradients as dense tensors (a sparse wrapper's by its to_dense())."""
+    return [g.to_dense() if isinstance(g, sten.SparseTensorWrapper) else g for g in grads]
 
 
 @pytest.fixture(autouse=True)
@@ -355,20 +360,10 @@ def test_training_step_of_csr_weights_compiles_whole_with_eager_gradients():
         lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True, grad_fmt=KEEP_CSR)
         assert sten.dispatch.traceable.trains_compiled(lin.weight)
     x = torch.randn(6, 24, requires_grad=True)
-
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.to_dense() if isinstance(p.grad, sten.SparseTensorWrapper) else p.grad.clone()
-                for p in model.parameters()] + [x.grad.clone()]
-
-    want = grads(model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads(torch.compile(model, fullgraph=True))
-    assert type(model[0].weight.grad.wrapped_tensor) is sten.CsrTensor
+    run = compiled_training_grads(model, x)
+    assert run["graph_breaks"] == 0, run["reasons"]
+    want, got = dense_grads(run["eager"]), dense_grads(run["compiled"])
+    assert type(run["compiled"][0].wrapped_tensor) is sten.CsrTensor
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     w0, w2 = model[0].weight.to_dense().detach(), model[2].weight.to_dense().detach()
@@ -594,22 +589,14 @@ def test_training_with_the_default_grad_fmt_compiles_whole(layout):
     model = sparse_mlp(layout)
     assert all(sten.dispatch.traceable.trains_compiled(model[i].weight) for i in (0, 2))
     x = torch.randn(2, 3, 24, requires_grad=True)
-
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-
-    want = grads(model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads(torch.compile(model, fullgraph=True))
+    run = compiled_training_grads(model, x)
+    assert run["graph_breaks"] == 0, run["reasons"]
+    want, got = run["eager"], run["compiled"]
     assert all(type(g) is torch.Tensor for g in got)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+    torch.testing.assert_close(run["compiled_out"], run["eager_out"])
 
 
 def test_sgd_steps_with_the_default_grad_fmt_follow_eager():

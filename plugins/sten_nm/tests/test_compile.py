@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import requires_kernel
 
 import sten_core as sten
-from sten_core.testing import check_compile
+from sten_core.testing import check_compile, compiled_training_grads
 from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor
 from sten_nm import compiled as nmc
 
@@ -107,19 +107,9 @@ def test_trainable_sparse_weights_compile_with_eager_gradients(layout):
     """n:m weights that require grad with the default grad_fmt (None, dense) are traceable
     parameters: no graph breaks, fullgraph, dense weight gradients bitwise eager's."""
     model = nm_mlp(layout, requires_grad=True)
-    x = torch.randn(6, 32, requires_grad=True)
-
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-
-    want = grads(model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads(torch.compile(model, fullgraph=True))
+    run = compiled_training_grads(model, torch.randn(6, 32, requires_grad=True))
+    assert run["graph_breaks"] == 0, run["reasons"]
+    want, got = run["eager"], run["compiled"]
     assert all(type(g) is torch.Tensor for g in got)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     for g, w in zip(got, want):
@@ -181,21 +171,12 @@ def test_training_step_of_nm_weights_compiles_whole_with_eager_gradients(layout)
                                                  grad_fmt=keep_layout(layout))
         assert sten.dispatch.traceable.trains_compiled(lin.weight)
     x = torch.randn(6, 32, requires_grad=True)
-
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.to_dense() if isinstance(p.grad, sten.SparseTensorWrapper) else p.grad.clone()
-                for p in model.parameters()] + [x.grad.clone()]
-
-    want = grads(model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads(torch.compile(model, fullgraph=True))
-    assert isinstance(model[0].weight.grad, sten.SparseTensorWrapper)
-    assert type(model[0].weight.grad.wrapped_tensor) is layout
+    run = compiled_training_grads(model, x)
+    assert run["graph_breaks"] == 0, run["reasons"]
+    assert isinstance(run["compiled"][0], sten.SparseTensorWrapper)
+    assert type(run["compiled"][0].wrapped_tensor) is layout
+    want, got = ([g.to_dense() if isinstance(g, sten.SparseTensorWrapper) else g for g in run[k]]
+                 for k in ("eager", "compiled"))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     dense = dense_twin(model)
