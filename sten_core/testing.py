@@ -353,6 +353,57 @@ def check_compile(layout_cls: type, *, shapes: Iterable[tuple] = ((7, 16, 12), (
     return report
 
 
+def compiled_training_grads(model: torch.nn.Module, x: torch.Tensor, *, fullgraph: bool = True,
+                            loss: Callable | None = None) -> dict:
+    """One training step's gradients, eager and compiled: what the compiled-training tests compare.
+
+    Runs ``loss(model(x)).backward()`` eagerly, counts the graph breaks of ``model`` under
+    ``torch._dynamo.explain``, then runs the same step through ``torch.compile(model,
+    fullgraph=fullgraph)`` (Dynamo reset before and after). Gradients are taken per parameter
+    (``model.parameters()`` order) then ``x``'s (when it requires grad); a sparse wrapper's
+    gradient is kept as is (its layout is compared by the caller), others cloned.
+
+    Returns ``{"eager": [...], "compiled": [...], "eager_out": tensor, "compiled_out": tensor,
+    "graph_breaks": n, "reasons": [...]}``.
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> lin = torch.nn.Linear(4, 3)
+        >>> lin.weight = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(lin.weight.detach()))
+        >>> r = compiled_training_grads(lin, torch.randn(2, 4))   # doctest: +SKIP
+        >>> r["graph_breaks"], len(r["compiled"])                  # doctest: +SKIP
+        (0, 2)
+    """
+    loss = loss or (lambda y: y.square().sum())
+    params = list(model.parameters())
+
+    def step(fn: Callable) -> tuple:
+        for p in params:
+            p.grad = None
+        x.grad = None
+        out = fn(x)
+        loss(out).backward()
+        grads = [p.grad if isinstance(p.grad, SparseTensorWrapper) else
+                 (p.grad.clone() if p.grad is not None else None) for p in params]
+        if x.requires_grad:
+            grads.append(x.grad.clone() if x.grad is not None else None)
+        return out.detach(), grads
+
+    torch._dynamo.reset()
+    eager_out, eager = step(model)
+    explained = torch._dynamo.explain(model)(x)
+    for p in params:
+        p.grad = None
+    torch._dynamo.reset()
+    try:
+        compiled_out, compiled = step(torch.compile(model, fullgraph=fullgraph))
+    finally:
+        torch._dynamo.reset()
+    return {"eager": eager, "compiled": compiled, "eager_out": eager_out, "compiled_out": compiled_out,
+            "graph_breaks": explained.graph_break_count,
+            "reasons": [str(r.reason).splitlines()[0] for r in explained.break_reasons]}
+
+
 def check_compile_training(layout_cls: type, *, shapes: Iterable[tuple] = ((6, 16, 12), (2, 8, 4)),
                            dtype: torch.dtype = torch.float32, sparsifier: Any = None,
                            device: str = "cpu") -> dict:
@@ -395,25 +446,13 @@ def check_compile_training(layout_cls: type, *, shapes: Iterable[tuple] = ((6, 1
         assert trains_compiled(linear.weight) and not missing, f"{case}: {'; '.join(missing) or 'not trainable'}; {fix}"
         x = torch.randn(batch, k, generator=torch.Generator().manual_seed(i)).to(dtype).to(device).requires_grad_(True)
 
-        def grads(fn: Callable) -> list:
-            linear.zero_grad()
-            x.grad = None
-            fn(x).square().sum().backward()
-            return [linear.weight.grad, linear.bias.grad.clone(), x.grad.clone()]
-
-        torch._dynamo.reset()
-        eager = grads(linear)
-        explained = torch._dynamo.explain(linear)(x)
-        reasons = [str(r.reason).splitlines()[0] for r in explained.break_reasons]
-        assert explained.graph_break_count == 0, f"{case}: {explained.graph_break_count} graph break(s): {'; '.join(reasons)}"
-        torch._dynamo.reset()
         try:
-            compiled = grads(torch.compile(linear, fullgraph=True))
+            run = compiled_training_grads(linear, x)
         except Exception as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else ""
             raise AssertionError(f"{case}: torch.compile(fullgraph=True) failed: {type(error).__name__}: {first}") from error
-        finally:
-            torch._dynamo.reset()
+        eager, compiled = run["eager"], run["compiled"]
+        assert run["graph_breaks"] == 0, f"{case}: {run['graph_breaks']} graph break(s): {'; '.join(run['reasons'])}"
         gw = compiled[0]
         assert isinstance(gw, SparseTensorWrapper) and type(gw.wrapped_tensor) is layout_cls, \
             f"{case}: the weight's compiled gradient is {type(gw).__name__}, not a {name} wrapper"

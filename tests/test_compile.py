@@ -11,7 +11,7 @@ from fake_layouts import DenseCopyLayout
 
 import sten_core as sten
 from sten_core.builtin import compiled_ops
-from sten_core.testing import check_compile
+from sten_core.testing import check_compile, compiled_training_grads
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "sten_example_plugin"
 
@@ -27,6 +27,11 @@ def sparse_mlp(layout=sten.CsrTensor, fraction=0.5, seed=0, requires_grad=True):
         for p in model.parameters():
             p.requires_grad_(False)
     return model
+
+
+def dense_grads(grads):
+    """Gradients as dense tensors (a sparse wrapper's by its to_dense())."""
+    return [g.to_dense() if isinstance(g, sten.SparseTensorWrapper) else g for g in grads]
 
 
 @pytest.fixture(autouse=True)
@@ -355,20 +360,10 @@ def test_training_step_of_csr_weights_compiles_whole_with_eager_gradients():
         lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True, grad_fmt=KEEP_CSR)
         assert sten.dispatch.traceable.trains_compiled(lin.weight)
     x = torch.randn(6, 24, requires_grad=True)
-
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.to_dense() if isinstance(p.grad, sten.SparseTensorWrapper) else p.grad.clone()
-                for p in model.parameters()] + [x.grad.clone()]
-
-    want = grads(model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads(torch.compile(model, fullgraph=True))
-    assert type(model[0].weight.grad.wrapped_tensor) is sten.CsrTensor
+    run = compiled_training_grads(model, x)
+    assert run["graph_breaks"] == 0, run["reasons"]
+    want, got = dense_grads(run["eager"]), dense_grads(run["compiled"])
+    assert type(run["compiled"][0].wrapped_tensor) is sten.CsrTensor
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     w0, w2 = model[0].weight.to_dense().detach(), model[2].weight.to_dense().detach()
@@ -584,3 +579,89 @@ def test_other_operators_on_a_frozen_traceable_weight_run_densely():
         want = f(x)
     torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), want)
     torch.testing.assert_close(want, x @ w.to_dense().t() + 1)
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor])
+def test_training_with_the_default_grad_fmt_compiles_whole(layout):
+    """Trainable weights with the default grad_fmt=None (SparsityBuilder's) are traceable
+    parameters: no graph breaks, fullgraph, the weights' dense gradients bitwise eager's (plain
+    tensors), all gradients equal eager's."""
+    model = sparse_mlp(layout)
+    assert all(sten.dispatch.traceable.trains_compiled(model[i].weight) for i in (0, 2))
+    x = torch.randn(2, 3, 24, requires_grad=True)
+    run = compiled_training_grads(model, x)
+    assert run["graph_breaks"] == 0, run["reasons"]
+    want, got = run["eager"], run["compiled"]
+    assert all(type(g) is torch.Tensor for g in got)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(run["compiled_out"], run["eager_out"])
+
+
+def test_sgd_steps_with_the_default_grad_fmt_follow_eager():
+    def run(compile_it):
+        model = sparse_mlp(seed=3)
+        step = torch.compile(model, fullgraph=True) if compile_it else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        torch.manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad()
+            step(torch.randn(6, 24)).square().sum().backward()
+            opt.step()
+        return [p.to_dense() if isinstance(p, sten.SparseTensorWrapper) else p.detach().clone()
+                for p in model.parameters()]
+
+    eager, compiled = run(False), run(True)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e)
+    assert not torch.equal(eager[0], sparse_mlp(seed=3)[0].weight.to_dense())
+
+
+def test_a_default_weight_is_a_graph_input_only_while_it_trains():
+    """The class follows requires_grad (and the layout): frozen, the eager class (Dynamo's
+    graph holds the layout's custom operator, as a custom backend sees it); unfrozen, traceable."""
+    from sten_core.dispatch.traceable import traceable
+
+    model = sparse_mlp()
+    w = model[0].weight
+    assert traceable(w)
+    model.requires_grad_(False)
+    assert not traceable(w) and isinstance(w, sten.SparseParameterWrapper)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(3, 24))
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.sten_core.csr_mm.default) + targets.count(torch.ops.sten_core.csr_mm) == 2
+    w.requires_grad = True
+    assert traceable(w)
+    w.wrapped_tensor = sten.CooTensor.from_dense(w.to_dense().detach())  # not traceable: the eager class
+    assert not traceable(w) and w.requires_grad
+    w.wrapped_tensor = sten.CsrTensor.from_dense(w.to_dense().detach())
+    assert traceable(w)
+    w.grad_fmt = (sten.KeepAll(), torch.Tensor, sten.ScalarFractionSparsifier(0.5), sten.CsrTensor)  # re-sparsified
+    assert not traceable(w)
+
+
+def test_strict_export_of_a_model_with_trainable_default_weights_runs():
+    model = sparse_mlp().eval()
+    x = torch.randn(4, 24)
+    program = torch.export.export(model, (x,), strict=True)
+    other = torch.randn(4, 24)
+    torch.testing.assert_close(program.module()(other), model(other))
+
+
+def test_nn_parameter_of_a_default_wrapper_trains_compiled():
+    """Module._apply's path that builds nn.Parameter(wrapper) (a detached alias flagged a parameter)."""
+    from sten_core.dispatch.traceable import traceable
+
+    w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.randn(6, 8)))
+    assert not traceable(w)
+    p = torch.nn.Parameter(w)
+    assert isinstance(p, torch.nn.Parameter) and p.requires_grad and traceable(p)
+    again = torch.nn.Parameter(p)
+    assert type(again) is type(p)

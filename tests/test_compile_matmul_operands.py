@@ -37,3 +37,49 @@ def test_reverse_matmul_entry_is_added_when_dynamo_loads():
 
     builtin.populate_builtin_to_tensor_fn_map()
     assert builtin.BUILTIN_TO_TENSOR_RFN_MAP[operator.matmul] is torch.Tensor.__rmatmul__
+
+
+WEIGHT_FIRST = {
+    "W @ x": lambda w, x: w @ x,
+    "torch.matmul(W, x)": lambda w, x: torch.matmul(w, x),
+    "torch.mm(W, x)": lambda w, x: torch.mm(w, x),
+    "W @ vector": lambda w, x: w @ x[:, 0],
+    "W @ batch": lambda w, x: w @ torch.stack([x, 2 * x]),
+}
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor])
+@pytest.mark.parametrize("product", WEIGHT_FIRST)
+def test_weight_first_products_run_the_layouts_kernel_without_breaks(layout, product):
+    """``W @ x`` with the wrapper first runs the layout's compiled F.linear transposed
+    (sten_core.dispatch.compiled_products): no graph break, the custom operator in the graph,
+    eager's values and the dense product's."""
+    torch.manual_seed(1)
+    dense = torch.randn(6, 8) * (torch.rand(6, 8) > 0.5)
+    wrapper = sten.SparseTensorWrapper(layout.from_dense(dense))
+    x = torch.randn(8, 5)
+    f = WEIGHT_FIRST[product]
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda x: f(wrapper, x))(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = torch.compile(lambda x: f(wrapper, x), backend=backend, fullgraph=True)(x)
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    kernels = {torch.ops.sten_core.csr_mm, torch.ops.sten_core.csr_t_mm}  # CSC: the CSR of W.t()
+    assert any(getattr(t, "overloadpacket", t) in kernels for t in targets), targets
+    torch.testing.assert_close(got, f(wrapper, x))
+    torch.testing.assert_close(got, f(dense, x), rtol=1e-5, atol=1e-5)
+    assert got.is_contiguous()
+
+
+def test_weight_first_products_check_their_operands():
+    wrapper = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.randn(6, 8)))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="mm: the second operand must be a tensor of 2 dimensions"):
+        torch.compile(lambda x: torch.mm(wrapper, x), fullgraph=True)(torch.randn(2, 8, 3))

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from sten_core.dispatch import dynamo_matmul
+from sten_core.dispatch import compiled_products, dynamo_matmul
 from sten_core.model.layouts import to_dense_tensor
 from sten_core.model.registry import registry
 from sten_core.model.tensor import SparseTensorWrapper, services
@@ -77,6 +77,8 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
         from sten_core.dispatch.traceable import linear_training
 
         return linear_training if impl is not None else None
+    if impl is None:  # W @ x: the layout's compiled F.linear, transposed
+        impl = compiled_products.weight_first_impl(op, tuple(layouts))
     if impl is None and op in DENSE_RESULT_OPS:
         return dense_call
     if impl is None and any(hasattr(type(a), "__tensor_flatten__") for a in args if isinstance(a, SparseTensorWrapper)):
@@ -168,10 +170,12 @@ def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:
     impl = compiled_impl_for(op, args)
     if impl is None:
         return MISSING
-    if impl is dense_call:
+    if impl is dense_call or (kwargs and impl in _WEIGHT_FIRST):  # (out=...: eager's dense fallback)
         return dense_call(op, *args, **kwargs)
     return impl(*args, **kwargs)
 
+
+_WEIGHT_FIRST = (compiled_products.weight_first_matmul, compiled_products.weight_first_mm)
 
 # handed to the wrapper now, so tracing never sets a global
 services.install(compiled_call=compiled_call, MISSING=MISSING)

@@ -81,6 +81,8 @@ def takes(layout: type, grad_fmt: Any, requires_grad: bool = False) -> bool:
     layout object for another class do not support (see docs/compile.md)."""
     if keeps_layout(grad_fmt, layout):
         return True
+    if grad_fmt is None:  # the default (dense) gradient: traceable only while it requires grad
+        return requires_grad and layout in _GRADS
     return layout in _GRADS and is_dense_grad(grad_fmt)
 
 
@@ -107,6 +109,16 @@ def is_dense_grad(grad_fmt: Any) -> bool:
     spec = OutputSpec.coerce(grad_fmt, "grad_fmt")
     return (spec.out_format is torch.Tensor and spec.tmp_format is torch.Tensor
             and isinstance(spec.inline_sparsifier, KeepAll) and isinstance(spec.external_sparsifier, KeepAll))
+
+
+def gives_dense_grad(grad_fmt: Any) -> bool:
+    """Whether a weight's gradient in ``grad_fmt`` is the plain dense tensor: the default ``None``
+    or the explicit dense format.
+
+    >>> gives_dense_grad(None)
+    True
+    """
+    return grad_fmt is None or is_dense_grad(grad_fmt)
 
 
 def keeps_layout(grad_fmt: Any, layout: type) -> bool:
@@ -143,7 +155,7 @@ def trains_compiled(wrapper: Any) -> bool:
     if not traceable(wrapper):
         return False
     layout_cls = type(wrapper.wrapped_tensor)
-    return layout_cls in _GRADS and (is_dense_grad(wrapper.grad_fmt) or keeps_layout(wrapper.grad_fmt, layout_cls))
+    return layout_cls in _GRADS and (gives_dense_grad(wrapper.grad_fmt) or keeps_layout(wrapper.grad_fmt, layout_cls))
 
 
 # -- the operators on wrappers ---------------------------------------------------------
@@ -207,7 +219,7 @@ def _backward(ctx: Any, gy: Tensor) -> tuple:
     gx = torch.ops.sten_core.wrapper_linear_grad_input(gy, x, weight) if need_x else None
     gw = None
     if need_w:
-        gw = dense_weight_grad(gy, x, weight) if is_dense_grad(weight.grad_fmt) else \
+        gw = dense_weight_grad(gy, x, weight) if gives_dense_grad(weight.grad_fmt) else \
             torch.ops.sten_core.wrapper_linear_grad_weight(gy, x, weight)
     gb = bias_grad(gy) if ctx.has_bias and need_b else None
     return gx, gw, gb
@@ -254,6 +266,9 @@ for _packet, _impl in ((torch.ops.sten_core.wrapper_linear, _linear_below_autogr
                        (torch.ops.sten_core.wrapper_linear_grad_weight, _grad_weight_below_autograd)):
     TRACED_OPS[_packet.default] = _impl  # below autograd: the layout's kernels
     _HANDLERS[_packet] = _HANDLERS[_packet.default] = _PASS  # above it: the operator's own autograd
+# a strict torch.export program reads a traceable weight's members with this operator: as on any tensor
+_HANDLERS[torch.ops.export.access_subclass_inner_tensor] = _PASS
+_HANDLERS[torch.ops.export.access_subclass_inner_tensor.default] = _PASS
 
 
 def linear_training(x: Tensor, weight: Any, bias: Optional[Tensor] = None) -> Tensor:

@@ -37,7 +37,6 @@ class SparseTensorWrapper(torch.Tensor):
             external_sparsifier, out_format)`` of its gradient; ``None`` is dense.
     """
 
-    grad_fmt: Any
     _cell: list  # [layout]: shared by a wrapper and its aliases (``detach()``)
 
     @staticmethod
@@ -48,17 +47,37 @@ class SparseTensorWrapper(torch.Tensor):
                 f"got {type(wrapped_tensor).__name__}"
             )
         shape, dtype, device = layout_metadata(wrapped_tensor)
-        if grad_fmt is not None and not TRACEABLE_LAYOUTS:
+        if (grad_fmt is not None or requires_grad) and not TRACEABLE_LAYOUTS:
             services.load_plugins()  # their traceable layouts
-        traceable = TRACEABLE_LAYOUTS.get(type(wrapped_tensor))
-        if traceable is not None and traceable[2](grad_fmt, requires_grad):  # torch.compile takes it as a graph input
-            cls = _TRACEABLE_TWIN.get(cls, cls)
+        trainable = requires_grad and issubclass(cls, SparseParameterWrapper)
+        cls = wrapper_class(cls, wrapped_tensor, grad_fmt, trainable)  # traceable: a graph input when compiled
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
         )
         self._cell = [wrapped_tensor]
-        self.grad_fmt = grad_fmt
+        self.__dict__["_grad_fmt"] = grad_fmt
         return self
+
+    @property
+    def grad_fmt(self) -> Any:
+        """The output spec of the wrapper's gradient; ``None`` is dense. Setting it may change
+        the wrapper's class (``sync_class``: whether ``torch.compile`` takes it as a graph input)."""
+        return self.__dict__.get("_grad_fmt")
+
+    @grad_fmt.setter
+    def grad_fmt(self, grad_fmt: Any) -> None:
+        self.__dict__["_grad_fmt"] = grad_fmt
+        sync_class(self)
+
+    @property
+    def _is_param(self) -> bool:
+        """Whether ``nn.Module`` takes the wrapper as a parameter (``isinstance(w, nn.Parameter)``)."""
+        return self.__dict__.get("_is_param", False)
+
+    @_is_param.setter
+    def _is_param(self, value: bool) -> None:  # nn.Parameter(wrapper) sets it on the detached wrapper
+        self.__dict__["_is_param"] = value
+        sync_class(self)
 
     @property
     def wrapped_tensor(self) -> Any:
@@ -71,6 +90,7 @@ class SparseTensorWrapper(torch.Tensor):
         (``detach()``) and by autograd (the version counter is bumped)."""
         self._cell[0] = layout
         _bump_version(self)
+        sync_class(self)  # a layout of another class may not be traceable
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -214,7 +234,10 @@ class _Traceable:
     def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> "SparseTensorWrapper":
         cls, layout_cls, consts, grad_fmt = ctx
         tensors = [inner[f"_sten_m{i}"] for i in range(len(inner))]
-        return cls(TRACEABLE_LAYOUTS[layout_cls][1](tensors, list(consts)), False, grad_fmt)
+        out = cls(TRACEABLE_LAYOUTS[layout_cls][1](tensors, list(consts)), False, grad_fmt)
+        if type(out) is not cls:  # a default-format wrapper rebuilt frozen is still the traced input's class
+            out.__class__ = cls
+        return out
 
 
 def _tensor_metadata(tensor: torch.Tensor) -> tuple:
@@ -241,6 +264,40 @@ class TraceableSparseParameterWrapper(_Traceable, SparseParameterWrapper):
 
 _TRACEABLE_TWIN = {SparseTensorWrapper: TraceableSparseTensorWrapper,
                    SparseParameterWrapper: TraceableSparseParameterWrapper}
+_EAGER_TWIN = {twin: eager for eager, twin in _TRACEABLE_TWIN.items()}
+
+
+def wrapper_class(cls: type, layout: Any, grad_fmt: Any, trainable: bool) -> type:
+    """The class a wrapper of ``layout`` has: the traceable twin of ``cls`` when the layout is
+    registered traceable and takes this ``grad_fmt`` (see ``sten_core.dispatch.traceable.takes``;
+    the default ``None`` only for a ``trainable`` wrapper: a parameter that requires grad), else
+    the eager class. Other subclasses keep theirs.
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> wrapper_class(SparseTensorWrapper, sten.DenseTensor.from_dense(torch.ones(1)), None, True).__name__
+        'SparseTensorWrapper'
+    """
+    base = _EAGER_TWIN.get(cls, cls)
+    entry = TRACEABLE_LAYOUTS.get(type(layout))
+    if entry is not None and entry[2](grad_fmt, trainable):
+        return _TRACEABLE_TWIN.get(base, base)
+    return base
+
+
+def sync_class(wrapper: "SparseTensorWrapper") -> None:
+    """Give ``wrapper`` the class its layout, ``grad_fmt`` and ``requires_grad`` now call for
+    (``wrapper_class``): called when its layout object or ``requires_grad`` changes, so a weight
+    frozen afterwards is no graph input (the eager class, as if made frozen), one unfrozen
+    afterwards trains compiled, and a layout swapped for a non-traceable class is not flattened.
+    Not while Dynamo traces (the class is what its guards check)."""
+    t = type(wrapper)
+    if t not in WRAPPER_TYPES or _is_compiling() or "_cell" not in wrapper.__dict__:
+        return
+    trainable = wrapper.requires_grad and wrapper._is_param
+    want = wrapper_class(t, wrapper.wrapped_tensor, wrapper.grad_fmt, trainable)
+    if want is not t:
+        wrapper.__class__ = want
 
 
 def _has_fake_members(layout: Any) -> bool:
@@ -284,6 +341,10 @@ def _alias(wrapper: SparseTensorWrapper) -> SparseTensorWrapper:
     an in-place change through either is seen by both (``w.detach().copy_(t)``)."""
     new = SparseTensorWrapper.__new__(SparseTensorWrapper, wrapper.wrapped_tensor, False, wrapper.grad_fmt)
     new._cell = wrapper._cell
+    if isinstance(wrapper, _Traceable) and type(new) is SparseTensorWrapper:
+        # a traceable wrapper's alias stays traceable (a default-format one is traceable while it trains):
+        # torch.compile and export detach graph inputs, and nn.Parameter(w) wants detach() to keep the class
+        new.__class__ = TraceableSparseTensorWrapper
     return new
 
 
@@ -470,6 +531,21 @@ def _detach(self: SparseTensorWrapper) -> SparseTensorWrapper:
     return out
 
 
+def _requires_grad_(self: SparseTensorWrapper, requires_grad: bool = True) -> SparseTensorWrapper:
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.Tensor.requires_grad_(self, requires_grad)
+    if self._is_param:  # not while nn.Parameter(w) makes a parameter of it: it checks the class first
+        sync_class(self)
+    return self
+
+
+def _set_requires_grad(self: SparseTensorWrapper, requires_grad: bool) -> None:
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.Tensor.requires_grad.__set__(self, requires_grad)
+    if self._is_param:
+        sync_class(self)
+
+
 def _to_dense_method(self: SparseTensorWrapper, *args: Any, **kwargs: Any) -> torch.Tensor:
     return self.to_dense()
 
@@ -499,9 +575,9 @@ def _set_data(self: SparseTensorWrapper, value: torch.Tensor) -> None:
 
 _T = torch.Tensor
 _PASSTHROUGH = {
-    _T.requires_grad.__set__, _T.grad.__set__,
+    _T.grad.__set__,
     _T.size, _T.dim, _T.numel, _T.nelement, _T.element_size, _T.stride, _T.is_contiguous,
-    _T.is_floating_point, _T.is_complex, _T.get_device, _T.requires_grad_, _T.retain_grad,
+    _T.is_floating_point, _T.is_complex, _T.get_device, _T.retain_grad,
     _T.register_hook, _T.register_post_accumulate_grad_hook, _T.backward, _T.__hash__,
     _T.__len__, _T.data_ptr, _T._is_view, _T.__setstate__, _T.dim_order, _T.is_inference,
     torch.is_complex, torch.is_floating_point, torch.numel, torch.is_tensor,
@@ -518,6 +594,7 @@ for _name in ("shape", "dtype", "device", "requires_grad", "grad", "grad_fn", "i
     if _prop is not None and hasattr(_prop, "__get__"):
         _PASSTHROUGH.add(_prop.__get__)
 _SPECIAL = {_T.detach: _detach, _T.to_dense: _to_dense_method, _T.data.__get__: _get_data,
-            _T.data.__set__: _set_data}
+            _T.data.__set__: _set_data, _T.requires_grad_: _requires_grad_,
+            _T.requires_grad.__set__: _set_requires_grad}
 _PASS = object()  # marks functions that run as on any tensor (metadata)
 _HANDLERS: dict = {**{f: _PASS for f in _PASSTHROUGH}, **_SPECIAL}

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import requires_kernel
 
 import sten_core as sten
-from sten_core.testing import check_compile
+from sten_core.testing import check_compile, compiled_training_grads
 from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor
 from sten_nm import compiled as nmc
 
@@ -104,19 +104,14 @@ DENSE = (sten.KeepAll(), torch.Tensor, sten.KeepAll(), torch.Tensor)
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_trainable_sparse_weights_compile_with_eager_gradients(layout):
-    """n:m weights that require grad with the default grad_fmt (None, dense) run the eager
-    dispatcher while compiled (a graph break per call): the gradients equal eager's."""
+    """n:m weights that require grad with the default grad_fmt (None, dense) are traceable
+    parameters: no graph breaks, fullgraph, dense weight gradients bitwise eager's."""
     model = nm_mlp(layout, requires_grad=True)
-    x = torch.randn(6, 32, requires_grad=True)
-
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-
-    want = grads(model)
-    got = grads(torch.compile(model))
+    run = compiled_training_grads(model, torch.randn(6, 32, requires_grad=True))
+    assert run["graph_breaks"] == 0, run["reasons"]
+    want, got = run["eager"], run["compiled"]
+    assert all(type(g) is torch.Tensor for g in got)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
 
@@ -176,21 +171,12 @@ def test_training_step_of_nm_weights_compiles_whole_with_eager_gradients(layout)
                                                  grad_fmt=keep_layout(layout))
         assert sten.dispatch.traceable.trains_compiled(lin.weight)
     x = torch.randn(6, 32, requires_grad=True)
-
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.to_dense() if isinstance(p.grad, sten.SparseTensorWrapper) else p.grad.clone()
-                for p in model.parameters()] + [x.grad.clone()]
-
-    want = grads(model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads(torch.compile(model, fullgraph=True))
-    assert isinstance(model[0].weight.grad, sten.SparseTensorWrapper)
-    assert type(model[0].weight.grad.wrapped_tensor) is layout
+    run = compiled_training_grads(model, x)
+    assert run["graph_breaks"] == 0, run["reasons"]
+    assert isinstance(run["compiled"][0], sten.SparseTensorWrapper)
+    assert type(run["compiled"][0].wrapped_tensor) is layout
+    want, got = ([g.to_dense() if isinstance(g, sten.SparseTensorWrapper) else g for g in run[k]]
+                 for k in ("eager", "compiled"))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     dense = dense_twin(model)
@@ -227,13 +213,16 @@ def test_compiled_training_steps_with_an_optimizer_follow_eager():
 
 def test_which_wrappers_are_traceable():
     """The explicit dense gradient format or the layout's own: traceable (a compiled step
-    computes the gradient in the graph); the default None, or a re-sparsified gradient format
-    (a new pattern, not the weight's structure): the eager class (a graph break per call)."""
+    computes the gradient in the graph); the default None on a parameter that requires grad too;
+    a re-sparsified gradient format (a new pattern, not the weight's structure): the eager
+    class (a graph break per call)."""
     layout = NMTensor.from_dense(torch.randn(4, 8))
     traceable = sten.dispatch.traceable.traceable
     assert traceable(sten.SparseParameterWrapper(layout, grad_fmt=DENSE))
     assert traceable(sten.SparseParameterWrapper(layout, grad_fmt=keep_layout(NMTensor)))
-    assert not traceable(sten.SparseParameterWrapper(layout))
+    assert traceable(sten.SparseParameterWrapper(layout))  # the default None while it trains
+    assert not traceable(sten.SparseParameterWrapper(layout, requires_grad=False))
+    assert not traceable(sten.SparseTensorWrapper(layout, requires_grad=True))  # not a parameter
     assert not traceable(sten.SparseParameterWrapper(layout, grad_fmt=(sten.KeepAll(), torch.Tensor,
                                                                        sten.KeepAll(), NMTensor)))
 
@@ -403,3 +392,54 @@ def test_a_wrapper_on_fake_members_prints_without_reading_values():
     assert "ColumnGroupedNMTensor(shape=(8, 16)" in text and "nnz" not in text
     assert not shape_env.pending_fresh_unbacked_symbols
     assert "nnz=" in repr(w)  # real members: the layout's own repr
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("product", ["W @ x", "matmul", "mm", "W @ vector", "W @ batch"])
+def test_weight_first_products_compile_whole(layout, product):
+    """``W @ x`` with the n:m wrapper first: the layout's compiled F.linear transposed, no graph
+    break (two before, in the dense path's ctypes/nonzero), eager's and the dense values."""
+    torch.manual_seed(2)
+    dense = torch.randn(8, 16)
+    w = sten.SparseTensorWrapper(layout.from_dense(dense, n=2, m=4))
+    wd = w.wrapped_tensor.to_dense()
+    f = {"W @ x": lambda w, x: w @ x, "matmul": lambda w, x: torch.matmul(w, x), "mm": lambda w, x: torch.mm(w, x),
+         "W @ vector": lambda w, x: w @ x[:, 0], "W @ batch": lambda w, x: w @ torch.stack([x, -x])}[product]
+    x = torch.randn(16, 5)
+    explained = torch._dynamo.explain(lambda x: f(w, x))(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = torch.compile(lambda x: f(w, x), fullgraph=True)(x)
+    torch.testing.assert_close(got, f(w, x))
+    torch.testing.assert_close(got, f(wd, x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("grad_fmt", ["default", "keep"])
+def test_paper_format_compiled_backward_does_not_rebuild_its_nm_view(grad_fmt, monkeypatch):
+    """The compiled backward of a ColumnGroupedNMTensor weight (its custom operators rebuild the
+    layout from its members per call) runs the layout's own kernels or dense products: it never
+    re-derives the n:m view (to_nm / _nm_pattern), which the eager layout caches."""
+    from sten_nm import column_grouped as cg
+
+    calls = []
+    for name in ("to_nm", "_nm_pattern"):
+        original = getattr(cg.ColumnGroupedNMTensor, name)
+        monkeypatch.setattr(cg.ColumnGroupedNMTensor, name,
+                            lambda self, *a, _o=original, _n=name, **k: calls.append(_n) or _o(self, *a, **k))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 16)
+    fmt = None if grad_fmt == "default" else keep_layout(ColumnGroupedNMTensor)
+    lin.weight = sten.SparseParameterWrapper(ColumnGroupedNMTensor.from_dense(lin.weight.detach(), n=2, m=4),
+                                             grad_fmt=fmt)
+    x = torch.randn(8, 32, requires_grad=True)
+    lin(x).square().sum().backward()
+    want = lin.weight.grad.to_dense() if fmt else lin.weight.grad.clone()
+    lin.zero_grad()
+    calls.clear()
+    step = torch.compile(lin, fullgraph=True)
+    for _ in range(3):
+        lin.zero_grad()
+        step(x).square().sum().backward()
+    assert calls == []
+    got = lin.weight.grad.to_dense() if fmt else lin.weight.grad
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -331,3 +331,48 @@ def test_other_operators_on_traceable_scipy_weights(layout):
     torch._dynamo.reset()
     with pytest.raises(Exception, match=rf"Tensor.t on a trainable {layout.__name__} weight.*F.linear\(x, W, b\)"):
         torch.compile(f, fullgraph=True)(x)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_training_with_the_default_grad_fmt_compiles_whole(layout):
+    """Trainable scipy weights with the default grad_fmt=None: traceable parameters, no graph
+    breaks, fullgraph, dense weight gradients bitwise eager's."""
+    model, _ = scipy_mlp(layout)
+    for lin in (model[0], model[2]):
+        lin.weight.requires_grad_(True)
+        assert sten.dispatch.traceable.trains_compiled(lin.weight)
+    x = torch.randn(6, 32, requires_grad=True)
+
+    def grads(fn):
+        model.zero_grad()
+        x.grad = None
+        fn(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+    want = grads(model)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, fullgraph=True))
+    assert all(type(g) is torch.Tensor for g in got)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("product", ["W @ x", "matmul", "mm", "W @ vector"])
+def test_weight_first_products_compile_whole(layout, product):
+    """``W @ x`` with the scipy wrapper first: sten_scipy::linear transposed, no graph break."""
+    torch.manual_seed(2)
+    dense = torch.randn(8, 16) * (torch.rand(8, 16) > 0.5)
+    w = sten.SparseTensorWrapper(layout.from_dense(dense))
+    f = {"W @ x": lambda w, x: w @ x, "matmul": lambda w, x: torch.matmul(w, x), "mm": lambda w, x: torch.mm(w, x),
+         "W @ vector": lambda w, x: w @ x[:, 0]}[product]
+    x = torch.randn(16, 5)
+    explained = torch._dynamo.explain(lambda x: f(w, x))(x)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = torch.compile(lambda x: f(w, x), fullgraph=True)(x)
+    torch.testing.assert_close(got, f(w, x))
+    torch.testing.assert_close(got, f(dense, x), rtol=1e-5, atol=1e-5)
