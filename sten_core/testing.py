@@ -404,6 +404,53 @@ def compiled_training_grads(model: torch.nn.Module, x: torch.Tensor, *, fullgrap
             "reasons": [str(r.reason).splitlines()[0] for r in explained.break_reasons]}
 
 
+def compile_whole(fn: Callable, *args: Any, backend: Any = "inductor") -> Any:
+    """``fn(*args)`` through ``torch.compile(fn, fullgraph=True)`` after checking with
+    ``torch._dynamo.explain`` that it has no graph break (``AssertionError`` listing the
+    reasons otherwise). Dynamo is reset before and after.
+
+    Example:
+        >>> import torch
+        >>> compile_whole(lambda x: x.relu() + 1, torch.zeros(2))   # doctest: +SKIP
+        tensor([1., 1.])
+    """
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*args)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    try:
+        return torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    finally:
+        torch._dynamo.reset()
+
+
+def sgd_steps_eager_and_compiled(make_model: Callable[[], torch.nn.Module], make_input: Callable[[], torch.Tensor],
+                                 *, steps: int = 3, lr: float = 0.05, seed: int = 1
+                                 ) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The same ``steps`` SGD steps (loss ``model(x).square().sum()``) on two fresh models from
+    ``make_model``: one eager, one through ``torch.compile(model, fullgraph=True)``. Inputs come
+    from ``make_input`` after ``torch.manual_seed(seed)``, so both runs see the same ones.
+    Returns ``(eager_model, compiled_model)`` to compare parameter by parameter.
+
+    Example:
+        >>> import torch
+        >>> eager, compiled = sgd_steps_eager_and_compiled(lambda: torch.nn.Linear(4, 2),
+        ...                                                lambda: torch.randn(3, 4))   # doctest: +SKIP
+    """
+    def run(compile_it: bool) -> torch.nn.Module:
+        model = make_model()
+        step = torch.compile(model, fullgraph=True) if compile_it else model
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        torch.manual_seed(seed)
+        for _ in range(steps):
+            opt.zero_grad()
+            step(make_input()).square().sum().backward()
+            opt.step()
+        return model
+
+    return run(False), run(True)
+
+
 def check_compile_training(layout_cls: type, *, shapes: Iterable[tuple] = ((6, 16, 12), (2, 8, 4)),
                            dtype: torch.dtype = torch.float32, sparsifier: Any = None,
                            device: str = "cpu") -> dict:

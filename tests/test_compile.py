@@ -11,7 +11,7 @@ from fake_layouts import DenseCopyLayout
 
 import sten_core as sten
 from sten_core.builtin import compiled_ops
-from sten_core.testing import check_compile, compiled_training_grads
+from sten_core.testing import check_compile, compiled_training_grads, sgd_steps_eager_and_compiled
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "sten_example_plugin"
 
@@ -600,19 +600,9 @@ def test_training_with_the_default_grad_fmt_compiles_whole(layout):
 
 
 def test_sgd_steps_with_the_default_grad_fmt_follow_eager():
-    def run(compile_it):
-        model = sparse_mlp(seed=3)
-        step = torch.compile(model, fullgraph=True) if compile_it else model
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        torch.manual_seed(1)
-        for _ in range(3):
-            opt.zero_grad()
-            step(torch.randn(6, 24)).square().sum().backward()
-            opt.step()
-        return [p.to_dense() if isinstance(p, sten.SparseTensorWrapper) else p.detach().clone()
-                for p in model.parameters()]
-
-    eager, compiled = run(False), run(True)
+    models = sgd_steps_eager_and_compiled(lambda: sparse_mlp(seed=3), lambda: torch.randn(6, 24))
+    eager, compiled = ([p.to_dense() if isinstance(p, sten.SparseTensorWrapper) else p.detach()
+                        for p in m.parameters()] for m in models)
     for e, c in zip(eager, compiled):
         torch.testing.assert_close(c, e)
     assert not torch.equal(eager[0], sparse_mlp(seed=3)[0].weight.to_dense())

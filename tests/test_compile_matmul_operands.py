@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import sten_core as sten
+from sten_core.testing import compile_whole
 
 LAYOUTS = [sten.DenseTensor, sten.CsrTensor, sten.CscTensor, sten.CooTensor]
 PRODUCTS = {
@@ -65,11 +66,7 @@ def test_weight_first_products_run_the_layouts_kernel_without_breaks(layout, pro
         graphs.append(gm)
         return gm
 
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(lambda x: f(wrapper, x))(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = torch.compile(lambda x: f(wrapper, x), backend=backend, fullgraph=True)(x)
+    got = compile_whole(lambda x: f(wrapper, x), x, backend=backend)
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     kernels = {torch.ops.sten_core.csr_mm, torch.ops.sten_core.csr_t_mm}  # CSC: the CSR of W.t()
     assert any(getattr(t, "overloadpacket", t) in kernels for t in targets), targets

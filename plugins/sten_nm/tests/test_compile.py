@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import requires_kernel
 
 import sten_core as sten
-from sten_core.testing import check_compile, compiled_training_grads
+from sten_core.testing import check_compile, compile_whole, compiled_training_grads, sgd_steps_eager_and_compiled
 from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor
 from sten_nm import compiled as nmc
 
@@ -190,22 +190,16 @@ def test_training_step_of_nm_weights_compiles_whole_with_eager_gradients(layout)
 def test_compiled_training_steps_with_an_optimizer_follow_eager():
     """Three SGD steps, eager and compiled from the same start: the same weights after
     (the optimizer's in-place update is seen by the compiled graph without recompiling)."""
-    def run(compile_it):
+    def make_model():
         model = nm_mlp(NMTensor)
         for lin in (model[0], model[2]):
             lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True,
                                                      grad_fmt=keep_layout(NMTensor))
-        step = torch.compile(model, fullgraph=True) if compile_it else model
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        torch.manual_seed(1)
-        for _ in range(3):
-            opt.zero_grad()
-            step(torch.randn(6, 32)).square().sum().backward()
-            opt.step()
-        return [p.to_dense() if isinstance(p, sten.SparseTensorWrapper) else p.detach().clone()
-                for p in model.parameters()]
+        return model
 
-    eager, compiled = run(False), run(True)
+    models = sgd_steps_eager_and_compiled(make_model, lambda: torch.randn(6, 32), lr=0.01)
+    eager, compiled = ([p.to_dense() if isinstance(p, sten.SparseTensorWrapper) else p.detach()
+                        for p in m.parameters()] for m in models)
     for e, c in zip(eager, compiled):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5)
     assert not torch.equal(eager[0], nm_mlp(NMTensor)[0].weight.to_dense())  # the steps changed it
@@ -406,10 +400,7 @@ def test_weight_first_products_compile_whole(layout, product):
     f = {"W @ x": lambda w, x: w @ x, "matmul": lambda w, x: torch.matmul(w, x), "mm": lambda w, x: torch.mm(w, x),
          "W @ vector": lambda w, x: w @ x[:, 0], "W @ batch": lambda w, x: w @ torch.stack([x, -x])}[product]
     x = torch.randn(16, 5)
-    explained = torch._dynamo.explain(lambda x: f(w, x))(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = torch.compile(lambda x: f(w, x), fullgraph=True)(x)
+    got = compile_whole(lambda x: f(w, x), x)
     torch.testing.assert_close(got, f(w, x))
     torch.testing.assert_close(got, f(wd, x), rtol=1e-4, atol=1e-5)
 

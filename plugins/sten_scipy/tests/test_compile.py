@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import sten_core as sten
-from sten_core.testing import check_compile
+from sten_core.testing import check_compile, compile_whole, compiled_training_grads, sgd_steps_eager_and_compiled
 from sten_scipy import ScipyCscTensor, ScipyCsrTensor
 from sten_scipy import compiled as spc
 
@@ -223,19 +223,9 @@ def test_compiled_sgd_steps_follow_eager(layout, grad_fmt):
     is seen without recompiling)."""
     fmt = keep_layout(layout) if grad_fmt == "keep" else DENSE_GRAD
 
-    def run(compile_it):
-        model, _ = trainable_mlp(layout, fmt)
-        step = torch.compile(model, fullgraph=True) if compile_it else model
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        torch.manual_seed(1)
-        for _ in range(3):
-            opt.zero_grad()
-            step(torch.randn(6, 32)).square().sum().backward()
-            opt.step()
-        return model
-
     torch._dynamo.utils.counters.clear()
-    eager, compiled = run(False), run(True)
+    eager, compiled = sgd_steps_eager_and_compiled(lambda: trainable_mlp(layout, fmt)[0], lambda: torch.randn(6, 32),
+                                                   lr=0.01)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     start, _ = scipy_mlp(layout)
     for e, c in zip(eager.parameters(), compiled.parameters()):
@@ -341,19 +331,9 @@ def test_training_with_the_default_grad_fmt_compiles_whole(layout):
     for lin in (model[0], model[2]):
         lin.weight.requires_grad_(True)
         assert sten.dispatch.traceable.trains_compiled(lin.weight)
-    x = torch.randn(6, 32, requires_grad=True)
-
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-
-    want = grads(model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads(torch.compile(model, fullgraph=True))
+    run = compiled_training_grads(model, torch.randn(6, 32, requires_grad=True))
+    assert run["graph_breaks"] == 0, run["reasons"]
+    got, want = run["compiled"], run["eager"]
     assert all(type(g) is torch.Tensor for g in got)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     for g, w in zip(got, want):
@@ -370,9 +350,6 @@ def test_weight_first_products_compile_whole(layout, product):
     f = {"W @ x": lambda w, x: w @ x, "matmul": lambda w, x: torch.matmul(w, x), "mm": lambda w, x: torch.mm(w, x),
          "W @ vector": lambda w, x: w @ x[:, 0]}[product]
     x = torch.randn(16, 5)
-    explained = torch._dynamo.explain(lambda x: f(w, x))(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = torch.compile(lambda x: f(w, x), fullgraph=True)(x)
+    got = compile_whole(lambda x: f(w, x), x)
     torch.testing.assert_close(got, f(w, x))
     torch.testing.assert_close(got, f(dense, x), rtol=1e-5, atol=1e-5)
