@@ -142,9 +142,10 @@ def _cslt_alg(prep: Prepared, dense_b: torch.Tensor, bias: torch.Tensor | None) 
     ``STEN_CUDA24_CSLT_SEARCH=1`` asks for ``torch._cslt_sparse_mm_search`` (once per shape, cached).
 
     The search is opt-in because on an H100 with torch 2.11 / cuSPARSELt 0.8 an fp16
-    search left the CUDA context broken: every later cuSPARSELt call failed with
-    "internal error when calling cusparseLtMatmulAlgSelectionInit" and the next kernel
-    with "illegal instruction" (docs/cuda24.md). A searched id is kept only if a
+    search (``transpose_result=True``) failed inside ``cusparseLtMatmulSearch`` and left
+    the CUDA context broken: every later cuSPARSELt call failed ("internal error when
+    calling cusparseLtMatmulAlgSelectionInit") and the next kernel with "illegal
+    instruction" (docs/cuda24.md). A searched id is kept only if a
     product with it equals the default algorithm's.
     """
     search = _compat.private_op("_cslt_sparse_mm_search")

@@ -70,7 +70,11 @@ def test_cutlass_operand_refreshed_in_place(transposable):
 
 
 def fake_compressors(dtype):
-    """Stand-ins for cuSPARSELt's opaque buffer: values in some order, then metadata bits."""
+    """Stand-ins for cuSPARSELt's opaque buffer: values in some order, then metadata bits, as a
+    2-D ``[rows, -1]`` tensor like ``torch._cslt_compress`` returns (its matmul refuses 1-D)."""
+    def rows(compress):
+        return lambda dense: compress(dense).view(dense.shape[0], -1)
+
     def tail(meta):
         return meta.reshape(-1).view(dtype) if dtype != torch.float32 else meta.reshape(-1).to(torch.int32).view(dtype)
 
@@ -91,7 +95,7 @@ def fake_compressors(dtype):
         values, meta = encoding.compress(dense, strict=False)
         return torch.cat([values.reshape(-1) * 0.5, tail(meta)])
 
-    return {"prefix": prefix, "scatter": column_major, "shuffled": shuffled, "recompress": scaled}
+    return {"prefix": rows(prefix), "scatter": rows(column_major), "shuffled": rows(shuffled), "recompress": rows(scaled)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -108,6 +112,7 @@ def test_discovered_layout_refresh_equals_compress(dtype, layout):
         padded = encoding.decompress(operands.padded_values(w, 64, 128), operands.padded_meta(w, 64, 128))
         # equal to compressing the current weight (fillers included: a probe fixes the metadata)
         got, want = prep.compressed, compress(padded)
+        assert got.shape == want.shape                              # the buffer keeps its shape
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
