@@ -45,8 +45,7 @@ int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx, flo
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->R == 0) return 0;
     if (A->C == 0) {
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t r = 0; r < A->R; r++) Y[b * ldy + r] = bias ? bias[r] : 0.0f;
+        fill_with_bias(Y, B, A->R, ldy, bias);
         return 0;
     }
     const nm_isa_table *T = table();

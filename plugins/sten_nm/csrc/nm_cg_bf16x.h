@@ -268,20 +268,13 @@ static void cgx_task(void *p, int tid, int nth)
 int nm_colgrouped_gather_bf16x(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx,
                                float *Y, int64_t ldy, const float *bias, int nthreads)
 {
-    if (!W || W->n < 1 || W->m < 2 || W->n >= W->m || W->P < 1 || W->N < 0 || W->K < 0 || B < 0 ||
-        (W->vtype != NM_F32 && W->vtype != NM_BF16) ||
-        W->Nb != (W->N + W->m - 1) / W->m || W->L < 0 || (int64_t)W->P * W->L < W->K)
-        return -1;
+    if (cg_check_shape(W) || B < 0) return -1;
     if (B == 0 || W->N == 0) return 0;
     if (W->K == 0 || W->L == 0) {
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t r = 0; r < W->N; r++) Y[b * ldy + r] = bias ? bias[r] : 0.0f;
+        fill_with_bias(Y, B, W->N, ldy, bias);
         return 0;
     }
-    for (int64_t i = 0; i < (int64_t)W->P * W->n; i++)
-        if (W->pats[i] < 0 || W->pats[i] >= W->m) return -1;
-    for (int64_t i = 0; i < W->Nb * W->P * W->L; i++)   /* the kernels read x at these columns */
-        if (W->cols[i] < 0 || W->cols[i] >= (int64_t)W->P * W->L) return -1;
+    if (cg_check_tables(W, 1)) return -1;
     const nm_isa_table *T = table();
     const int dot = W->vtype == NM_BF16 && nm_bf16_dot();
     int nvi; int64_t bch = (int64_t)choose_nv(B, T->vw, &nvi) * T->vw;

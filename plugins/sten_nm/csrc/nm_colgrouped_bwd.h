@@ -57,21 +57,6 @@ static int cgb_pick(cgb_gx_fn *gx, cgb_gv_fn *gv)
     return 4;
 }
 
-/* The descriptor's shape and pattern table, and every stored column below P * L. */
-static int cgb_check(const nm_colgrouped *W)
-{
-    if (!W || W->n < 1 || W->m < 2 || W->n >= W->m || W->P < 1 || W->N < 0 || W->K < 0 ||
-        (W->vtype != NM_F32 && W->vtype != NM_BF16) ||
-        W->Nb != (W->N + W->m - 1) / W->m || W->L < 0 || (int64_t)W->P * W->L < W->K)
-        return -1;
-    for (int64_t i = 0; i < (int64_t)W->P * W->n; i++)
-        if (W->pats[i] < 0 || W->pats[i] >= W->m) return -1;
-    const int64_t Kp = (int64_t)W->P * W->L;
-    for (int64_t i = 0; i < W->Nb * Kp; i++)
-        if (W->cols[i] < 0 || W->cols[i] >= Kp) return -1;
-    return 0;
-}
-
 /* ------------------------------------------------------------ input gradient -- */
 typedef struct {
     const nm_colgrouped *W; const float *gyp; int64_t Nm, nbc, bch, B; float *dX; int64_t ldx;
@@ -107,7 +92,7 @@ static void cgb_gx_task(void *p, int tid, int nth)
 int nm_colgrouped_grad_input_f32(const nm_colgrouped *W, int64_t B, const float *dY, int64_t ldg,
                                  float *dX, int64_t ldx, int nthreads)
 {
-    if (cgb_check(W) || B < 0) return -1;
+    if (cg_check_shape(W) || cg_check_tables(W, 1) || B < 0) return -1;
     if (B == 0 || W->K == 0) return 0;
     if (W->N == 0 || W->L == 0) {
         for (int64_t b = 0; b < B; b++) memset(dX + b * ldx, 0, (size_t)W->K * sizeof(float));
@@ -156,7 +141,7 @@ static void cgb_gv_task(void *p, int tid, int nth)
 int nm_colgrouped_grad_values_f32(const nm_colgrouped *W, int64_t B, const float *dY, int64_t ldg,
                                   const float *X, int64_t ldx, float *out, int nthreads)
 {
-    if (cgb_check(W) || B < 0) return -1;
+    if (cg_check_shape(W) || cg_check_tables(W, 1) || B < 0) return -1;
     const int64_t Kp = (int64_t)W->P * W->L, Nm = W->Nb * W->m;
     const int64_t total = W->Nb * Kp * W->n;
     if (total == 0) return 0;

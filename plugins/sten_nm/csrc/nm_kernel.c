@@ -345,6 +345,13 @@ static int64_t block_groups(const nm_mat *A, int64_t bch)
     return g;
 }
 
+/* An empty contraction: every output row is the bias (or 0). Y is [B, R], leading dimension ldy. */
+static void fill_with_bias(float *Y, int64_t B, int64_t R, int64_t ldy, const float *bias)
+{
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t r = 0; r < R; r++) Y[b * ldy + r] = bias ? bias[r] : 0.0f;
+}
+
 static int check_mat(const nm_mat *A)
 {
     if (!A || A->n < 1 || A->m < 2 || A->n >= A->m || A->m > 32 || A->R < 0 || A->C < 0) return -1;
@@ -405,8 +412,7 @@ int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->R == 0) return 0;
     if (A->C == 0) {
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t r = 0; r < A->R; r++) Y[b * ldy + r] = bias ? bias[r] : 0.0f;
+        fill_with_bias(Y, B, A->R, ldy, bias);
         return 0;
     }
     const nm_isa_table *T = table();
@@ -451,8 +457,7 @@ int nm_tgather_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, floa
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->C == 0) return 0;
     if (A->R == 0 || A->G * A->n == 0) {   /* empty contraction: X = bias (or 0) */
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t c = 0; c < A->C; c++) X[b * ldx + c] = bias ? bias[c] : 0.0f;
+        fill_with_bias(X, B, A->C, ldx, bias);
         return 0;
     }
     const int64_t R = A->R, C = A->C, gn = A->G * A->n;
@@ -519,8 +524,7 @@ int nm_scatter_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, floa
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->C == 0) return 0;
     if (A->R == 0) {
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t c = 0; c < A->C; c++) X[b * ldx + c] = bias ? bias[c] : 0.0f;
+        fill_with_bias(X, B, A->C, ldx, bias);
         return 0;
     }
     const nm_isa_table *T = table();
@@ -698,8 +702,7 @@ static int grouped_drive(const nm_grouped *W, int64_t B, const float *X, int64_t
     const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n;
     if (B == 0 || W->N == 0) return 0;
     if (W->K == 0) {
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t r = 0; r < W->N; r++) Y[b * ldy + r] = bias ? bias[r] : 0.0f;
+        fill_with_bias(Y, B, W->N, ldy, bias);
         return 0;
     }
     const int64_t Q = W->Q, Kpad = G * W->m;
@@ -1007,22 +1010,37 @@ static void cg_variant(const nm_colgrouped *W, int variant, int64_t bch, int64_t
     *in_l1 = *kt < W->L;
 }
 
+/* A column-grouped descriptor's shape; its tables are checked by cg_check_tables. */
+static int cg_check_shape(const nm_colgrouped *W)
+{
+    return !W || W->n < 1 || W->m < 2 || W->n >= W->m || W->P < 1 || W->N < 0 || W->K < 0 ||
+           (W->vtype != NM_F32 && W->vtype != NM_BF16) ||
+           W->Nb != (W->N + W->m - 1) / W->m || W->L < 0 || (int64_t)W->P * W->L < W->K ? -1 : 0;
+}
+
+/* Every pattern's rows below m and, with cols, every stored column below P * L (the kernels
+ * read x at those columns). */
+static int cg_check_tables(const nm_colgrouped *W, int cols)
+{
+    for (int64_t i = 0; i < (int64_t)W->P * W->n; i++)
+        if (W->pats[i] < 0 || W->pats[i] >= W->m) return -1;
+    if (!cols) return 0;
+    const int64_t Kp = (int64_t)W->P * W->L;
+    for (int64_t i = 0; i < W->Nb * Kp; i++)
+        if (W->cols[i] < 0 || W->cols[i] >= Kp) return -1;
+    return 0;
+}
+
 int nm_colgrouped_gather_variant_f32(const nm_colgrouped *W, int64_t B, const float *X, int64_t ldx,
                                      float *Y, int64_t ldy, const float *bias, int nthreads, int variant)
 {
-    if (!W || W->n < 1 || W->m < 2 || W->n >= W->m || W->P < 1 || W->N < 0 || W->K < 0 || B < 0 ||
-        (W->vtype != NM_F32 && W->vtype != NM_BF16) ||
-        W->Nb != (W->N + W->m - 1) / W->m || W->L < 0 || (int64_t)W->P * W->L < W->K ||
-        variant < NM_CG_AUTO || variant > NM_CG_TILED)
-        return -1;
+    if (cg_check_shape(W) || B < 0 || variant < NM_CG_AUTO || variant > NM_CG_TILED) return -1;
     if (B == 0 || W->N == 0) return 0;
     if (W->K == 0 || W->L == 0) {
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t r = 0; r < W->N; r++) Y[b * ldy + r] = bias ? bias[r] : 0.0f;
+        fill_with_bias(Y, B, W->N, ldy, bias);
         return 0;
     }
-    for (int64_t i = 0; i < (int64_t)W->P * W->n; i++)
-        if (W->pats[i] < 0 || W->pats[i] >= W->m) return -1;
+    if (cg_check_tables(W, 0)) return -1;
     const nm_isa_table *T = table();
     int nvi; const int64_t bch = (int64_t)choose_nv(B, T->vw, &nvi) * T->vw;
     const int64_t Kp = (int64_t)W->P * W->L;
