@@ -88,31 +88,18 @@ def colgrouped_gather_bf16x(W: _kernel.NMColGrouped, X: torch.Tensor, bias: Opti
     return Y
 
 
-def _bf16_desc(desc: object, what: str) -> None:
-    vals = desc._keep[0]
-    if vals.dtype != torch.bfloat16 or not vals.is_contiguous():
-        raise ValueError(f"{what} needs a descriptor of contiguous bfloat16 values, got {vals.dtype}")
-
-
 def tgather_bf16w(A: _kernel.NMMat, Y: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   nthreads: Optional[int] = None) -> torch.Tensor:
     """:func:`sten_nm._kernel.tgather` (``X = Y A``, float32) for a descriptor of bfloat16
     values (``_kernel.mat`` of bf16 values): widened for this call only, fp32 accumulation."""
-    _bf16_desc(A, "tgather_bf16w")
-    Y = _kernel._rowmajor(Y)
-    X = torch.empty((Y.shape[0], A.C), dtype=torch.float32)
-    b = bias.contiguous().float() if bias is not None else None
-    rc = _lib().nm_tgather_bf16w(ctypes.byref(A), Y.shape[0], Y.data_ptr(), Y.stride(0), X.data_ptr(),
-                                 X.stride(0) if A.C else 1, b.data_ptr() if b is not None else None,
-                                 _kernel._threads(nthreads))
-    _kernel._check(rc, "nm_tgather_bf16w")
-    return X
+    _kernel._require_bf16_values(A, "tgather_bf16w")
+    return _kernel._product(_lib().nm_tgather_bf16w, "nm_tgather_bf16w", A, Y, A.C, bias, nthreads)
 
 
 def grouped_tgather_bf16w(W: _kernel.NMGrouped, dY: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
     """:func:`sten_nm._kernel.grouped_tgather` (``dX = dY W``, float32) for a descriptor of
     bfloat16 values (``_kernel.grouped`` of bf16 values): widened for this call only."""
-    _bf16_desc(W, "grouped_tgather_bf16w")
+    _kernel._require_bf16_values(W, "grouped_tgather_bf16w")
     dY = _kernel._rowmajor(dY)
     dX = torch.empty((dY.shape[0], W.K), dtype=torch.float32)
     rc = _lib().nm_grouped_tgather_bf16w(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0), dX.data_ptr(),

@@ -15,7 +15,7 @@ import ctypes
 import os
 import re
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -228,37 +228,40 @@ def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _product(kernel: Callable[..., int], what: str, desc: ctypes.Structure, inp: torch.Tensor, out_cols: int,
+             bias: Optional[torch.Tensor], nthreads: Optional[int], *extra: int) -> torch.Tensor:
+    """``out`` ``[B, out_cols]`` float32 from the C product ``kernel(desc, B, inp, ld_in, out,
+    ld_out, bias, threads, *extra)`` of ``inp`` ``[B, *]`` (made float32 row-major); errors name ``what``."""
+    inp = _rowmajor(inp)
+    out = torch.empty((inp.shape[0], out_cols), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = kernel(ctypes.byref(desc), inp.shape[0], inp.data_ptr(), inp.stride(0), out.data_ptr(),
+                out.stride(0) if out_cols else 1, b.data_ptr() if b is not None else None, _threads(nthreads), *extra)
+    _check(rc, what)
+    return out
+
+
+def _require_bf16_values(desc: ctypes.Structure, fn: str) -> None:
+    """``fn``'s check that ``desc`` describes contiguous bfloat16 values (a ``ValueError`` otherwise)."""
+    vals = getattr(desc, "_keep", (None,))[0]
+    if vals is None or vals.dtype != torch.bfloat16 or not vals.is_contiguous():
+        got = "no values" if vals is None else f"{vals.dtype}{'' if vals.is_contiguous() else ', not contiguous'}"
+        raise ValueError(f"{fn} needs a descriptor of contiguous bfloat16 values, got {got}")
+
+
 def gather(A: NMMat, X: torch.Tensor, bias: Optional[torch.Tensor] = None, nthreads: Optional[int] = None) -> torch.Tensor:
     """``Y[b, r] = sum_c A[r, c] X[b, c] (+ bias[r])`` for X ``[B, C]``."""
-    X = _rowmajor(X)
-    Y = torch.empty((X.shape[0], A.R), dtype=torch.float32)
-    b = bias.contiguous().float() if bias is not None else None
-    rc = _load().nm_gather_f32(ctypes.byref(A), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(),
-                               Y.stride(0), b.data_ptr() if b is not None else None, _threads(nthreads))
-    _check(rc, "nm_gather")
-    return Y
+    return _product(_load().nm_gather_f32, "nm_gather", A, X, A.R, bias, nthreads)
 
 
 def scatter(A: NMMat, Y: torch.Tensor, bias: Optional[torch.Tensor] = None, nthreads: Optional[int] = None) -> torch.Tensor:
     """``X[b, c] = sum_r A[r, c] Y[b, r] (+ bias[c])`` for Y ``[B, R]``."""
-    Y = _rowmajor(Y)
-    X = torch.empty((Y.shape[0], A.C), dtype=torch.float32)
-    b = bias.contiguous().float() if bias is not None else None
-    rc = _load().nm_scatter_f32(ctypes.byref(A), Y.shape[0], Y.data_ptr(), Y.stride(0), X.data_ptr(),
-                                X.stride(0), b.data_ptr() if b is not None else None, _threads(nthreads))
-    _check(rc, "nm_scatter")
-    return X
+    return _product(_load().nm_scatter_f32, "nm_scatter", A, Y, A.C, bias, nthreads)
 
 
 def tgather(A: NMMat, Y: torch.Tensor, bias: Optional[torch.Tensor] = None, nthreads: Optional[int] = None) -> torch.Tensor:
     """Same as :func:`scatter` (``X = Y A``) through a transposed copy of A (register accumulation)."""
-    Y = _rowmajor(Y)
-    X = torch.empty((Y.shape[0], A.C), dtype=torch.float32)
-    b = bias.contiguous().float() if bias is not None else None
-    rc = _load().nm_tgather_f32(ctypes.byref(A), Y.shape[0], Y.data_ptr(), Y.stride(0), X.data_ptr(),
-                                X.stride(0), b.data_ptr() if b is not None else None, _threads(nthreads))
-    _check(rc, "nm_tgather")
-    return X
+    return _product(_load().nm_tgather_f32, "nm_tgather", A, Y, A.C, bias, nthreads)
 
 
 def sddmm(A: NMMat, Y: torch.Tensor, X: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
@@ -315,13 +318,7 @@ def grouped(vals: torch.Tensor, indices: torch.Tensor, perm: torch.Tensor, N: in
 def grouped_gather(W: NMGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
                    nthreads: Optional[int] = None) -> torch.Tensor:
     """``Y = X W^T (+ bias)`` for a grouped n:m ``W`` ``[N, K]``, X ``[B, K]``."""
-    X = _rowmajor(X)
-    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
-    b = bias.contiguous().float() if bias is not None else None
-    rc = _load().nm_grouped_gather_f32(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(),
-                                       Y.stride(0), b.data_ptr() if b is not None else None, _threads(nthreads))
-    _check(rc, "nm_grouped_gather")
-    return Y
+    return _product(_load().nm_grouped_gather_f32, "nm_grouped_gather", W, X, W.N, bias, nthreads)
 
 
 def grouped_sddmm(W: NMGrouped, dY: torch.Tensor, X: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
@@ -372,14 +369,8 @@ def colgrouped_gather(W: NMColGrouped, X: torch.Tensor, bias: Optional[torch.Ten
     """
     if variant not in CG_VARIANTS:
         raise ValueError(f"variant must be one of {sorted(CG_VARIANTS)}, got {variant!r}")
-    X = _rowmajor(X)
-    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
-    b = bias.contiguous().float() if bias is not None else None
-    rc = _load().nm_colgrouped_gather_variant_f32(
-        ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(), Y.stride(0) if W.N else 1,
-        b.data_ptr() if b is not None else None, _threads(nthreads), CG_VARIANTS[variant])
-    _check(rc, "nm_colgrouped_gather")
-    return Y
+    return _product(_load().nm_colgrouped_gather_variant_f32, "nm_colgrouped_gather", W, X, W.N, bias, nthreads,
+                    CG_VARIANTS[variant])
 
 
 def _declare_extra(lib: ctypes.CDLL) -> None:
@@ -425,17 +416,8 @@ def gather_bf16w(A: NMMat, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  nthreads: Optional[int] = None) -> torch.Tensor:
     """:func:`gather` for a descriptor whose values are bfloat16 (``mat`` of bf16 contiguous
     values): widened per block of rows in the kernel, float32 accumulation, float32 result."""
-    keep = getattr(A, "_keep", None)
-    if keep is None or keep[0].dtype != torch.bfloat16 or not keep[0].is_contiguous():
-        raise ValueError("gather_bf16w needs a descriptor of contiguous bfloat16 values")
-    X = _rowmajor(X)
-    Y = torch.empty((X.shape[0], A.R), dtype=torch.float32)
-    b = bias.contiguous().float() if bias is not None else None
-    rc = _load().nm_gather_bf16w(ctypes.byref(A), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(),
-                                 Y.stride(0) if A.R else 1, b.data_ptr() if b is not None else None,
-                                 _threads(nthreads))
-    _check(rc, "nm_gather_bf16w")
-    return Y
+    _require_bf16_values(A, "gather_bf16w")
+    return _product(_load().nm_gather_bf16w, "nm_gather_bf16w", A, X, A.R, bias, nthreads)
 
 
 def to_bf16(x: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
@@ -453,14 +435,5 @@ def grouped_gather_bf16w(W: NMGrouped, X: torch.Tensor, bias: Optional[torch.Ten
                          nthreads: Optional[int] = None) -> torch.Tensor:
     """:func:`grouped_gather` for a descriptor of bfloat16 values (``grouped`` of bf16
     contiguous ``vals``): widened per row group and chunk in the kernel, float32 result."""
-    keep = getattr(W, "_keep", None)
-    if keep is None or keep[0].dtype != torch.bfloat16 or not keep[0].is_contiguous():
-        raise ValueError("grouped_gather_bf16w needs a descriptor of contiguous bfloat16 values")
-    X = _rowmajor(X)
-    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
-    b = bias.contiguous().float() if bias is not None else None
-    rc = _load().nm_grouped_gather_bf16w(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0), Y.data_ptr(),
-                                         Y.stride(0) if W.N else 1, b.data_ptr() if b is not None else None,
-                                         _threads(nthreads))
-    _check(rc, "nm_grouped_gather_bf16w")
-    return Y
+    _require_bf16_values(W, "grouped_gather_bf16w")
+    return _product(_load().nm_grouped_gather_bf16w, "nm_grouped_gather_bf16w", W, X, W.N, bias, nthreads)
