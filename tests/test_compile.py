@@ -34,6 +34,14 @@ def dense_grads(grads):
     return [g.to_dense() if isinstance(g, sten.SparseTensorWrapper) else g for g in grads]
 
 
+def dense_reference_grads(model, x):
+    """The gradients of the tests' loss through ``model``'s dense twin: ``(W0, W2, x)``."""
+    w0, w2 = (model[i].weight.to_dense().detach().requires_grad_(True) for i in (0, 2))
+    rx = x.detach().clone().requires_grad_(True)
+    F.linear(torch.relu(F.linear(rx, w0, model[0].bias.detach())), w2, model[2].bias.detach()).square().sum().backward()
+    return w0.grad, w2.grad, rx.grad
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
@@ -111,16 +119,8 @@ def test_training_step_compiles_with_eager_gradients():
     """Sparse weights that require grad run the eager dispatcher (graph breaks)
     until the wrapper can be a compiled graph's input: gradients equal eager's."""
     model = sparse_mlp()
-    x = torch.randn(6, 24, requires_grad=True)
-
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-
-    want = grads(model)
-    got = grads(torch.compile(model))
+    run = compiled_training_grads(model, torch.randn(6, 24, requires_grad=True), fullgraph=False)
+    want, got = run["eager"], run["compiled"]
     assert len(got) == len(want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
@@ -269,17 +269,9 @@ def test_training_with_frozen_sparse_weights_compiles_whole(layout):
             p.requires_grad_(False)
     x = torch.randn(6, 24, requires_grad=True)
 
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.clone() for p in model.parameters() if p.requires_grad] + [x.grad.clone()]
-
-    want = grads(model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads(torch.compile(model, fullgraph=True))
+    run = compiled_training_grads(model, x)
+    assert run["graph_breaks"] == 0, run["reasons"]
+    want, got = ([g for g in run[k] if g is not None] for k in ("eager", "compiled"))
     assert len(got) == len(want) == 3  # two biases and x
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
@@ -443,27 +435,15 @@ def test_a_third_party_layout_trains_compiled_after_registering(trainable_bitmas
         assert sten.dispatch.traceable.trains_compiled(lin.weight)
     x = torch.randn(6, 24, requires_grad=True)
 
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.to_dense() if isinstance(p.grad, sten.SparseTensorWrapper) else p.grad.clone()
-                for p in model.parameters()] + [x.grad.clone()]
-
-    want = grads(model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads(torch.compile(model, fullgraph=True))
+    run = compiled_training_grads(model, x)
+    assert run["graph_breaks"] == 0, run["reasons"]
+    want, got = dense_grads(run["eager"]), dense_grads(run["compiled"])
     assert type(model[0].weight.grad.wrapped_tensor) is trainable_bitmask
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
-    w0 = model[0].weight.to_dense().detach().requires_grad_(True)
-    w2 = model[2].weight.to_dense().detach().requires_grad_(True)
-    F.linear(torch.relu(F.linear(x.detach(), w0, model[0].bias.detach())), w2,
-             model[2].bias.detach()).square().sum().backward()
-    torch.testing.assert_close(got[0], w0.grad * (w0 != 0), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[2], w2.grad * (w2 != 0), rtol=1e-5, atol=1e-5)
+    gw0, gw2, _ = dense_reference_grads(model, x)
+    torch.testing.assert_close(got[0], gw0 * (model[0].weight.to_dense() != 0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[2], gw2 * (model[2].weight.to_dense() != 0), rtol=1e-5, atol=1e-5)
 
 
 KEEP_CSC = (sten.KeepAll(), sten.CscTensor, sten.KeepAll(), sten.CscTensor)
@@ -482,27 +462,15 @@ def test_training_step_of_csc_weights_compiles_whole_with_eager_gradients():
         assert sten.dispatch.traceable.trains_compiled(lin.weight)
     x = torch.randn(2, 3, 24, requires_grad=True)
 
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.to_dense() if isinstance(p.grad, sten.SparseTensorWrapper) else p.grad.clone()
-                for p in model.parameters()] + [x.grad.clone()]
-
-    want = grads(model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads(torch.compile(model, fullgraph=True))
+    run = compiled_training_grads(model, x)
+    assert run["graph_breaks"] == 0, run["reasons"]
+    want, got = dense_grads(run["eager"]), dense_grads(run["compiled"])
     assert type(model[0].weight.grad.wrapped_tensor) is sten.CscTensor
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
-    w0 = model[0].weight.to_dense().detach().requires_grad_(True)
-    w2 = model[2].weight.to_dense().detach().requires_grad_(True)
-    F.linear(torch.relu(F.linear(x.detach(), w0, model[0].bias.detach())), w2,
-             model[2].bias.detach()).square().sum().backward()
-    torch.testing.assert_close(got[0], w0.grad * (w0 != 0))
-    torch.testing.assert_close(got[2], w2.grad * (w2 != 0))
+    gw0, gw2, _ = dense_reference_grads(model, x)
+    torch.testing.assert_close(got[0], gw0 * (model[0].weight.to_dense() != 0))
+    torch.testing.assert_close(got[2], gw2 * (model[2].weight.to_dense() != 0))
 
 
 @pytest.mark.parametrize("product", ["mm", "matmul", "at", "addmm"])
@@ -531,37 +499,25 @@ def test_training_step_with_dense_weight_gradients_compiles_whole(layout):
     gradient is the plain dense gy.T @ x: no breaks, fullgraph, weight gradients bitwise
     equal to eager's (and to the default grad_fmt's), all equal to the dense model's."""
     model = sparse_mlp(layout)
-    default_grads = None
     x = torch.randn(2, 3, 24, requires_grad=True)
-
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-
-    default_grads = grads(model)
+    model(x).square().sum().backward()
+    default_grads = [p.grad.clone() for p in model.parameters()]
     for name in ("0", "2"):
         lin = model.get_submodule(name)
         lin.weight = sten.SparseParameterWrapper(lin.weight.wrapped_tensor, requires_grad=True, grad_fmt=DENSE_GRAD)
         assert sten.dispatch.traceable.trains_compiled(lin.weight)
-    want = grads(model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads(torch.compile(model, fullgraph=True))
+    run = compiled_training_grads(model, x)
+    assert run["graph_breaks"] == 0, run["reasons"]
+    want, got = run["eager"], run["compiled"]
     assert all(type(g) is torch.Tensor for g in got)
     for i in (0, 2):
         assert torch.equal(got[i], want[i]) and torch.equal(want[i], default_grads[i])
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
-    w0 = model[0].weight.to_dense().detach().requires_grad_(True)
-    w2 = model[2].weight.to_dense().detach().requires_grad_(True)
-    rx = x.detach().clone().requires_grad_(True)
-    F.linear(torch.relu(F.linear(rx, w0, model[0].bias.detach())), w2, model[2].bias.detach()).square().sum().backward()
-    torch.testing.assert_close(got[0], w0.grad)
-    torch.testing.assert_close(got[2], w2.grad)
-    torch.testing.assert_close(got[-1], rx.grad)
+    gw0, gw2, gx = dense_reference_grads(model, x)
+    torch.testing.assert_close(got[0], gw0)
+    torch.testing.assert_close(got[2], gw2)
+    torch.testing.assert_close(got[-1], gx)
 
 
 def test_other_operators_on_a_frozen_traceable_weight_run_densely():

@@ -79,17 +79,9 @@ def test_frozen_sparse_weights_train_compiled_whole_with_eager_gradients(layout)
     model = nm_mlp(layout)
     x = torch.randn(6, 32, requires_grad=True)
 
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.clone() for p in model.parameters() if p.requires_grad] + [x.grad.clone()]
-
-    want = grads(model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads(torch.compile(model, fullgraph=True))
+    run = compiled_training_grads(model, x)
+    assert run["graph_breaks"] == 0, run["reasons"]
+    want, got = ([g for g in run[k] if g is not None] for k in ("eager", "compiled"))
     assert len(got) == len(want) == 3
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
@@ -132,17 +124,9 @@ def test_trainable_sparse_weights_with_dense_gradients_compile_whole(layout):
     assert all(sten.dispatch.traceable.trains_compiled(lin.weight) for lin in (model[0], model[2]))
     x = torch.randn(6, 32, requires_grad=True)
 
-    def grads(fn):
-        model.zero_grad()
-        x.grad = None
-        fn(x).square().sum().backward()
-        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-
-    want = grads(model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads(torch.compile(model, fullgraph=True))
+    run = compiled_training_grads(model, x)
+    assert run["graph_breaks"] == 0, run["reasons"]
+    want, got = run["eager"], run["compiled"]
     assert all(type(g) is torch.Tensor for g in got)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])   # the dense weight gradients
     for g, w in zip(got, want):
