@@ -16,6 +16,7 @@ from conftest import HAS_CUDA
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import sten_core as sten
+from sten_core.testing import compiled_training_grads
 from sten_cuda24 import BlockSparseTensor, Sparse24Tensor, paths, sparsify_24
 from sten_cuda24 import compiled as cc
 
@@ -82,12 +83,13 @@ def assert_gpu_path(kind, device):
         assert paths.last[op]["path"] != "dense", paths.last[op]
 
 
-def grads_of(model, x, fn):
-    model.zero_grad()
-    x.grad = None
-    fn(x).float().square().sum().backward()
-    return [p.grad.to_dense() if isinstance(p.grad, sten.SparseTensorWrapper) else p.grad.clone()
-            for p in model.parameters() if p.requires_grad] + [x.grad.clone()]
+def eager_and_compiled_grads(model, x):
+    """One training step eager and through ``torch.compile(fullgraph=True)`` with no graph break
+    (``testing.compiled_training_grads``): the gradients of what requires grad, as dense tensors."""
+    run = compiled_training_grads(model, x, loss=lambda y: y.float().square().sum())
+    assert run["graph_breaks"] == 0, run["reasons"]
+    return [[g.to_dense() if isinstance(g, sten.SparseTensorWrapper) else g for g in run[k] if g is not None]
+            for k in ("eager", "compiled")]
 
 
 # -- layouts as member tensors ----------------------------------------------------------------
@@ -304,11 +306,7 @@ def test_inference_compiles_whole_and_equals_eager_and_dense(device, kind, shape
 def test_frozen_sparse_weights_train_compiled_whole_with_eager_gradients(device, kind):
     model = mlp(kind, device)
     x = torch.randn(6, 32, device=device, dtype=dtype_for(device), requires_grad=True)
-    want = grads_of(model, x, model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads_of(model, x, torch.compile(model, fullgraph=True))
+    want, got = eager_and_compiled_grads(model, x)
     assert len(got) == len(want) == 3
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **tol(x.dtype))
@@ -326,11 +324,7 @@ def test_training_step_of_sparse_weights_compiles_whole_with_eager_and_dense_gra
     model = mlp(kind, device, requires_grad=True, grad_fmt=keep_layout(kind))
     assert sten.dispatch.traceable.trains_compiled(model[0].weight)
     x = torch.randn(6, 32, device=device, dtype=dtype_for(device), requires_grad=True)
-    want = grads_of(model, x, model)
-    explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
-    torch._dynamo.reset()
-    got = grads_of(model, x, torch.compile(model, fullgraph=True))
+    want, got = eager_and_compiled_grads(model, x)
     assert_gpu_path(kind, device)
     assert type(model[0].weight.grad.wrapped_tensor) is LAYOUT_CLS[kind]
     for g, w in zip(got, want):
