@@ -390,7 +390,7 @@ static void gather_task(void *p, int tid, int nth)
  * decoded offsets (8 bytes per kept value) beside one batch chunk's panel in the L2 cache
  * (size read at run time), so every block of NM_ROWS rows of the unit reads the panel from
  * L2 instead of the whole panel (all batch chunks) streaming from L3 once per 32 rows;
- * at least 4 units per thread. STEN_NM_GATHER_ROWS overrides (experiments). */
+ * at least 4 units per thread (a panel that crowds L2: below). STEN_NM_GATHER_ROWS overrides (experiments). */
 static int64_t gather_rows(const nm_mat *A, int64_t Cpad, int64_t bch, int nth)
 {
     long l2 = 0;
@@ -400,6 +400,11 @@ static int64_t gather_rows(const nm_mat *A, int64_t Cpad, int64_t bch, int nth)
     if (l2 < 128 * 1024 || l2 > 64L * 1024 * 1024) l2 = 512 * 1024;
     const int64_t per_row = A->G * A->n * 8, panel = Cpad * bch * 4;
     int64_t rows = ((int64_t)l2 * 7 / 8 - panel) / (per_row > 0 ? per_row : 1);
+    /* a panel that crowds L2 (large K: 768x3072 makes it 770 KiB) leaves room for few rows,
+     * and then the panel streams from L3 once per unit: take as many rows as balance that
+     * against the rows' values streaming from L3 once per batch chunk (1:10 at 768x3072:
+     * 96 rows instead of 32 measured 1.4x) */
+    if (rows * per_row < panel && per_row > 0) rows = panel / per_row;
     rows = rows / NM_ROWS * NM_ROWS;
     while (rows > NM_ROWS && (A->R + rows - 1) / rows < 4 * (int64_t)nth) rows -= NM_ROWS;
     if (getenv("STEN_NM_GATHER_ROWS")) rows = (env_int("STEN_NM_GATHER_ROWS", NM_ROWS) + NM_ROWS - 1) / NM_ROWS * NM_ROWS;
