@@ -386,20 +386,31 @@ static void gather_task(void *p, int tid, int nth)
     free(ytmp); free(offs);
 }
 
-/* Rows per unit of the exact forward (a multiple of NM_ROWS): their kept values and
- * decoded offsets (8 bytes per kept value) beside one batch chunk's panel in the L2 cache
- * (size read at run time), so every block of NM_ROWS rows of the unit reads the panel from
- * L2 instead of the whole panel (all batch chunks) streaming from L3 once per 32 rows;
- * at least 4 units per thread. STEN_NM_GATHER_ROWS overrides (experiments). */
-static int64_t gather_rows(const nm_mat *A, int64_t Cpad, int64_t bch, int nth)
+/* The L2 cache's size (per core), read at run time; 512 KiB where the system does not say. */
+static long l2_bytes(void)
 {
     long l2 = 0;
 #ifdef _SC_LEVEL2_CACHE_SIZE
     l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
 #endif
-    if (l2 < 128 * 1024 || l2 > 64L * 1024 * 1024) l2 = 512 * 1024;
+    return l2 < 128 * 1024 || l2 > 64L * 1024 * 1024 ? 512 * 1024 : l2;
+}
+
+/* Rows per unit of the exact forward (a multiple of NM_ROWS): their kept values and
+ * decoded offsets (8 bytes per kept value) beside one batch chunk's panel in the L2 cache
+ * (size read at run time), so every block of NM_ROWS rows of the unit reads the panel from
+ * L2 instead of the whole panel (all batch chunks) streaming from L3 once per 32 rows;
+ * at least 4 units per thread (a panel that crowds L2: below). STEN_NM_GATHER_ROWS overrides (experiments). */
+static int64_t gather_rows(const nm_mat *A, int64_t Cpad, int64_t bch, int nth)
+{
+    const long l2 = l2_bytes();
     const int64_t per_row = A->G * A->n * 8, panel = Cpad * bch * 4;
     int64_t rows = ((int64_t)l2 * 7 / 8 - panel) / (per_row > 0 ? per_row : 1);
+    /* a panel that crowds L2 (large K: 768x3072 makes it 770 KiB) leaves room for few rows,
+     * and then the panel streams from L3 once per unit: take as many rows as balance that
+     * against the rows' values streaming from L3 once per batch chunk (1:10 at 768x3072:
+     * 96 rows instead of 32 measured 1.4x) */
+    if (rows * per_row < panel && per_row > 0) rows = panel / per_row;
     rows = rows / NM_ROWS * NM_ROWS;
     while (rows > NM_ROWS && (A->R + rows - 1) / rows < 4 * (int64_t)nth) rows -= NM_ROWS;
     if (getenv("STEN_NM_GATHER_ROWS")) rows = (env_int("STEN_NM_GATHER_ROWS", NM_ROWS) + NM_ROWS - 1) / NM_ROWS * NM_ROWS;
@@ -1010,6 +1021,25 @@ static void cg_variant(const nm_colgrouped *W, int variant, int64_t bch, int64_t
     *in_l1 = *kt < W->L;
 }
 
+/* Vectors per batch chunk of the paper-format forward: choose_nv's, but with 16-float vectors
+ * and one row per pattern (n = 1) 8 instead of 4 (128 batch rows) where that chunk's panel
+ * fits in half the L2 cache: each slot's index load and value broadcast then feed 8 FMAs
+ * instead of 4 (3072x768 1:10, best loop order, same runs: 7.0x -> 7.1-8.9x dense at 1 thread,
+ * 4.7x -> 5.2x at 2); with n >= 2 every x vector already feeds n rows and 2:4 was slower; a
+ * larger panel (K = 3072: 1.5 MiB) streams from L3 and was slower.
+ * STEN_NM_CG_NVI = 1..4 forces 2^(nvi-1) vectors (experiments, tests). */
+static int cg_choose_nv(int64_t B, int64_t Kp, int n, int vw, int *nvi)
+{
+    int nv = choose_nv(B, vw, nvi);
+    if (vw >= 16 && n == 1 && nv == 4 && B >= 128 && Kp * 8 * vw * 4 <= l2_bytes() / 2) { nv = 8; *nvi = 3; }
+    if (getenv("STEN_NM_CG_NVI")) {
+        const int64_t e = env_int("STEN_NM_CG_NVI", 1) - 1;
+        *nvi = e > 3 ? 3 : (int)e;
+        nv = 1 << *nvi;
+    }
+    return nv;
+}
+
 /* A column-grouped descriptor's shape; its tables are checked by cg_check_tables. */
 static int cg_check_shape(const nm_colgrouped *W)
 {
@@ -1042,8 +1072,8 @@ int nm_colgrouped_gather_variant_f32(const nm_colgrouped *W, int64_t B, const fl
     }
     if (cg_check_tables(W, 0)) return -1;
     const nm_isa_table *T = table();
-    int nvi; const int64_t bch = (int64_t)choose_nv(B, T->vw, &nvi) * T->vw;
     const int64_t Kp = (int64_t)W->P * W->L;
+    int nvi; const int64_t bch = (int64_t)cg_choose_nv(B, Kp, W->n, T->vw, &nvi) * T->vw;
     const int nth = clamp_threads(nthreads, 2.0 * B * W->Nb * W->n * Kp, W->Nb);
     const int64_t nbc = (B + bch - 1) / bch;
     float *xp = (float *)scratch_take((size_t)(nbc * Kp * bch) * sizeof(float));

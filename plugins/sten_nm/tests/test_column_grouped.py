@@ -202,10 +202,12 @@ def test_bad_arguments():
 
 
 # loop orders of the C forward: (variant, environment) - the tiled order with its default
-# tile, with 8-slot tiles and one row block per unit, and with passes of one slot each
+# tile, with 8-slot tiles and one row block per unit, with passes of one slot each, and with
+# 8 vectors per batch chunk (STEN_NM_CG_NVI)
 CG_VARIANTS = [("stream", {}), ("tiled", {}),
                ("tiled", {"STEN_NM_CG_TILE_BYTES": "1", "STEN_NM_CG_ACC_BYTES": "1"}),
-               ("stream", {"STEN_NM_CG_KT": "1"}), ("tiled", {"STEN_NM_CG_KT": "1", "STEN_NM_CG_QB": "3"})]
+               ("stream", {"STEN_NM_CG_KT": "1"}), ("tiled", {"STEN_NM_CG_KT": "1", "STEN_NM_CG_QB": "3"}),
+               ("tiled", {"STEN_NM_CG_NVI": "4"}), ("stream", {"STEN_NM_CG_NVI": "4"})]   # 8 vectors per batch chunk
 
 
 @requires_kernel
@@ -235,10 +237,11 @@ def test_c_forward_every_isa(isa, n, m, B, variant, env, monkeypatch):
 @pytest.mark.parametrize("variant", ["stream", "tiled"])
 def test_c_forward_variants_bf16_and_larger(isa, variant, monkeypatch):
     """Both loop orders on bf16 values (widened in the kernel) and on a shape with several
-    tiles and units at the default sizes (K = 1000: 1:10 tiles of 8 slots)."""
+    tiles and units at the default sizes (K = 1000: 1:10 tiles of 8 slots; B = 300: batch chunks
+    of 128 rows with AVX-512, and a short one)."""
     from sten_nm import _kernel
 
-    for (N, K, n, m, B) in ((130, 1000, 1, 10, 70), (96, 300, 2, 4, 33)):
+    for (N, K, n, m, B) in ((130, 1000, 1, 10, 70), (96, 300, 2, 4, 33), (130, 1000, 1, 10, 300)):
         t = ColumnGroupedNMTensor.from_dense(torch.randn(N, K), n, m)
         x, b = torch.randn(B, K), torch.randn(N)
         torch.testing.assert_close(_kernel.colgrouped_gather(t.desc(), x, b, variant=variant),

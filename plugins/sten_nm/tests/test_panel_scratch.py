@@ -90,10 +90,11 @@ def test_tuning_times_close_calls_again(monkeypatch, tmp_path):
 @pytest.mark.parametrize("rows", [None, "64", "96"])
 def test_exact_forward_units_of_several_row_blocks(isa, rows, monkeypatch):
     """The exact forward's units span several 32-row blocks (chosen from the L2 size, or
-    STEN_NM_GATHER_ROWS): row counts that are not whole blocks or units, every batch chunk."""
+    STEN_NM_GATHER_ROWS): row counts that are not whole blocks or units, every batch chunk;
+    K = 4100 makes a 64-row batch chunk's panel (1 MiB) crowd the L2 cache (more rows per unit)."""
     if rows:
         monkeypatch.setenv("STEN_NM_GATHER_ROWS", rows)
-    for R, K in ((1100, 64), (200, 50)):
+    for R, K in ((1100, 64), (200, 50), (300, 4100)):
         t = NMTensor.from_dense(torch.randn(R, K), 1, 4)
         for B in (3, 70, 130):
             x, b = torch.randn(B, K), torch.randn(R)
