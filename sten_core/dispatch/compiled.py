@@ -33,7 +33,7 @@ import torch
 from sten_core.dispatch import compiled_products, dynamo_matmul
 from sten_core.model.layouts import to_dense_tensor
 from sten_core.model.registry import registry
-from sten_core.model.tensor import SparseTensorWrapper, services
+from sten_core.model.tensor import TRACEABLE_LAYOUTS, SparseTensorWrapper, services
 from sten_core.plugins import manager as plugins
 
 MISSING = object()
@@ -53,18 +53,21 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
     _plugins_loaded()
     grad = torch.is_grad_enabled()
     layouts = []
-    training = False
+    training = dense_view = False
     for i, a in enumerate(args):
         if isinstance(a, SparseTensorWrapper):
             if grad and a.requires_grad:
                 from sten_core.dispatch.traceable import (  # loaded with the plugins (not at import: custom ops)
-                    trains_compiled, traceable)
+                    gives_dense_grad, trains_compiled, traceable)
 
-                if not (op is torch.nn.functional.linear and i == 1 and trains_compiled(a)):
-                    if traceable(a):  # a graph input: the eager dispatcher cannot run on its fake members
-                        raise UnsupportedTrainingOp(unsupported_training_message(op, a))
+                if op is torch.nn.functional.linear and i == 1 and trains_compiled(a):
+                    training = True  # a traceable wrapper: its gradient is computed in the graph
+                elif traceable(a) and gives_dense_grad(a.grad_fmt) and not _in_place(op):
+                    dense_view = True  # any other operator: on its differentiable dense view (eager's gradient)
+                elif traceable(a):  # a graph input: the eager dispatcher cannot run on its fake members
+                    raise UnsupportedTrainingOp(unsupported_training_message(op, a))
+                else:
                     return None
-                training = True  # a traceable wrapper: its gradient is computed in the graph
             layouts.append(type(a.wrapped_tensor))
         elif isinstance(a, torch.Tensor):
             layouts.append(torch.Tensor)
@@ -72,6 +75,8 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
             layouts.append(None)
     while layouts and layouts[-1] is None:
         layouts.pop()
+    if dense_view:
+        return dense_training_call
     impl = registry.compiled.get((op, tuple(layouts)))
     if training:
         from sten_core.dispatch.traceable import linear_training
@@ -84,12 +89,38 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
     if impl is None and any(hasattr(type(a), "__tensor_flatten__") for a in args if isinstance(a, SparseTensorWrapper)):
         # a traceable wrapper is a graph input (fake members while tracing): the eager dispatcher
         # cannot run on it, so the operator runs on its traced to_dense() (eager's fallback too)
-        if getattr(op, "__name__", "").endswith("_"):
+        if _in_place(op):
             raise UnsupportedTrainingOp(f"torch.compile: the in-place {op.__name__} on a {layouts} sparse weight "
                                         f"that is a graph input is not supported; change the weight outside the "
                                         f"compiled function")
         return dense_call
     return impl
+
+
+def _in_place(op: Any) -> bool:
+    return getattr(op, "__name__", "").endswith("_")
+
+
+def dense_training_call(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """``op`` while compiling a training step, a trainable wrapper argument (traceable, dense
+    ``grad_fmt``) replaced by its differentiable dense view (``sten_core::wrapper_dense``: the
+    weight's gradient a plain dense tensor, as eager gives it), other wrappers by their dense
+    matrix: ``torch.mm(x, W.t())``, ``x @ W.t()``, ``torch.addmm(b, x, W.t())`` train compiled.
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.eye(2)))
+        >>> dense_training_call(torch.Tensor.t, w).sum().backward(); w.grad.tolist()
+        [[1.0, 1.0], [1.0, 1.0]]
+    """
+    from sten_core.dispatch.dense_view import dense_view
+
+    def dense(a: Any) -> Any:
+        if isinstance(a, SparseTensorWrapper):
+            return dense_view(a) if a.requires_grad and torch.is_grad_enabled() else _dense_of(a)
+        return a
+
+    return op(*[dense(a) for a in args], **{k: dense(v) for k, v in kwargs.items()})
 
 
 class UnsupportedTrainingOp(TypeError):
@@ -158,8 +189,14 @@ reads state a traceable wrapper does not carry while traced (the torch CSR/CSC t
 
 def _dense_of(wrapper: SparseTensorWrapper) -> torch.Tensor:
     layout = wrapper.wrapped_tensor
-    from_members = TRACED_DENSE.get(type(layout)) if hasattr(type(wrapper), "__tensor_flatten__") else None
-    return from_members(layout) if from_members is not None else to_dense_tensor(layout)
+    if type(layout) in TRACED_DENSE:  # (CSR/CSC: on a frozen eager-class wrapper its to_dense() traces too)
+        traceable_wrapper = hasattr(type(wrapper), "__tensor_flatten__")
+        return TRACED_DENSE[type(layout)](layout) if traceable_wrapper else to_dense_tensor(layout)
+    if type(layout) in TRACEABLE_LAYOUTS:  # one sten_core::members_to_dense node: the layout's own to_dense()
+        from sten_core.dispatch.dense_view import traced_dense
+
+        return traced_dense(layout)
+    return to_dense_tensor(layout)
 
 
 def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:
@@ -170,6 +207,8 @@ def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:
     impl = compiled_impl_for(op, args)
     if impl is None:
         return MISSING
+    if impl is dense_training_call:
+        return dense_training_call(op, *args, **kwargs)
     if impl is dense_call or (kwargs and impl in _WEIGHT_FIRST):  # (out=...: eager's dense fallback)
         return dense_call(op, *args, **kwargs)
     return impl(*args, **kwargs)
