@@ -155,7 +155,7 @@ def dense_from_members(layout: Any) -> torch.Tensor:
     >>> dense_from_members(CsrTensor.from_dense(torch.eye(2))).tolist()
     [[1.0, 0.0], [0.0, 1.0]]
     """
-    cls, shape = type(layout), tuple(layout.shape)
+    cls, shape = type(layout), tuple(layout.size_2d)  # plain ints: the shape reads the sparse tensor
     compressed, plain, values = layout.state_tensors()
     return _dense_from_compressed(cls, compressed, plain, values, shape)
 

@@ -145,13 +145,13 @@ def unsupported_training_message(op: Any, weight: Any) -> str:
     """
     name = _WEIGHT_PRODUCTS.get(op) or getattr(op, "__qualname__", None) or getattr(op, "__name__", repr(op))
     layout = type(weight.wrapped_tensor).__name__
-    return (f"torch.compile: {name} on a trainable {layout} weight: only F.linear(x, weight, bias) (nn.Linear) "
-            f"computes a compiled gradient of a traceable sparse weight (grad_fmt keeping its layout, or the "
-            f"explicit dense (KeepAll(), Tensor, KeepAll(), Tensor)); a weight product "
-            f"such as x @ W.t(), torch.mm(x, W.t()), torch.matmul(x, W.t()) or torch.addmm(b, x, W.t()) must be "
-            f"written F.linear(x, W, b) to train compiled (the eager one densifies W and re-sparsifies its "
-            f"gradient); or run this step eagerly, or freeze W (requires_grad=False) for inference. "
-            f"See docs/compile.md")
+    return (f"torch.compile: {name} on a trainable {layout} weight whose grad_fmt keeps its layout: only "
+            f"F.linear(x, weight, bias) (nn.Linear) computes the stored values' gradient in a compiled graph; a "
+            f"weight product such as x @ W.t(), torch.mm(x, W.t()), torch.matmul(x, W.t()) or "
+            f"torch.addmm(b, x, W.t()) must be written F.linear(x, W, b) to train compiled (the eager one densifies "
+            f"W and re-sparsifies its gradient, a new pattern); or give W a dense gradient (grad_fmt=None or "
+            f"(KeepAll(), Tensor, KeepAll(), Tensor): any operator then trains compiled on its dense view), run "
+            f"this step eagerly, or freeze W (requires_grad=False) for inference. See docs/compile.md")
 
 
 def _plugins_loaded() -> bool:
@@ -189,9 +189,8 @@ reads state a traceable wrapper does not carry while traced (the torch CSR/CSC t
 
 def _dense_of(wrapper: SparseTensorWrapper) -> torch.Tensor:
     layout = wrapper.wrapped_tensor
-    if type(layout) in TRACED_DENSE:  # (CSR/CSC: on a frozen eager-class wrapper its to_dense() traces too)
-        traceable_wrapper = hasattr(type(wrapper), "__tensor_flatten__")
-        return TRACED_DENSE[type(layout)](layout) if traceable_wrapper else to_dense_tensor(layout)
+    if type(layout) in TRACED_DENSE:  # (CSR/CSC: to_dense() reads a torch sparse tensor, which Dynamo cannot wrap)
+        return TRACED_DENSE[type(layout)](layout)
     if type(layout) in TRACEABLE_LAYOUTS:  # one sten_core::members_to_dense node: the layout's own to_dense()
         from sten_core.dispatch.dense_view import traced_dense
 
