@@ -64,6 +64,8 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
                     training = True  # a traceable wrapper: its gradient is computed in the graph
                 elif traceable(a) and gives_dense_grad(a.grad_fmt) and not _in_place(op):
                     dense_view = True  # any other operator: on its differentiable dense view (eager's gradient)
+                elif traceable(a) and _in_place(op):
+                    raise UnsupportedTrainingOp(_in_place_message(op, layouts + [type(a.wrapped_tensor)]))
                 elif traceable(a):  # a graph input: the eager dispatcher cannot run on its fake members
                     raise UnsupportedTrainingOp(unsupported_training_message(op, a))
                 else:
@@ -90,15 +92,30 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
         # a traceable wrapper is a graph input (fake members while tracing): the eager dispatcher
         # cannot run on it, so the operator runs on its traced to_dense() (eager's fallback too)
         if _in_place(op):
-            raise UnsupportedTrainingOp(f"torch.compile: the in-place {op.__name__} on a {layouts} sparse weight "
-                                        f"that is a graph input is not supported; change the weight outside the "
-                                        f"compiled function")
+            raise UnsupportedTrainingOp(_in_place_message(op, layouts))
         return dense_call
     return impl
 
 
+_IN_PLACE_DUNDERS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand",
+                               "ior", "ixor", "ilshift", "irshift"})
+
+
 def _in_place(op: Any) -> bool:
-    return getattr(op, "__name__", "").endswith("_")
+    """Whether ``op`` changes its first operand in place (``add_``, ``__iadd__``; not ``__matmul__``).
+
+    >>> _in_place(torch.Tensor.add_), _in_place(torch.Tensor.__iadd__), _in_place(torch.Tensor.__matmul__)
+    (True, True, False)
+    """
+    name = getattr(op, "__name__", "")
+    if name.startswith("__") and name.endswith("__"):
+        return name[2:-2] in _IN_PLACE_DUNDERS
+    return name.endswith("_")
+
+
+def _in_place_message(op: Any, layouts: list) -> str:
+    return (f"torch.compile: the in-place {op.__name__} on a {layouts} sparse weight that is a graph input is not "
+            f"supported; change the weight outside the compiled function")
 
 
 def dense_training_call(op: Any, *args: Any, **kwargs: Any) -> Any:
