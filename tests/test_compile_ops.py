@@ -17,7 +17,7 @@ import torch
 
 import sten_core as sten
 from sten_core.dispatch.compiled import UnsupportedTrainingOp
-from sten_core.testing import (check_compile_training_products, check_compile_weight_products,
+from sten_core.testing import (check_compile_training_products, check_compile_weight_products, compile_whole,
                                compiled_training_grads)
 
 LAYOUTS = [sten.CsrTensor, sten.CscTensor]
@@ -120,3 +120,42 @@ def test_keep_layout_grad_fmt_still_says_to_write_f_linear():
     with pytest.raises(Exception, match=r"Tensor.t on a trainable CsrTensor weight whose grad_fmt keeps its layout"):
         torch.compile(lambda x: x @ w.t(), fullgraph=True)(torch.randn(3, 8))
     assert isinstance(UnsupportedTrainingOp("m"), TypeError)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("product", ["x @ W", "torch.mm(x, W)", "vector @ W", "batch @ W"])
+def test_x_at_a_frozen_csr_or_csc_weight_runs_the_transposed_kernel(layout, product):
+    """CSR/CSC ``x @ W``: one ``sten_core::csr_t_mm`` / ``csr_mm`` node on the members (no dense
+    matrix), eager's values and x's gradient, the dense product's."""
+    torch.manual_seed(2)
+    dense = torch.randn(6, 8) * (torch.rand(6, 8) > 0.5)
+    w = sten.SparseTensorWrapper(layout.from_dense(dense))
+    f = {"x @ W": lambda w, x: x @ w, "torch.mm(x, W)": lambda w, x: torch.mm(x, w),
+         "vector @ W": lambda w, x: x[0] @ w, "batch @ W": lambda w, x: torch.stack([x, 2 * x]) @ w}[product]
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    x = torch.randn(5, 6, requires_grad=True)
+    got = compile_whole(lambda x: f(w, x), x, backend=backend)
+    targets = {getattr(n.target, "overloadpacket", n.target) for g in graphs for n in g.graph.nodes
+               if n.op == "call_function"}
+    kernel = torch.ops.sten_core.csr_t_mm if layout is sten.CsrTensor else torch.ops.sten_core.csr_mm
+    assert kernel in targets and torch.ops.sten_core.members_to_dense not in targets, targets
+    got.square().sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = f(w, x)
+    want.square().sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(gx, x.grad)
+    xd = x.detach().clone().requires_grad_(True)
+    ref = f(dense, xd)
+    ref.square().sum().backward()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx, xd.grad, rtol=1e-5, atol=1e-5)
+    assert got.is_contiguous()
