@@ -158,7 +158,7 @@ def unsupported_training_message(op: Any, weight: Any) -> str:
         >>> import torch, sten_core as sten
         >>> w = sten.SparseTensorWrapper(sten.DenseTensor.from_dense(torch.ones(2, 2)))
         >>> unsupported_training_message(torch.mm, w).split(": only")[0]
-        'torch.compile: torch.mm on a trainable DenseTensor weight'
+        'torch.compile: torch.mm on a trainable DenseTensor weight whose grad_fmt keeps its layout'
     """
     name = _WEIGHT_PRODUCTS.get(op) or getattr(op, "__qualname__", None) or getattr(op, "__name__", repr(op))
     layout = type(weight.wrapped_tensor).__name__

@@ -41,7 +41,7 @@ def layout_name(cls: type) -> str:
 
     >>> import sten_core as sten
     >>> layout_name(sten.CsrTensor)
-    'sten_core.builtin.csr.CsrTensor'
+    'sten_core.builtin.torch_layouts.CsrTensor'
     """
     return f"{cls.__module__}.{cls.__qualname__}"
 
