@@ -542,6 +542,8 @@ FROZEN_WEIGHT_PRODUCTS: dict = {
     "x @ W": (lambda w, x: x @ w, 0), "torch.matmul(x, W)": (lambda w, x: torch.matmul(x, w), 0),
     "torch.mm(x, W)": (lambda w, x: torch.mm(x, w), 0),
     "W.matmul(x.t())": (lambda w, x: w.matmul(x.t()), 1), "W.mm(x.t())": (lambda w, x: w.mm(x.t()), 1),
+    "x @ W.t()": (lambda w, x: x @ w.t(), 1),
+    "torch.mm(x, W.transpose(0, 1))": (lambda w, x: torch.mm(x, w.transpose(0, 1)), 1),
 }
 """``check_compile_weight_products``' products: ``name -> (fn(W, x), which of W's dims x's last is)``."""
 
@@ -551,8 +553,8 @@ def check_compile_weight_products(layout_cls: type, *, shape: tuple = (6, 16), b
                                   device: str = "cpu", products: Iterable[str] | None = None) -> dict:
     """Products of a *frozen* ``layout_cls`` weight ``W`` [n, k] other than ``F.linear`` compile whole:
     ``x @ W``, ``torch.matmul(x, W)``, ``torch.mm(x, W)`` (the wrapper second) and the method calls
-    ``W.matmul(x.t())``, ``W.mm(x.t())``. For each: no graph break under ``torch._dynamo.explain``,
-    ``torch.compile(fullgraph=True)`` runs, and its output and ``x``'s gradient equal eager's and
+    ``W.matmul(x.t())``, ``W.mm(x.t())``, ``x @ W.t()``, ``torch.mm(x, W.transpose(0, 1))``. For
+    each: no graph break under ``torch._dynamo.explain``, ``torch.compile(fullgraph=True)`` runs, and its output and ``x``'s gradient equal eager's and
     the dense product's. Raises ``AssertionError`` naming the product; returns ``{product: breaks}``.
 
     Example:

@@ -88,6 +88,8 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
         impl = compiled_products.weight_first_impl(op, tuple(layouts))
     if impl is None and op in DENSE_RESULT_OPS:
         return dense_call
+    if impl is None and op in TRANSPOSES and all(t in TRACEABLE_LAYOUTS for t in layouts[:1]):
+        return dense_call  # W.t() of a frozen weight: its traced dense matrix, transposed (x @ W.t())
     if impl is None and any(hasattr(type(a), "__tensor_flatten__") for a in args if isinstance(a, SparseTensorWrapper)):
         # a traceable wrapper is a graph input (fake members while tracing): the eager dispatcher
         # cannot run on it, so the operator runs on its traced to_dense() (eager's fallback too)
@@ -182,6 +184,10 @@ def _plugins_loaded() -> bool:
 # import torch._dynamo with sten_core (seconds; tests/test_import.py keeps the import light).
 _plugins_loaded._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
+
+TRANSPOSES = frozenset({torch.t, torch.Tensor.t, torch.transpose, torch.Tensor.transpose})
+"""Transpositions of a frozen weight: while compiled, the transposed traced dense matrix (eager gives
+a dense or a transposed sparse tensor of the same values; what follows is a product)."""
 
 DENSE_RESULT_OPS = frozenset({
     torch.nn.functional.linear, torch.mm, torch.matmul, torch.addmm, torch.bmm,
