@@ -88,7 +88,7 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
         impl = compiled_products.weight_first_impl(op, tuple(layouts))
     if impl is None and op in DENSE_RESULT_OPS:
         return dense_call
-    if impl is None and op in TRANSPOSES and all(t in TRACEABLE_LAYOUTS for t in layouts[:1]):
+    if impl is None and op in TRANSPOSES and layouts and layouts[0] in TRACEABLE_LAYOUTS:
         return dense_call  # W.t() of a frozen weight: its traced dense matrix, transposed (x @ W.t())
     if impl is None and any(hasattr(type(a), "__tensor_flatten__") for a in args if isinstance(a, SparseTensorWrapper)):
         # a traceable wrapper is a graph input (fake members while tracing): the eager dispatcher
@@ -143,8 +143,9 @@ def dense_training_call(op: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class UnsupportedTrainingOp(TypeError):
-    """An operator other than ``F.linear`` on a sparse weight whose gradient a compiled graph
-    computes (a traceable wrapper that requires grad): raised while Dynamo traces."""
+    """An operator other than ``F.linear`` on a trainable traceable weight whose ``grad_fmt`` keeps its
+    layout, or an in-place operator on a weight that is a graph input: raised while Dynamo traces
+    (a dense ``grad_fmt`` trains compiled through any other operator, on the weight's dense view)."""
 
 
 _WEIGHT_PRODUCTS = {torch.mm: "torch.mm", torch.matmul: "torch.matmul", torch.addmm: "torch.addmm",
