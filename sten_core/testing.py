@@ -536,3 +536,153 @@ def _training_fix(name: str) -> str:
 
 def _dense(value: Any) -> torch.Tensor:
     return value.to_dense() if isinstance(value, SparseTensorWrapper) else value
+
+
+FROZEN_WEIGHT_PRODUCTS: dict = {
+    "x @ W": (lambda w, x: x @ w, 0), "torch.matmul(x, W)": (lambda w, x: torch.matmul(x, w), 0),
+    "torch.mm(x, W)": (lambda w, x: torch.mm(x, w), 0),
+    "W.matmul(x.t())": (lambda w, x: w.matmul(x.t()), 1), "W.mm(x.t())": (lambda w, x: w.mm(x.t()), 1),
+    "x @ W.t()": (lambda w, x: x @ w.t(), 1),
+    "torch.mm(x, W.transpose(0, 1))": (lambda w, x: torch.mm(x, w.transpose(0, 1)), 1),
+}
+"""``check_compile_weight_products``' products: ``name -> (fn(W, x), which of W's dims x's last is)``."""
+
+
+def check_compile_weight_products(layout_cls: type, *, shape: tuple = (6, 16), batch: int = 5,
+                                  dtype: torch.dtype = torch.float32, sparsifier: Any = None,
+                                  device: str = "cpu", products: Iterable[str] | None = None) -> dict:
+    """Products of a *frozen* ``layout_cls`` weight ``W`` [n, k] other than ``F.linear`` compile whole:
+    ``x @ W``, ``torch.matmul(x, W)``, ``torch.mm(x, W)`` (the wrapper second) and the method calls
+    ``W.matmul(x.t())``, ``W.mm(x.t())``, ``x @ W.t()``, ``torch.mm(x, W.transpose(0, 1))``. For
+    each: no graph break under ``torch._dynamo.explain``, ``torch.compile(fullgraph=True)`` runs, and its output and ``x``'s gradient equal eager's and
+    the dense product's. Raises ``AssertionError`` naming the product; returns ``{product: breaks}``.
+
+    Example:
+        >>> import sten_core as sten
+        >>> check_compile_weight_products(sten.CsrTensor)["x @ W"]   # doctest: +SKIP
+        0
+    """
+    import warnings
+
+    plugins.ensure_loaded()
+    tol = _tolerances(dtype)
+    w = SparseParameterWrapper(layout_cls.from_dense(
+        _sample(shape, dtype, sparsifier or ScalarFractionSparsifier(0.5), device, seed=400)), requires_grad=False)
+    dense = _dense(w)
+    report = {}
+    for name in products or FROZEN_WEIGHT_PRODUCTS:
+        fn, dim = FROZEN_WEIGHT_PRODUCTS[name]
+        case = f"{layout_cls.__name__} frozen W={list(shape)}: {name}"
+        x = torch.randn(batch, shape[dim], generator=torch.Generator().manual_seed(7)).to(dtype).to(device)
+        runs = []
+        for run in ("eager", "explain", "compiled", "dense"):
+            xi = x.clone().requires_grad_(True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", dispatch.DispatchWarning)
+                if run == "explain":
+                    torch._dynamo.reset()
+                    explained = torch._dynamo.explain(lambda t: fn(w, t))(xi)
+                    report[name] = explained.graph_break_count
+                    assert explained.graph_break_count == 0, \
+                        f"{case}: {explained.graph_break_count} graph break(s): " \
+                        f"{'; '.join(str(r.reason).splitlines()[0] for r in explained.break_reasons)}"
+                    continue
+                torch._dynamo.reset()
+                try:
+                    y = torch.compile(lambda t: fn(w, t), fullgraph=True)(xi) if run == "compiled" else \
+                        fn(dense if run == "dense" else w, xi)
+                except Exception as error:
+                    raise AssertionError(f"{case}: {run}: {type(error).__name__}: {str(error).strip()[:300]}") from error
+                finally:
+                    torch._dynamo.reset()
+            y.square().sum().backward()
+            runs.append((run, y.detach(), xi.grad))
+        (_, want, gwant), others = runs[0], runs[1:]
+        for run, y, gx in others:
+            torch.testing.assert_close(y, want, msg=lambda m: f"{case}: {run} vs eager: {m}", **tol)
+            torch.testing.assert_close(gx, gwant, msg=lambda m: f"{case}: x's gradient, {run} vs eager: {m}", **tol)
+    return report
+
+
+TRAINING_WEIGHT_PRODUCTS: dict = {
+    "torch.mm(x, W.t()) + b": lambda w, x, b: torch.mm(x, w.t()) + b,
+    "x @ W.t() + b": lambda w, x, b: x @ w.t() + b,
+    "torch.matmul(x, W.t()) + b": lambda w, x, b: torch.matmul(x, w.t()) + b,
+    "torch.addmm(b, x, W.t())": lambda w, x, b: torch.addmm(b, x, w.t()),
+    "(W @ x.t()).t() + b": lambda w, x, b: (w @ x.t()).t() + b,
+}
+"""``check_compile_training_products``' products of a trainable weight ``W`` [n, k] and bias ``b``."""
+
+
+class _WeightProduct(torch.nn.Module):
+    """A weight and a bias used by one of ``TRAINING_WEIGHT_PRODUCTS``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, product: str):
+        super().__init__()
+        self.weight, self.bias, self.product = weight, torch.nn.Parameter(bias.clone()), product
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return TRAINING_WEIGHT_PRODUCTS[self.product](self.weight, x, self.bias)
+
+
+def check_compile_training_products(layout_cls: type, *, grad_fmt: Any = None, shape: tuple = (6, 16),
+                                    batch: int = 5, dtype: torch.dtype = torch.float32, sparsifier: Any = None,
+                                    device: str = "cpu", products: Iterable[str] | None = None,
+                                    sgd_steps: int = 2) -> dict:
+    """Compiled training through products other than ``F.linear`` of a trainable ``layout_cls`` weight
+    whose gradient is dense (``grad_fmt`` ``None`` or ``(KeepAll(), Tensor, KeepAll(), Tensor)``):
+    ``torch.mm(x, W.t())``, ``x @ W.t()``, ``torch.matmul(x, W.t())``, ``torch.addmm(b, x, W.t())``.
+    For each: no graph break, ``fullgraph=True`` runs, every gradient (the weight's a plain tensor)
+    equals eager's and the dense model's, and ``sgd_steps`` compiled SGD steps end with eager's
+    weights. Raises ``AssertionError`` naming the product; returns ``{product: breaks}``.
+
+    Example:
+        >>> import sten_core as sten
+        >>> check_compile_training_products(sten.CsrTensor)["torch.addmm(b, x, W.t())"]   # doctest: +SKIP
+        0
+    """
+    import warnings
+
+    plugins.ensure_loaded()
+    tol = _tolerances(dtype)
+    sample = _sample(shape, dtype, sparsifier or ScalarFractionSparsifier(0.5), device, seed=500)
+    bias = torch.randn(shape[0], generator=torch.Generator().manual_seed(8)).to(dtype).to(device)
+
+    def sparse_model(product: str) -> _WeightProduct:
+        w = SparseParameterWrapper(layout_cls.from_dense(sample), requires_grad=True, grad_fmt=grad_fmt)
+        return _WeightProduct(w, bias, product)
+
+    report = {}
+    for name in products or TRAINING_WEIGHT_PRODUCTS:
+        case = f"{layout_cls.__name__} trainable W={list(shape)} grad_fmt={grad_fmt}: {name}"
+        model = sparse_model(name)
+        x = torch.randn(batch, shape[1], generator=torch.Generator().manual_seed(9)).to(dtype).to(device)
+        x.requires_grad_(True)
+        try:
+            with warnings.catch_warnings():  # eager's W.t() densifies (a DispatchWarning says so)
+                warnings.simplefilter("ignore", dispatch.DispatchWarning)
+                run = compiled_training_grads(model, x)
+        except Exception as error:
+            raise AssertionError(f"{case}: {type(error).__name__}: {str(error).strip()[:400]}") from error
+        report[name] = run["graph_breaks"]
+        assert run["graph_breaks"] == 0, f"{case}: {run['graph_breaks']} graph break(s): {'; '.join(run['reasons'])}"
+        assert type(run["compiled"][0]) is torch.Tensor, \
+            f"{case}: the weight's compiled gradient is {type(run['compiled'][0]).__name__}, not a plain tensor"
+        reference = _WeightProduct(torch.nn.Parameter(_dense(model.weight).detach().clone()), bias, name)
+        xd = x.detach().clone().requires_grad_(True)
+        reference(xd).square().sum().backward()
+        dense = [p.grad for p in reference.parameters()] + [xd.grad]
+        for what, got, want, ref in zip(("weight", "bias", "input"), run["compiled"], run["eager"], dense):
+            torch.testing.assert_close(_dense(got), _dense(want), msg=lambda m: f"{case}: {what} gradient vs eager: {m}", **tol)
+            torch.testing.assert_close(_dense(got), ref, msg=lambda m: f"{case}: {what} gradient vs dense: {m}", **tol)
+        torch.testing.assert_close(run["compiled_out"], run["eager_out"], msg=lambda m: f"{case}: output: {m}", **tol)
+    if sgd_steps:
+        name = next(iter(products or TRAINING_WEIGHT_PRODUCTS))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", dispatch.DispatchWarning)
+            eager, compiled = sgd_steps_eager_and_compiled(
+                lambda: sparse_model(name), lambda: torch.randn(batch, shape[1]).to(dtype).to(device), steps=sgd_steps)
+        for (pname, pe), pc in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(_dense(pc), _dense(pe), msg=lambda m: f"{layout_cls.__name__} {name}: "
+                                       f"{pname} after {sgd_steps} SGD steps, compiled vs eager: {m}", **tol)
+    return report

@@ -124,6 +124,32 @@ def csc_linear_kernel(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor]
     return y.reshape(*x.shape[:-1], n)
 
 
+def second_operand_kernel(x: torch.Tensor, weight: Any) -> torch.Tensor:
+    """``x @ W`` (``torch.matmul(x, W)``) with a frozen ``CsrTensor`` / ``CscTensor`` ``W`` [N, K] while
+    compiling: the transposed product, one node on the members. A CSR ``W``'s ``x @ W`` is
+    ``(W.t() @ x.t()).t()``, one ``sten_core::csr_t_mm``; a CSC ``W``'s members are the CSR ``W.t()``,
+    so it is one ``sten_core::csr_mm``. Both have autograd formulas (``x``'s gradient)."""
+    layout = weight.wrapped_tensor
+    n, k = layout.size_2d
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != n:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"matmul: the first operand's last dimension must be {n} (W is [{n}, {k}]), got {got}")
+    compressed, plain, values = layout.state_tensors()
+    x2 = x.reshape(-1, n).t()
+    if isinstance(layout, CsrTensor):
+        y = torch.ops.sten_core.csr_t_mm(compressed, plain, values, k, x2)
+    else:
+        y = torch.ops.sten_core.csr_mm(compressed, plain, values, n, x2)
+    return y.t().reshape(*x.shape[:-1], k).contiguous()
+
+
+def second_operand_mm_kernel(x: torch.Tensor, weight: Any) -> torch.Tensor:
+    """``torch.mm(x, W)`` (``x`` 2-D) with a frozen ``CsrTensor`` / ``CscTensor`` ``W``: ``second_operand_kernel``."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"mm: the first operand must be 2-D, got {tuple(getattr(x, 'shape', ()))}")
+    return second_operand_kernel(x, weight)
+
+
 def _csr_members(layout: Any) -> tuple[list, list]:
     """A ``CsrTensor``'s or ``CscTensor``'s (compressed indices, plain indices, values) and shape."""
     rows, cols = layout.shape
@@ -155,7 +181,7 @@ def dense_from_members(layout: Any) -> torch.Tensor:
     >>> dense_from_members(CsrTensor.from_dense(torch.eye(2))).tolist()
     [[1.0, 0.0], [0.0, 1.0]]
     """
-    cls, shape = type(layout), tuple(layout.shape)
+    cls, shape = type(layout), tuple(layout.size_2d)  # plain ints: the shape reads the sparse tensor
     compressed, plain, values = layout.state_tensors()
     return _dense_from_compressed(cls, compressed, plain, values, shape)
 
@@ -220,3 +246,8 @@ def register(registry: Any) -> None:
         registry.register_compiled_impl(F.linear, inp, csr_linear_kernel)
     for inp in ((T, CscTensor, T), (T, CscTensor)):
         registry.register_compiled_impl(F.linear, inp, csc_linear_kernel)
+    for layout in (CsrTensor, CscTensor):  # x @ W: the transposed product
+        for op in (torch.mm, T.mm):
+            registry.register_compiled_impl(op, (T, layout), second_operand_mm_kernel)
+        for op in (torch.matmul, T.matmul, T.__matmul__):
+            registry.register_compiled_impl(op, (T, layout), second_operand_kernel)

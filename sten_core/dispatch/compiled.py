@@ -33,7 +33,7 @@ import torch
 from sten_core.dispatch import compiled_products, dynamo_matmul
 from sten_core.model.layouts import to_dense_tensor
 from sten_core.model.registry import registry
-from sten_core.model.tensor import SparseTensorWrapper, services
+from sten_core.model.tensor import TRACEABLE_LAYOUTS, SparseTensorWrapper, services
 from sten_core.plugins import manager as plugins
 
 MISSING = object()
@@ -53,18 +53,23 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
     _plugins_loaded()
     grad = torch.is_grad_enabled()
     layouts = []
-    training = False
+    training = dense_view = False
     for i, a in enumerate(args):
         if isinstance(a, SparseTensorWrapper):
             if grad and a.requires_grad:
                 from sten_core.dispatch.traceable import (  # loaded with the plugins (not at import: custom ops)
-                    trains_compiled, traceable)
+                    gives_dense_grad, trains_compiled, traceable)
 
-                if not (op is torch.nn.functional.linear and i == 1 and trains_compiled(a)):
-                    if traceable(a):  # a graph input: the eager dispatcher cannot run on its fake members
-                        raise UnsupportedTrainingOp(unsupported_training_message(op, a))
+                if op is torch.nn.functional.linear and i == 1 and trains_compiled(a):
+                    training = True  # a traceable wrapper: its gradient is computed in the graph
+                elif traceable(a) and gives_dense_grad(a.grad_fmt) and not _in_place(op):
+                    dense_view = True  # any other operator: on its differentiable dense view (eager's gradient)
+                elif traceable(a) and _in_place(op):
+                    raise UnsupportedTrainingOp(_in_place_message(op, layouts + [type(a.wrapped_tensor)]))
+                elif traceable(a):  # a graph input: the eager dispatcher cannot run on its fake members
+                    raise UnsupportedTrainingOp(unsupported_training_message(op, a))
+                else:
                     return None
-                training = True  # a traceable wrapper: its gradient is computed in the graph
             layouts.append(type(a.wrapped_tensor))
         elif isinstance(a, torch.Tensor):
             layouts.append(torch.Tensor)
@@ -72,6 +77,8 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
             layouts.append(None)
     while layouts and layouts[-1] is None:
         layouts.pop()
+    if dense_view:
+        return dense_training_call
     impl = registry.compiled.get((op, tuple(layouts)))
     if training:
         from sten_core.dispatch.traceable import linear_training
@@ -81,20 +88,64 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
         impl = compiled_products.weight_first_impl(op, tuple(layouts))
     if impl is None and op in DENSE_RESULT_OPS:
         return dense_call
+    if impl is None and op in TRANSPOSES and layouts and layouts[0] in TRACEABLE_LAYOUTS:
+        return dense_call  # W.t() of a frozen weight: its traced dense matrix, transposed (x @ W.t())
     if impl is None and any(hasattr(type(a), "__tensor_flatten__") for a in args if isinstance(a, SparseTensorWrapper)):
         # a traceable wrapper is a graph input (fake members while tracing): the eager dispatcher
         # cannot run on it, so the operator runs on its traced to_dense() (eager's fallback too)
-        if getattr(op, "__name__", "").endswith("_"):
-            raise UnsupportedTrainingOp(f"torch.compile: the in-place {op.__name__} on a {layouts} sparse weight "
-                                        f"that is a graph input is not supported; change the weight outside the "
-                                        f"compiled function")
+        if _in_place(op):
+            raise UnsupportedTrainingOp(_in_place_message(op, layouts))
         return dense_call
     return impl
 
 
+_IN_PLACE_DUNDERS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand",
+                               "ior", "ixor", "ilshift", "irshift"})
+
+
+def _in_place(op: Any) -> bool:
+    """Whether ``op`` changes its first operand in place (``add_``, ``__iadd__``; not ``__matmul__``).
+
+    >>> _in_place(torch.Tensor.add_), _in_place(torch.Tensor.__iadd__), _in_place(torch.Tensor.__matmul__)
+    (True, True, False)
+    """
+    name = getattr(op, "__name__", "")
+    if name.startswith("__") and name.endswith("__"):
+        return name[2:-2] in _IN_PLACE_DUNDERS
+    return name.endswith("_")
+
+
+def _in_place_message(op: Any, layouts: list) -> str:
+    return (f"torch.compile: the in-place {op.__name__} on a {layouts} sparse weight that is a graph input is not "
+            f"supported; change the weight outside the compiled function")
+
+
+def dense_training_call(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """``op`` while compiling a training step, a trainable wrapper argument (traceable, dense
+    ``grad_fmt``) replaced by its differentiable dense view (``sten_core::wrapper_dense``: the
+    weight's gradient a plain dense tensor, as eager gives it), other wrappers by their dense
+    matrix: ``torch.mm(x, W.t())``, ``x @ W.t()``, ``torch.addmm(b, x, W.t())`` train compiled.
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.eye(2)))
+        >>> dense_training_call(torch.Tensor.t, w).sum().backward(); w.grad.tolist()
+        [[1.0, 1.0], [1.0, 1.0]]
+    """
+    from sten_core.dispatch.dense_view import dense_view
+
+    def dense(a: Any) -> Any:
+        if isinstance(a, SparseTensorWrapper):
+            return dense_view(a) if a.requires_grad and torch.is_grad_enabled() else _dense_of(a)
+        return a
+
+    return op(*[dense(a) for a in args], **{k: dense(v) for k, v in kwargs.items()})
+
+
 class UnsupportedTrainingOp(TypeError):
-    """An operator other than ``F.linear`` on a sparse weight whose gradient a compiled graph
-    computes (a traceable wrapper that requires grad): raised while Dynamo traces."""
+    """An operator other than ``F.linear`` on a trainable traceable weight whose ``grad_fmt`` keeps its
+    layout, or an in-place operator on a weight that is a graph input: raised while Dynamo traces
+    (a dense ``grad_fmt`` trains compiled through any other operator, on the weight's dense view)."""
 
 
 _WEIGHT_PRODUCTS = {torch.mm: "torch.mm", torch.matmul: "torch.matmul", torch.addmm: "torch.addmm",
@@ -110,17 +161,17 @@ def unsupported_training_message(op: Any, weight: Any) -> str:
         >>> import torch, sten_core as sten
         >>> w = sten.SparseTensorWrapper(sten.DenseTensor.from_dense(torch.ones(2, 2)))
         >>> unsupported_training_message(torch.mm, w).split(": only")[0]
-        'torch.compile: torch.mm on a trainable DenseTensor weight'
+        'torch.compile: torch.mm on a trainable DenseTensor weight whose grad_fmt keeps its layout'
     """
     name = _WEIGHT_PRODUCTS.get(op) or getattr(op, "__qualname__", None) or getattr(op, "__name__", repr(op))
     layout = type(weight.wrapped_tensor).__name__
-    return (f"torch.compile: {name} on a trainable {layout} weight: only F.linear(x, weight, bias) (nn.Linear) "
-            f"computes a compiled gradient of a traceable sparse weight (grad_fmt keeping its layout, or the "
-            f"explicit dense (KeepAll(), Tensor, KeepAll(), Tensor)); a weight product "
-            f"such as x @ W.t(), torch.mm(x, W.t()), torch.matmul(x, W.t()) or torch.addmm(b, x, W.t()) must be "
-            f"written F.linear(x, W, b) to train compiled (the eager one densifies W and re-sparsifies its "
-            f"gradient); or run this step eagerly, or freeze W (requires_grad=False) for inference. "
-            f"See docs/compile.md")
+    return (f"torch.compile: {name} on a trainable {layout} weight whose grad_fmt keeps its layout: only "
+            f"F.linear(x, weight, bias) (nn.Linear) computes the stored values' gradient in a compiled graph; a "
+            f"weight product such as x @ W.t(), torch.mm(x, W.t()), torch.matmul(x, W.t()) or "
+            f"torch.addmm(b, x, W.t()) must be written F.linear(x, W, b) to train compiled (the eager one densifies "
+            f"W and re-sparsifies its gradient, a new pattern); or give W a dense gradient (grad_fmt=None or "
+            f"(KeepAll(), Tensor, KeepAll(), Tensor): any operator then trains compiled on its dense view), run "
+            f"this step eagerly, or freeze W (requires_grad=False) for inference. See docs/compile.md")
 
 
 def _plugins_loaded() -> bool:
@@ -134,6 +185,10 @@ def _plugins_loaded() -> bool:
 # import torch._dynamo with sten_core (seconds; tests/test_import.py keeps the import light).
 _plugins_loaded._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
+
+TRANSPOSES = frozenset({torch.t, torch.Tensor.t, torch.transpose, torch.Tensor.transpose})
+"""Transpositions of a frozen weight: while compiled, the transposed traced dense matrix (eager gives
+a dense or a transposed sparse tensor of the same values; what follows is a product)."""
 
 DENSE_RESULT_OPS = frozenset({
     torch.nn.functional.linear, torch.mm, torch.matmul, torch.addmm, torch.bmm,
@@ -158,8 +213,13 @@ reads state a traceable wrapper does not carry while traced (the torch CSR/CSC t
 
 def _dense_of(wrapper: SparseTensorWrapper) -> torch.Tensor:
     layout = wrapper.wrapped_tensor
-    from_members = TRACED_DENSE.get(type(layout)) if hasattr(type(wrapper), "__tensor_flatten__") else None
-    return from_members(layout) if from_members is not None else to_dense_tensor(layout)
+    if type(layout) in TRACED_DENSE:  # (CSR/CSC: to_dense() reads a torch sparse tensor, which Dynamo cannot wrap)
+        return TRACED_DENSE[type(layout)](layout)
+    if type(layout) in TRACEABLE_LAYOUTS:  # one sten_core::members_to_dense node: the layout's own to_dense()
+        from sten_core.dispatch.dense_view import traced_dense
+
+        return traced_dense(layout)
+    return to_dense_tensor(layout)
 
 
 def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:
@@ -170,6 +230,8 @@ def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:
     impl = compiled_impl_for(op, args)
     if impl is None:
         return MISSING
+    if impl is dense_training_call:
+        return dense_training_call(op, *args, **kwargs)
     if impl is dense_call or (kwargs and impl in _WEIGHT_FIRST):  # (out=...: eager's dense fallback)
         return dense_call(op, *args, **kwargs)
     return impl(*args, **kwargs)

@@ -275,3 +275,5 @@ def linear_training(x: Tensor, weight: Any, bias: Optional[Tensor] = None) -> Te
     """``F.linear`` while compiling a training step whose weight requires grad: one
     ``sten_core::wrapper_linear`` node (the weight a graph input, its gradient in the graph)."""
     return torch.ops.sten_core.wrapper_linear(x, weight, bias)
+
+from sten_core.dispatch import dense_view as _dense_view  # noqa: E402,F401  (its custom operators, with these)

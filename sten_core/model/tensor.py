@@ -110,6 +110,21 @@ class SparseTensorWrapper(torch.Tensor):
             return services.dense_with_grad(self)
         return to_dense_tensor(self.wrapped_tensor)
 
+    # Python methods, so Dynamo traces ``W.matmul(x)``, ``W.mm(x)``, ``W.t()`` on a frozen (eager-class) wrapper,
+    # which it holds as a plain object whose C methods it cannot call; eager, the same torch function
+    # (``Tensor.matmul``) reaches ``__torch_function__`` as before.
+    def matmul(self, other: Any) -> torch.Tensor:  # type: ignore[override]
+        return torch.Tensor.matmul(self, other)
+
+    def mm(self, mat2: Any) -> torch.Tensor:  # type: ignore[override]
+        return torch.Tensor.mm(self, mat2)
+
+    def t(self) -> torch.Tensor:  # type: ignore[override]
+        return torch.Tensor.t(self)
+
+    def transpose(self, dim0: int, dim1: int) -> torch.Tensor:  # type: ignore[override]
+        return torch.Tensor.transpose(self, dim0, dim1)
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         extra = ", requires_grad=True" if self.requires_grad else ""
         if self.grad_fn is not None:

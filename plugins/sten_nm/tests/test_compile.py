@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from conftest import requires_kernel
 
 import sten_core as sten
-from sten_core.testing import check_compile, compile_whole, compiled_training_grads, sgd_steps_eager_and_compiled
+from sten_core.testing import (check_compile, check_compile_training_products, check_compile_weight_products,
+                               compile_whole, compiled_training_grads, sgd_steps_eager_and_compiled)
 from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor
 from sten_nm import compiled as nmc
 
@@ -418,3 +419,36 @@ def test_paper_format_compiled_backward_does_not_rebuild_its_nm_view(grad_fmt, m
     assert calls == []
     got = lin.weight.grad.to_dense() if fmt else lin.weight.grad
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# -- products other than F.linear (frozen: x @ W, W.matmul(x); trainable: x @ W.t() and friends) ------
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_frozen_weight_products_and_method_calls_compile_whole(layout):
+    """``x @ W`` / ``torch.matmul(x, W)`` / ``torch.mm(x, W)`` (GroupedNMTensor: 6 breaks before) and
+    ``W.matmul(x)`` / ``W.mm(x)`` (1 break before): no break, fullgraph, values and x's gradient
+    equal eager's and the dense product's (``testing.check_compile_weight_products``)."""
+    assert set(check_compile_weight_products(layout).values()) == {0}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_training_through_other_products_compiles_whole(layout):
+    """A trainable n:m weight with the default grad_fmt: ``torch.mm(x, W.t())``, ``x @ W.t()``,
+    ``torch.matmul(x, W.t())``, ``torch.addmm(b, x, W.t())``, ``W @ x.t()`` train compiled on its
+    dense view: eager's gradients (plain dense), the dense model's, and SGD steps equal eager's."""
+    assert set(check_compile_training_products(layout).values()) == {0}
+
+
+def test_x_at_a_frozen_grouped_weight_runs_its_own_to_dense_in_one_custom_operator():
+    w = sten.SparseParameterWrapper(GroupedNMTensor.from_dense(torch.randn(8, 16), n=2, m=4), requires_grad=False)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    x = torch.randn(3, 8)
+    got = compile_whole(lambda x: x @ w, x, backend=backend)
+    targets = {getattr(n.target, "overloadpacket", n.target) for g in graphs for n in g.graph.nodes
+               if n.op == "call_function"}
+    assert torch.ops.sten_core.members_to_dense in targets, targets
+    torch.testing.assert_close(got, x @ w.to_dense())

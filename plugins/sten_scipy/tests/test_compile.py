@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import sten_core as sten
-from sten_core.testing import check_compile, compile_whole, compiled_training_grads, sgd_steps_eager_and_compiled
+from sten_core.testing import (check_compile, check_compile_training_products, check_compile_weight_products,
+                               compile_whole, compiled_training_grads, sgd_steps_eager_and_compiled)
 from sten_scipy import ScipyCscTensor, ScipyCsrTensor
 from sten_scipy import compiled as spc
 
@@ -345,3 +346,20 @@ def test_weight_first_products_compile_whole(layout, product):
     got = compile_whole(lambda x: f(w, x), x)
     torch.testing.assert_close(got, f(w, x))
     torch.testing.assert_close(got, f(dense, x), rtol=1e-5, atol=1e-5)
+
+
+# -- products other than F.linear (frozen: x @ W, W.matmul(x); trainable: x @ W.t() and friends) ------
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_frozen_weight_products_and_method_calls_compile_whole(layout):
+    """``x @ W`` / ``torch.matmul(x, W)`` / ``torch.mm(x, W)`` (1 break before: the dense path's
+    to_dense() goes through scipy) and ``W.matmul(x)`` / ``W.mm(x)``: no break, fullgraph, values and
+    x's gradient equal eager's and the dense product's (``testing.check_compile_weight_products``)."""
+    assert set(check_compile_weight_products(layout).values()) == {0}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_training_through_other_products_compiles_whole(layout):
+    """A trainable scipy weight with the default grad_fmt trains compiled through ``torch.mm(x, W.t())``,
+    ``x @ W.t()``, ``torch.matmul(x, W.t())``, ``torch.addmm(b, x, W.t())``, ``W @ x.t()``: eager's
+    (plain dense) gradients, the dense model's, and SGD steps equal eager's."""
+    assert set(check_compile_training_products(layout).values()) == {0}
