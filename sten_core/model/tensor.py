@@ -56,6 +56,8 @@ class SparseTensorWrapper(torch.Tensor):
         )
         self._cell = [wrapped_tensor]
         self.__dict__["_grad_fmt"] = grad_fmt
+        if requires_grad and issubclass(cls, _Traceable) and services.watch_gradient is not None:
+            services.watch_gradient(self)  # a re-sparsified grad_fmt: the compiled gradient's conversion
         return self
 
     @property
@@ -298,6 +300,8 @@ def sync_class(wrapper: "SparseTensorWrapper") -> None:
     want = wrapper_class(t, wrapper.wrapped_tensor, wrapper.grad_fmt, trainable)
     if want is not t:
         wrapper.__class__ = want
+    if issubclass(want, _Traceable) and wrapper.requires_grad and services.watch_gradient is not None:
+        services.watch_gradient(wrapper)
 
 
 def _has_fake_members(layout: Any) -> bool:
@@ -371,6 +375,7 @@ class WrapperServices:
     MISSING: Any = None
     reduce_wrapper: Any = None
     load_plugins: Any = None
+    watch_gradient: Any = None
 
     def install(self, **services: Any) -> None:
         for name, service in services.items():
