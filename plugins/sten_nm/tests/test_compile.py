@@ -195,12 +195,13 @@ def test_which_wrappers_are_traceable():
     a re-sparsified gradient format (a new pattern) while it trains too (converted after the
     compiled step, tests/test_compile_regrad.py)."""
     layout = NMTensor.from_dense(torch.randn(4, 8))
-    traceable = sten.dispatch.traceable.traceable
+    from sten_core.dispatch.traceable import traceable
     assert traceable(sten.SparseParameterWrapper(layout, grad_fmt=DENSE))
     assert traceable(sten.SparseParameterWrapper(layout, grad_fmt=keep_layout(NMTensor)))
     assert traceable(sten.SparseParameterWrapper(layout))  # the default None while it trains
     assert not traceable(sten.SparseParameterWrapper(layout, requires_grad=False))
-    assert not traceable(sten.SparseTensorWrapper(layout, requires_grad=True))  # not a parameter
+    assert traceable(sten.SparseTensorWrapper(layout, requires_grad=True))  # a trainable plain wrapper too
+    assert not traceable(sten.SparseTensorWrapper(layout))  # frozen
     assert traceable(sten.SparseParameterWrapper(layout, grad_fmt=(sten.KeepAll(), torch.Tensor,  # re-sparsified:
                                                                    sten.KeepAll(), NMTensor)))  # test_compile_regrad.py
 
