@@ -171,3 +171,21 @@ def test_a_masked_dense_gradient_format_keeps_the_eager_class():
     w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.randn(6, 6)),
                                     grad_fmt=(SF, torch.Tensor, KEEP, torch.Tensor))
     assert not traceable(w)
+
+
+def test_only_resparsified_trainable_wrappers_get_the_hook():
+    """The hook is an eager cost (one Python call per backward): only weights whose format
+    re-sparsifies carry it, and then once, whatever else changes."""
+    layout = sten.CsrTensor.from_dense(torch.randn(6, 6))
+    keep = sten.SparseParameterWrapper(layout, grad_fmt=(KEEP, sten.CsrTensor, KEEP, sten.CsrTensor))
+    default = sten.SparseParameterWrapper(layout)
+    frozen = sten.SparseParameterWrapper(layout, requires_grad=False, grad_fmt=FORMATS["dense-to-csr"])
+    assert not any(w._backward_hooks for w in (keep, default, frozen))
+    w = sten.SparseParameterWrapper(layout, grad_fmt=FORMATS["dense-to-csr"])
+    assert len(w._backward_hooks) == 1
+    w.grad_fmt = FORMATS["external-fraction-csr"]
+    w.requires_grad_(False)
+    w.requires_grad_(True)
+    assert len(w._backward_hooks) == 1 and traceable(w)
+    keep.grad_fmt = FORMATS["external-fraction-csr"]  # set afterwards: the hook comes with it
+    assert len(keep._backward_hooks) == 1

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from sten_core.dispatch.sparsifier_dispatch import apply_spec
+from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.spec import OutputSpec
 from sten_core.model.tensor import TRACEABLE_LAYOUTS, WRAPPER_TYPES, SparseTensorWrapper, services
 
@@ -65,17 +66,19 @@ class CompiledDenseGrad:
         return f"CompiledDenseGrad(shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
-def resparsifies(grad_fmt: Any) -> bool:
+def resparsifies(grad_fmt: Any, layout: Any = None) -> bool:
     """Whether ``grad_fmt`` gives a weight a sparse gradient of a new pattern: its ``out_format``
-    is a sparse layout and it is not the pattern-keeping ``(KeepAll(), L, KeepAll(), L)`` of the
-    weight's own layout (see ``traceable.keeps_layout``; callers test that first). Formats whose
+    is a sparse layout, and (given the weight's ``layout`` class) it is not the pattern-keeping
+    ``(KeepAll(), layout, KeepAll(), layout)`` (``traceable.keeps_layout``). Formats whose
     ``out_format`` is ``torch.Tensor`` but sparsify on the way (a masked dense gradient) are not
     covered: eager's gradient is then a plain tensor, which the hook could not tell from a
     compiled one (such weights keep the eager class)."""
     if grad_fmt is None:
         return False
     spec = OutputSpec.coerce(grad_fmt, "grad_fmt")
-    return spec.out_format is not torch.Tensor
+    keeps = (spec.out_format is layout and spec.tmp_format is layout and isinstance(spec.inline_sparsifier, KeepAll)
+             and isinstance(spec.external_sparsifier, KeepAll))
+    return spec.out_format is not torch.Tensor and not keeps
 
 
 def pending_grad(dense: torch.Tensor, grad_fmt: Any) -> SparseTensorWrapper:
@@ -96,7 +99,9 @@ def resparsify_pending(grad: Any) -> Any:
 def watch_gradient(wrapper: SparseTensorWrapper) -> None:
     """Give a traceable ``wrapper`` that requires grad and whose ``grad_fmt`` re-sparsifies the
     hook ``resparsify_pending`` (once per wrapper object)."""
-    if wrapper.__dict__.get("_sten_regrad_hook") or not wrapper.requires_grad or not resparsifies(wrapper.grad_fmt):
+    if wrapper.__dict__.get("_sten_regrad_hook") or not wrapper.requires_grad:
+        return
+    if not resparsifies(wrapper.grad_fmt, type(wrapper.wrapped_tensor)):
         return
     with torch._C.DisableTorchFunctionSubclass():
         if not wrapper.is_leaf:  # a non-leaf's gradient is never accumulated: nothing to convert
@@ -118,4 +123,6 @@ def register_marker() -> None:
     backward); called by ``register_traceable_layout``, so ``TRACEABLE_LAYOUTS`` stays empty, and
     the wrapper loads the plugins on first use, until a real layout is registered."""
     TRACEABLE_LAYOUTS.setdefault(CompiledDenseGrad, (_flatten, _unflatten, lambda grad_fmt, requires_grad=False: True))
+
+
 services.install(watch_gradient=watch_gradient)
