@@ -590,6 +590,8 @@ def test_a_default_weight_is_a_graph_input_only_while_it_trains():
     w.wrapped_tensor = sten.CsrTensor.from_dense(w.to_dense().detach())
     assert traceable(w)
     w.grad_fmt = (sten.KeepAll(), torch.Tensor, sten.ScalarFractionSparsifier(0.5), sten.CsrTensor)  # re-sparsified
+    assert traceable(w)  # trains compiled too (tests/test_compile_regrad.py)
+    w.grad_fmt = (sten.ScalarFractionSparsifier(0.5), torch.Tensor, sten.KeepAll(), torch.Tensor)  # masked dense
     assert not traceable(w)
 
 

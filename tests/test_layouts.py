@@ -133,7 +133,7 @@ def test_pickle_layout_and_wrapper(layout, dtype):
 
     w = sten.SparseTensorWrapper(obj, requires_grad=True)
     w2 = pickle.loads(pickle.dumps(w))
-    assert type(w2) is sten.SparseTensorWrapper and type(w2.wrapped_tensor) is layout
+    assert type(w2) is type(w) and isinstance(w2, sten.SparseTensorWrapper) and type(w2.wrapped_tensor) is layout
     assert w2.requires_grad
     assert w2.shape == x.shape and w2.dtype == dtype and torch.equal(w2.to_dense(), x)
 

@@ -18,8 +18,10 @@ out_format=Layout)``), and the explicit dense one (``grad_fmt=(KeepAll(),
 torch.Tensor, KeepAll(), torch.Tensor)``): the autograd formula
 then returns ``gy.T @ x`` as a plain tensor, which AOTAutograd (torch 2.13) hands
 back as the wrapper's gradient. The default ``grad_fmt=None`` (dense, the same
-gradient) and re-sparsified formats keep the eager class: a graph break per
-call, eager's gradients.
+gradient) does too while the weight trains (a parameter that requires grad). Formats
+that re-sparsify the gradient into a sparse layout (a new pattern per step) give the
+dense gradient out of the graph in a marker wrapper, which the weight's hook converts
+before accumulation (``sten_core.dispatch.compiled_regrad``).
 
 Example:
     >>> import torch, torch.nn.functional as F, sten_core as sten
@@ -35,6 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from sten_core.dispatch.compiled_regrad import pending_grad, register_marker, resparsifies
 from sten_core.model.helpers import bias_grad
 from sten_core.model.tensor import _HANDLERS, _PASS, TRACEABLE_LAYOUTS, TRACED_OPS, SparseTensorWrapper
 
@@ -71,17 +74,19 @@ def register_traceable_layout(layout: type, flatten: Callable, unflatten: Callab
         _GRADS[layout] = (grad_input, grad_values, values_index)
     TRACEABLE_LAYOUTS[layout] = (flatten, unflatten,
                                  lambda grad_fmt, requires_grad=False: takes(layout, grad_fmt, requires_grad))
+    register_marker()  # the compiled gradient of re-sparsified formats (compiled_regrad)
 
 
 def takes(layout: type, grad_fmt: Any, requires_grad: bool = False) -> bool:
     """Whether a new wrapper of ``layout`` is the traceable class: its ``grad_fmt`` keeps the
     layout and pattern, or is the explicit dense format ``(KeepAll(), torch.Tensor, KeepAll(), torch.Tensor)`` (its layout having
-    gradient kernels). The default ``grad_fmt=None`` (dense too) keeps the eager class: a
-    frozen traceable wrapper is a graph input, which strict ``torch.export`` and swapping the
-    layout object for another class do not support (see docs/compile.md)."""
+    gradient kernels). The default ``grad_fmt=None`` (dense too) and formats that re-sparsify the
+    gradient into a sparse layout (``compiled_regrad.resparsifies``) only while the wrapper
+    ``requires_grad`` (a trainable parameter): a frozen one keeps the eager class, so strict
+    ``torch.export`` and custom backends see the layout's own operators (see docs/compile.md)."""
     if keeps_layout(grad_fmt, layout):
         return True
-    if grad_fmt is None:  # the default (dense) gradient: traceable only while it requires grad
+    if grad_fmt is None or resparsifies(grad_fmt):  # dense or re-sparsified: traceable only while it trains
         return requires_grad and layout in _GRADS
     return layout in _GRADS and is_dense_grad(grad_fmt)
 
@@ -150,12 +155,14 @@ def trains_compiled(wrapper: Any) -> bool:
     """Whether a compiled ``F.linear`` with this weight computes its gradient in the graph:
     a traceable wrapper whose layout has gradient kernels and whose ``grad_fmt`` keeps its own
     layout and pattern, ``(KeepAll(), Layout, KeepAll(), Layout)`` (the eager backward then gives
-    the values' gradient at the weight's pattern too; with a dense ``tmp_format`` eager
-    re-sparsifies the dense gradient, a new pattern)."""
+    the values' gradient at the weight's pattern too), is dense, or re-sparsifies the dense
+    gradient into a sparse layout (a new pattern: converted after the compiled step by the
+    weight's hook, ``compiled_regrad``)."""
     if not traceable(wrapper):
         return False
     layout_cls = type(wrapper.wrapped_tensor)
-    return layout_cls in _GRADS and (gives_dense_grad(wrapper.grad_fmt) or keeps_layout(wrapper.grad_fmt, layout_cls))
+    fmt = wrapper.grad_fmt
+    return layout_cls in _GRADS and (gives_dense_grad(fmt) or keeps_layout(fmt, layout_cls) or resparsifies(fmt))
 
 
 # -- the operators on wrappers ---------------------------------------------------------
@@ -219,8 +226,13 @@ def _backward(ctx: Any, gy: Tensor) -> tuple:
     gx = torch.ops.sten_core.wrapper_linear_grad_input(gy, x, weight) if need_x else None
     gw = None
     if need_w:
-        gw = dense_weight_grad(gy, x, weight) if gives_dense_grad(weight.grad_fmt) else \
-            torch.ops.sten_core.wrapper_linear_grad_weight(gy, x, weight)
+        fmt = weight.grad_fmt
+        if gives_dense_grad(fmt):
+            gw = dense_weight_grad(gy, x, weight)
+        elif keeps_layout(fmt, type(weight.wrapped_tensor)):
+            gw = torch.ops.sten_core.wrapper_linear_grad_weight(gy, x, weight)
+        else:  # re-sparsified: the dense gradient, converted by the weight's hook before accumulation
+            gw = pending_grad(dense_weight_grad(gy, x, weight), fmt)
     gb = bias_grad(gy) if ctx.has_bias and need_b else None
     return gx, gw, gb
 

@@ -49,13 +49,15 @@ class SparseTensorWrapper(torch.Tensor):
         shape, dtype, device = layout_metadata(wrapped_tensor)
         if (grad_fmt is not None or requires_grad) and not TRACEABLE_LAYOUTS:
             services.load_plugins()  # their traceable layouts
-        trainable = requires_grad and issubclass(cls, SparseParameterWrapper)
+        trainable = requires_grad  # a parameter or a plain wrapper made to train (not a non-leaf result)
         cls = wrapper_class(cls, wrapped_tensor, grad_fmt, trainable)  # traceable: a graph input when compiled
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
         )
         self._cell = [wrapped_tensor]
         self.__dict__["_grad_fmt"] = grad_fmt
+        if requires_grad and issubclass(cls, _Traceable) and services.watch_gradient is not None:
+            services.watch_gradient(self)  # a re-sparsified grad_fmt: the compiled gradient's conversion
         return self
 
     @property
@@ -309,10 +311,12 @@ def sync_class(wrapper: "SparseTensorWrapper") -> None:
     t = type(wrapper)
     if t not in WRAPPER_TYPES or _is_compiling() or "_cell" not in wrapper.__dict__:
         return
-    trainable = wrapper.requires_grad and wrapper._is_param
+    trainable = wrapper.requires_grad and (wrapper._is_param or wrapper.is_leaf)
     want = wrapper_class(t, wrapper.wrapped_tensor, wrapper.grad_fmt, trainable)
     if want is not t:
         wrapper.__class__ = want
+    if issubclass(want, _Traceable) and wrapper.requires_grad and services.watch_gradient is not None:
+        services.watch_gradient(wrapper)
 
 
 def _has_fake_members(layout: Any) -> bool:
@@ -386,6 +390,7 @@ class WrapperServices:
     MISSING: Any = None
     reduce_wrapper: Any = None
     load_plugins: Any = None
+    watch_gradient: Any = None
 
     def install(self, **services: Any) -> None:
         for name, service in services.items():
@@ -456,6 +461,8 @@ def detached(value: Any) -> Any:
         if not value.requires_grad:
             return value
         layout, grad_fmt = value.wrapped_tensor, value.grad_fmt
+        if _is_compiling():  # Dynamo tracing the eager dispatcher: a tensor's __dict__ is no attribute it
+            return SparseTensorWrapper(layout, False, grad_fmt)  # can read (InternalTorchDynamoError)
         cached = value.__dict__.get("_sten_detached")  # (layout, grad_fmt, twin)
         if cached is None or cached[0] is not layout or cached[1] is not grad_fmt:
             cached = value.__dict__["_sten_detached"] = (layout, grad_fmt, SparseTensorWrapper(layout, False, grad_fmt))

@@ -193,17 +193,18 @@ def test_compiled_training_steps_with_an_optimizer_follow_eager():
 def test_which_wrappers_are_traceable():
     """The explicit dense gradient format or the layout's own: traceable (a compiled step
     computes the gradient in the graph); the default None on a parameter that requires grad too;
-    a re-sparsified gradient format (a new pattern, not the weight's structure): the eager
-    class (a graph break per call)."""
+    a re-sparsified gradient format (a new pattern) while it trains too (converted after the
+    compiled step, tests/test_compile_regrad.py)."""
     layout = NMTensor.from_dense(torch.randn(4, 8))
-    traceable = sten.dispatch.traceable.traceable
+    from sten_core.dispatch.traceable import traceable
     assert traceable(sten.SparseParameterWrapper(layout, grad_fmt=DENSE))
     assert traceable(sten.SparseParameterWrapper(layout, grad_fmt=keep_layout(NMTensor)))
     assert traceable(sten.SparseParameterWrapper(layout))  # the default None while it trains
     assert not traceable(sten.SparseParameterWrapper(layout, requires_grad=False))
-    assert not traceable(sten.SparseTensorWrapper(layout, requires_grad=True))  # not a parameter
-    assert not traceable(sten.SparseParameterWrapper(layout, grad_fmt=(sten.KeepAll(), torch.Tensor,
-                                                                       sten.KeepAll(), NMTensor)))
+    assert traceable(sten.SparseTensorWrapper(layout, requires_grad=True))  # a trainable plain wrapper too
+    assert not traceable(sten.SparseTensorWrapper(layout))  # frozen
+    assert traceable(sten.SparseParameterWrapper(layout, grad_fmt=(sten.KeepAll(), torch.Tensor,  # re-sparsified:
+                                                                   sten.KeepAll(), NMTensor)))  # test_compile_regrad.py
 
 
 def test_dense_gradient_training_steps_with_an_optimizer_follow_eager():

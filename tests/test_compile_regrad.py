@@ -1,0 +1,191 @@
+"""Compiled training of sparse weights whose gradient is re-sparsified (a new pattern per
+step, ``sten_core.dispatch.compiled_regrad``): no graph breaks, eager's gradients (layout,
+pattern, values), eager's accumulation and optimizer steps."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sten_core as sten
+from sten_core.dispatch.compiled_regrad import CompiledDenseGrad
+from sten_core.dispatch.traceable import traceable, trains_compiled
+from sten_core.testing import compiled_training_grads, sgd_steps_eager_and_compiled
+
+KEEP, SF = sten.KeepAll(), sten.ScalarFractionSparsifier(0.5)
+FORMATS = {
+    "dense-to-csr": (KEEP, torch.Tensor, KEEP, sten.CsrTensor),
+    "external-fraction-csr": (KEEP, torch.Tensor, SF, sten.CsrTensor),
+    "inline-fraction-csr": (SF, sten.CsrTensor, KEEP, sten.CsrTensor),
+    "fraction-to-coo": (KEEP, torch.Tensor, SF, sten.CooTensor),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)  # eager's dense fallbacks for some formats
+        yield
+    torch._dynamo.reset()
+
+
+def mlp(grad_fmt, layout=sten.CsrTensor, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
+    sb = sten.SparsityBuilder(model)
+    for name in ("0.weight", "2.weight"):
+        sb.set_weight(name, sten.ScalarFractionSparsifier(0.5), out_format=layout)
+        sb.set_weight_grad(name, *grad_fmt)
+    return sb.get_sparse_model()
+
+
+def dense(value):
+    return value.to_dense() if isinstance(value, sten.SparseTensorWrapper) else value
+
+
+def assert_same_sparse_grad(got, want):
+    """Same wrapper layout, same pattern (stored positions), values equal."""
+    assert isinstance(got, sten.SparseTensorWrapper) and isinstance(want, sten.SparseTensorWrapper)
+    assert type(got.wrapped_tensor) is type(want.wrapped_tensor)
+    assert torch.equal(dense(got) != 0, dense(want) != 0)
+    torch.testing.assert_close(dense(got), dense(want))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=list(FORMATS))
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor])
+def test_resparsified_gradients_compile_whole_with_eager_gradients(layout, fmt):
+    grad_fmt = FORMATS[fmt]
+    model = mlp(grad_fmt, layout)
+    assert all(traceable(model[i].weight) and trains_compiled(model[i].weight) for i in (0, 2))
+    x = torch.randn(2, 3, 24, requires_grad=True)
+    run = compiled_training_grads(model, x)
+    assert run["graph_breaks"] == 0, run["reasons"]
+    want, got = run["eager"], run["compiled"]
+    for i in (0, 2):
+        assert_same_sparse_grad(got[i], want[i])
+        assert type(got[i].wrapped_tensor) is grad_fmt[3]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(dense(g), dense(w))
+    torch.testing.assert_close(run["compiled_out"], run["eager_out"])
+    # the dense model's gradients, re-sparsified by the format, are eager's (and so compiled's)
+    w0, w2 = (model[i].weight.to_dense().detach().requires_grad_(True) for i in (0, 2))
+    rx = x.detach().clone().requires_grad_(True)
+    F.linear(torch.relu(F.linear(rx, w0, model[0].bias.detach())), w2, model[2].bias.detach()).square().sum().backward()
+    for i, ref in ((0, w0.grad), (2, w2.grad)):
+        torch.testing.assert_close(dense(got[i]), dense(sten.dispatch.apply_spec(ref, sten.OutputSpec.coerce(grad_fmt))))
+    torch.testing.assert_close(got[-1], rx.grad)
+
+
+def test_the_compiled_gradient_is_converted_before_accumulation():
+    """Three backward calls without zeroing: eager accumulates each re-sparsified gradient into
+    the first one's wrapper (its pattern); compiled does exactly the same."""
+    grads = []
+    for compile_it in (False, True):
+        torch._dynamo.reset()
+        model = mlp(FORMATS["external-fraction-csr"])
+        step = torch.compile(model, fullgraph=True) if compile_it else model
+        torch.manual_seed(5)
+        for _ in range(3):
+            step(torch.randn(4, 24)).square().sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for want, got in zip(*grads):
+        if isinstance(want, sten.SparseTensorWrapper):
+            assert_same_sparse_grad(got, want)
+            assert not isinstance(got.wrapped_tensor, CompiledDenseGrad)
+        torch.testing.assert_close(dense(got), dense(want))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_steps_with_resparsified_gradients_follow_eager(momentum):
+    fmt = FORMATS["external-fraction-csr"]
+
+    def run(compile_it):
+        torch._dynamo.reset()
+        model = mlp(fmt, seed=3)
+        step = torch.compile(model, fullgraph=True) if compile_it else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+        torch.manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad()
+            step(torch.randn(6, 24)).square().sum().backward()
+            opt.step()
+        return model
+
+    eager, compiled = run(False), run(True)
+    for e, c in zip(eager.parameters(), compiled.parameters()):
+        assert type(c) is type(e)
+        if isinstance(e, sten.SparseTensorWrapper):
+            assert type(c.wrapped_tensor) is type(e.wrapped_tensor) is sten.CsrTensor
+        torch.testing.assert_close(dense(c).detach(), dense(e).detach())
+    assert not torch.equal(dense(eager[0].weight).detach(), dense(mlp(fmt, seed=3)[0].weight).detach())
+    if momentum == 0.0:  # the kit's helper (zero_grad, loss, SGD) gives the same
+        kit = sgd_steps_eager_and_compiled(lambda: mlp(fmt, seed=3), lambda: torch.randn(6, 24))
+        for e, c in zip(*(m.parameters() for m in kit)):
+            torch.testing.assert_close(dense(c).detach(), dense(e).detach())
+
+
+def test_a_random_sparsifier_draws_as_eager_for_one_weight():
+    """RandomFractionSparsifier draws from torch's generator in the backward, eagerly and
+    (in the weight's hook) compiled, at the same point: one such weight gets eager's pattern.
+    (With several, the order in which autograd accumulates the compiled gradients may differ
+    from eager's backward order, so their draws are swapped: docs/compile.md.)"""
+    fmt = (KEEP, torch.Tensor, sten.RandomFractionSparsifier(0.5), sten.CsrTensor)
+    grads = []
+    for compile_it in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(24, 8)
+        lin.weight = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(lin.weight.detach()), grad_fmt=fmt)
+        step = torch.compile(lin, fullgraph=True) if compile_it else lin
+        torch.manual_seed(5)
+        for _ in range(2):
+            step(torch.randn(4, 24)).square().sum().backward()
+        grads.append(lin.weight.grad)
+    assert_same_sparse_grad(grads[1], grads[0])
+
+
+def test_eager_gradients_of_a_weight_used_twice_are_unchanged():
+    """The hook converts only a compiled step's gradient: eagerly, a weight used twice in one step
+    still gets the sum of its two re-sparsified gradients (a plain tensor when their patterns differ)."""
+    fmt = FORMATS["external-fraction-csr"]
+    spec = sten.OutputSpec.coerce(fmt)
+    torch.manual_seed(0)
+    w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.randn(6, 6)), grad_fmt=fmt)
+    assert traceable(w)
+    x = torch.randn(3, 6)
+    F.linear(F.linear(x, w).relu(), w).square().sum().backward()
+    d = w.to_dense().detach().requires_grad_(True)
+    h = F.linear(x, d).relu()
+    ga = torch.autograd.grad(F.linear(h.detach(), d).square().sum(), d)[0]
+    hd = h.detach().requires_grad_(True)
+    gh = torch.autograd.grad(F.linear(hd, d.detach()).square().sum(), hd)[0]
+    gb = torch.autograd.grad(h, d, gh)[0]
+    torch.testing.assert_close(dense(w.grad), dense(sten.dispatch.apply_spec(ga, spec)) + dense(sten.dispatch.apply_spec(gb, spec)))
+
+
+def test_a_masked_dense_gradient_format_keeps_the_eager_class():
+    """A format that sparsifies but ends dense gives a plain tensor eagerly, which a hook cannot tell
+    from a compiled step's: the weight stays the eager class (a graph break per call)."""
+    w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.randn(6, 6)),
+                                    grad_fmt=(SF, torch.Tensor, KEEP, torch.Tensor))
+    assert not traceable(w)
+
+
+def test_only_resparsified_trainable_wrappers_get_the_hook():
+    """The hook is an eager cost (one Python call per backward): only weights whose format
+    re-sparsifies carry it, and then once, whatever else changes."""
+    layout = sten.CsrTensor.from_dense(torch.randn(6, 6))
+    keep = sten.SparseParameterWrapper(layout, grad_fmt=(KEEP, sten.CsrTensor, KEEP, sten.CsrTensor))
+    default = sten.SparseParameterWrapper(layout)
+    frozen = sten.SparseParameterWrapper(layout, requires_grad=False, grad_fmt=FORMATS["dense-to-csr"])
+    assert not any(w._backward_hooks for w in (keep, default, frozen))
+    w = sten.SparseParameterWrapper(layout, grad_fmt=FORMATS["dense-to-csr"])
+    assert len(w._backward_hooks) == 1
+    w.grad_fmt = FORMATS["external-fraction-csr"]
+    w.requires_grad_(False)
+    w.requires_grad_(True)
+    assert len(w._backward_hooks) == 1 and traceable(w)
+    keep.grad_fmt = FORMATS["external-fraction-csr"]  # set afterwards: the hook comes with it
+    assert len(keep._backward_hooks) == 1
