@@ -165,6 +165,26 @@ def test_eager_gradients_of_a_weight_used_twice_are_unchanged():
     torch.testing.assert_close(dense(w.grad), dense(sten.dispatch.apply_spec(ga, spec)) + dense(sten.dispatch.apply_spec(gb, spec)))
 
 
+def test_a_weight_used_twice_in_a_compiled_step_is_refused_not_silently_summed():
+    """Compiled, the two uses' gradients are summed inside the graph before the hook sees them,
+    so the step cannot give eager's sum of two re-sparsified gradients: it must fail loudly
+    (it once returned the dense, not re-sparsified, gradient). Eager is unaffected."""
+    fmt = FORMATS["external-fraction-csr"]
+    torch.manual_seed(0)
+    w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.randn(6, 6)), grad_fmt=fmt)
+    x = torch.randn(3, 6)
+    step = torch.compile(lambda w, x: F.linear(F.linear(x, w).relu(), w).square().sum())
+    with pytest.raises(Exception, match="used more than once in one compiled step"):
+        step(w, x).backward()
+    assert w.grad is None
+
+
+def test_other_products_of_a_resparsified_weight_say_why_they_cannot_train_compiled():
+    w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.randn(6, 6)), grad_fmt=FORMATS["dense-to-csr"])
+    with pytest.raises(Exception, match="whose grad_fmt re-sparsifies its gradient: only F.linear"):
+        torch.compile(lambda w, x: (x @ w.t()).sum())(w, torch.randn(3, 6))
+
+
 def test_a_masked_dense_gradient_format_keeps_the_eager_class():
     """A format that sparsifies but ends dense gives a plain tensor eagerly, which a hook cannot tell
     from a compiled step's: the weight stays the eager class (a graph break per call)."""

@@ -165,8 +165,11 @@ def unsupported_training_message(op: Any, weight: Any) -> str:
     """
     name = _WEIGHT_PRODUCTS.get(op) or getattr(op, "__qualname__", None) or getattr(op, "__name__", repr(op))
     layout = type(weight.wrapped_tensor).__name__
-    return (f"torch.compile: {name} on a trainable {layout} weight whose grad_fmt keeps its layout: only "
-            f"F.linear(x, weight, bias) (nn.Linear) computes the stored values' gradient in a compiled graph; a "
+    from sten_core.dispatch.compiled_regrad import resparsifies
+
+    fmt = "re-sparsifies its gradient" if resparsifies(weight.grad_fmt, type(weight.wrapped_tensor)) else "keeps its layout"
+    return (f"torch.compile: {name} on a trainable {layout} weight whose grad_fmt {fmt}: only "
+            f"F.linear(x, weight, bias) (nn.Linear) computes that gradient in a compiled graph; a "
             f"weight product such as x @ W.t(), torch.mm(x, W.t()), torch.matmul(x, W.t()) or "
             f"torch.addmm(b, x, W.t()) must be written F.linear(x, W, b) to train compiled (the eager one densifies "
             f"W and re-sparsifies its gradient, a new pattern); or give W a dense gradient (grad_fmt=None or "

@@ -60,7 +60,16 @@ class CompiledDenseGrad:
         return self.dense.device
 
     def to_dense(self) -> torch.Tensor:
-        return self.dense
+        """Refused: a compiled backward densifies the marker only to add it to another gradient of
+        the same weight (a weight used twice in one step), which eager re-sparsifies once per use
+        and then adds; the hook sees only the sum, so the compiled gradient would differ."""
+        from sten_core.dispatch.compiled import UnsupportedTrainingOp
+
+        raise UnsupportedTrainingOp(
+            "torch.compile: a trainable weight whose grad_fmt re-sparsifies its gradient is used more than once "
+            "in one compiled step (or by an operator other than F.linear): eager re-sparsifies each use's gradient "
+            "and adds them, which the compiled step cannot reproduce; use the weight once per step, give it a "
+            "dense or pattern-keeping grad_fmt, or run this step eagerly. See docs/compile.md")
 
     def __repr__(self) -> str:
         return f"CompiledDenseGrad(shape={tuple(self.shape)}, dtype={self.dtype})"
