@@ -686,3 +686,67 @@ def check_compile_training_products(layout_cls: type, *, grad_fmt: Any = None, s
             torch.testing.assert_close(_dense(pc), _dense(pe), msg=lambda m: f"{layout_cls.__name__} {name}: "
                                        f"{pname} after {sgd_steps} SGD steps, compiled vs eager: {m}", **tol)
     return report
+
+
+SHARED_WEIGHT_GRAD_FMTS: dict = {
+    "default": lambda layout: None,
+    "dense": lambda layout: (KeepAll(), torch.Tensor, KeepAll(), torch.Tensor),
+    "keep-layout": lambda layout: (KeepAll(), layout, KeepAll(), layout),
+}
+"""``check_compile_shared_weight``'s gradient formats: ``name -> grad_fmt(layout_cls)``."""
+
+
+class _SharedWeight(torch.nn.Module):
+    """One square weight applied twice: ``F.linear(relu(F.linear(x, W)), W)``."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.weight).relu(), self.weight)
+
+
+def check_compile_shared_weight(layout_cls: type, *, size: int = 16, batch: int = 5, sparsifier: Any = None,
+                                grad_fmts: Iterable[str] | None = None, device: str = "cpu") -> None:
+    """A trainable ``layout_cls`` weight used twice in one step trains compiled: for each of
+    ``SHARED_WEIGHT_GRAD_FMTS`` (the default, the explicit dense, the pattern-keeping format) no
+    graph break, ``fullgraph=True`` runs, and the weight's and input's gradients equal eager's and
+    the dense model's (masked to the pattern for the pattern-keeping format, whose gradient stays
+    a ``layout_cls`` wrapper). Raises ``AssertionError`` naming the format.
+
+    Example:
+        >>> import sten_core as sten
+        >>> check_compile_shared_weight(sten.CsrTensor)   # doctest: +SKIP
+    """
+    import warnings
+
+    plugins.ensure_loaded()
+    sample = _sample((size, size), torch.float32, sparsifier or ScalarFractionSparsifier(0.5), device, seed=600)
+    for fmt in grad_fmts or SHARED_WEIGHT_GRAD_FMTS:
+        case = f"{layout_cls.__name__} used twice, grad_fmt {fmt}"
+        w = SparseParameterWrapper(layout_cls.from_dense(sample), requires_grad=True,
+                                   grad_fmt=SHARED_WEIGHT_GRAD_FMTS[fmt](layout_cls))
+        model = _SharedWeight(w)
+        x = torch.randn(batch, size, generator=torch.Generator().manual_seed(10)).to(device).requires_grad_(True)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", dispatch.DispatchWarning)
+                run = compiled_training_grads(model, x)
+        except Exception as error:
+            raise AssertionError(f"{case}: {type(error).__name__}: {str(error).strip()[:400]}") from error
+        assert run["graph_breaks"] == 0, f"{case}: {run['graph_breaks']} graph break(s): {'; '.join(run['reasons'])}"
+        reference = _SharedWeight(torch.nn.Parameter(_dense(w).detach().clone()))
+        xd = x.detach().clone().requires_grad_(True)
+        reference(xd).square().sum().backward()
+        want_w = reference.weight.grad
+        if fmt == "keep-layout":
+            layout = w.wrapped_tensor  # the stored positions (a stored value may be 0)
+            want_w = want_w * (to_dense_tensor(layout.with_values(torch.ones_like(layout.values()))) != 0)
+            got = run["compiled"][0]
+            assert isinstance(got, SparseTensorWrapper) and type(got.wrapped_tensor) is layout_cls, \
+                f"{case}: the weight's compiled gradient is {type(got).__name__}, not a {layout_cls.__name__} wrapper"
+        for what, got, eager, ref in zip(("weight", "input"), run["compiled"], run["eager"], (want_w, xd.grad)):
+            torch.testing.assert_close(_dense(got), _dense(eager), msg=lambda m: f"{case}: {what} gradient vs eager: {m}")
+            torch.testing.assert_close(_dense(got), ref, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"{case}: {what} gradient vs dense: {m}")

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from sten_core.dispatch.compiled_regrad import pending_grad, register_marker, resparsifies
 from sten_core.model.helpers import bias_grad
-from sten_core.model.tensor import _HANDLERS, _PASS, TRACEABLE_LAYOUTS, TRACED_OPS, SparseTensorWrapper
+from sten_core.model.tensor import _HANDLERS, _PASS, TRACEABLE_LAYOUTS, TRACED_OPS, SparseTensorWrapper, services
 
 Tensor = torch.Tensor
 _GRADS: dict = {}  # layout class -> (grad_input(gy, x, layout), grad_values(gy, x, layout))
@@ -265,12 +265,34 @@ def _grad_input_below_autograd(gy: Tensor, x: Tensor, weight: SparseTensorWrappe
 
 def _grad_weight_below_autograd(gy: Tensor, x: Tensor, weight: SparseTensorWrapper) -> SparseTensorWrapper:
     layout = weight.wrapped_tensor
-    _, grad_values, index = _GRADS[type(layout)]
+    return SparseTensorWrapper(traced_with_values(layout, _GRADS[type(layout)][1](gy, x, layout)), False,
+                               weight.grad_fmt)
+
+
+def traced_with_values(layout: Any, values: Tensor) -> Any:
+    """``layout.with_values(values)`` through the layout's flatten/unflatten, so it works on fake
+    members while compiling (``with_values`` of a torch CSR layout builds a sparse tensor, which
+    cannot be faked): e.g. the sum of a weight's two gradients at its pattern (used twice)."""
     flatten, unflatten, _ = TRACEABLE_LAYOUTS[type(layout)]
     tensors, consts = flatten(layout)
     tensors = list(tensors)
-    tensors[index] = grad_values(gy, x, layout)
-    return SparseTensorWrapper(unflatten(tensors, list(consts)), False, weight.grad_fmt)
+    tensors[_GRADS[type(layout)][2]] = values
+    return unflatten(tensors, list(consts))
+
+
+def traced_sum(a: Any, b: Any) -> Any:
+    """``a + b`` of two layouts on fake members sharing every member but the values (two
+    gradients of one weight at its pattern, while compiling; their data cannot be compared), or
+    ``None`` when they do not."""
+    flatten = TRACEABLE_LAYOUTS[type(a)][0]
+    (ta, ca), (tb, cb) = flatten(a), flatten(b)
+    index = _GRADS[type(a)][2]
+    if list(ca) != list(cb) or len(ta) != len(tb) or any(x is not y for i, (x, y) in enumerate(zip(ta, tb)) if i != index):
+        return None
+    return traced_with_values(a, ta[index] + tb[index])
+
+
+services.install(traced_sum=traced_sum)
 
 
 for _packet, _impl in ((torch.ops.sten_core.wrapper_linear, _linear_below_autograd),

@@ -391,6 +391,7 @@ class WrapperServices:
     reduce_wrapper: Any = None
     load_plugins: Any = None
     watch_gradient: Any = None
+    traced_sum: Any = None
 
     def install(self, **services: Any) -> None:
         for name, service in services.items():
@@ -418,7 +419,12 @@ def _add_same_pattern(a: Any, b: Any, inplace: bool) -> Any:
     if not (isinstance(a, SparseTensorWrapper) and isinstance(b, SparseTensorWrapper)):
         return None
     la, lb = a.wrapped_tensor, b.wrapped_tensor
-    if type(la) is not type(lb) or not supports_values(la) or not la.same_pattern(lb):
+    if type(la) is not type(lb) or not supports_values(la):
+        return None
+    if _has_fake_members(la):  # compiling: a weight's gradients at its pattern (a weight used twice)
+        summed = None if inplace else services.traced_sum(la, lb)
+        return None if summed is None else SparseTensorWrapper(summed, False, a.grad_fmt)
+    if not la.same_pattern(lb):
         return None
     if inplace:
         la.values().add_(lb.values())

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import requires_kernel
 
 import sten_core as sten
-from sten_core.testing import (check_compile, check_compile_training_products, check_compile_weight_products,
+from sten_core.testing import (check_compile, check_compile_shared_weight, check_compile_training_products, check_compile_weight_products,
                                compile_whole, compiled_training_grads, sgd_steps_eager_and_compiled)
 from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor
 from sten_nm import compiled as nmc
@@ -453,3 +453,8 @@ def test_x_at_a_frozen_grouped_weight_runs_its_own_to_dense_in_one_custom_operat
                if n.op == "call_function"}
     assert torch.ops.sten_core.members_to_dense in targets, targets
     torch.testing.assert_close(got, x @ w.to_dense())
+
+
+@pytest.mark.parametrize("layout", [NMTensor, GroupedNMTensor, ColumnGroupedNMTensor])
+def test_a_weight_used_twice_trains_compiled_with_eager_gradients(layout):
+    check_compile_shared_weight(layout, size=32)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import sten_core as sten
-from sten_core.testing import (check_compile, check_compile_training_products, check_compile_weight_products,
+from sten_core.testing import (check_compile, check_compile_shared_weight, check_compile_training_products, check_compile_weight_products,
                                compile_whole, compiled_training_grads, sgd_steps_eager_and_compiled)
 from sten_scipy import ScipyCscTensor, ScipyCsrTensor
 from sten_scipy import compiled as spc
@@ -363,3 +363,8 @@ def test_training_through_other_products_compiles_whole(layout):
     ``x @ W.t()``, ``torch.matmul(x, W.t())``, ``torch.addmm(b, x, W.t())``, ``W @ x.t()``: eager's
     (plain dense) gradients, the dense model's, and SGD steps equal eager's."""
     assert set(check_compile_training_products(layout).values()) == {0}
+
+
+@pytest.mark.parametrize("layout", [ScipyCsrTensor, ScipyCscTensor])
+def test_a_weight_used_twice_trains_compiled_with_eager_gradients(layout):
+    check_compile_shared_weight(layout)
