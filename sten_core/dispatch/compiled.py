@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from sten_core.dispatch import compiled_products, dynamo_matmul
+from sten_core.dispatch.errors import UnsupportedTrainingOp  # noqa: F401  (raised here; its home is errors)
 from sten_core.model.layouts import to_dense_tensor
 from sten_core.model.registry import registry
 from sten_core.model.tensor import TRACEABLE_LAYOUTS, SparseTensorWrapper, services
@@ -141,11 +142,6 @@ def dense_training_call(op: Any, *args: Any, **kwargs: Any) -> Any:
 
     return op(*[dense(a) for a in args], **{k: dense(v) for k, v in kwargs.items()})
 
-
-class UnsupportedTrainingOp(TypeError):
-    """An operator other than ``F.linear`` on a trainable traceable weight whose ``grad_fmt`` keeps its
-    layout, or an in-place operator on a weight that is a graph input: raised while Dynamo traces
-    (a dense ``grad_fmt`` trains compiled through any other operator, on the weight's dense view)."""
 
 
 _WEIGHT_PRODUCTS = {torch.mm: "torch.mm", torch.matmul: "torch.matmul", torch.addmm: "torch.addmm",

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from sten_core.dispatch.errors import UnsupportedTrainingOp
 from sten_core.dispatch.sparsifier_dispatch import apply_spec
 from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.spec import OutputSpec
@@ -63,8 +64,6 @@ class CompiledDenseGrad:
         """Refused: a compiled backward densifies the marker only to add it to another gradient of
         the same weight (a weight used twice in one step), which eager re-sparsifies once per use
         and then adds; the hook sees only the sum, so the compiled gradient would differ."""
-        from sten_core.dispatch.compiled import UnsupportedTrainingOp
-
         raise UnsupportedTrainingOp(
             "torch.compile: a trainable weight whose grad_fmt re-sparsifies its gradient is used more than once "
             "in one compiled step (or by an operator other than F.linear): eager re-sparsifies each use's gradient "

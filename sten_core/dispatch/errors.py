@@ -35,6 +35,13 @@ class DispatchWarning(UserWarning):
     """A dense fallback ran because no sparse implementation is registered."""
 
 
+class UnsupportedTrainingOp(TypeError):
+    """An operator other than ``F.linear`` on a trainable traceable weight whose ``grad_fmt`` keeps its
+    layout or re-sparsifies it, or an in-place operator on a weight that is a graph input: raised
+    while Dynamo traces (a dense ``grad_fmt`` trains compiled through any other operator, on the
+    weight's dense view)."""
+
+
 _MODES = ("warn", "raise")
 _default_mode = "warn"
 _mode: contextvars.ContextVar[str | None] = contextvars.ContextVar("sten_dispatch_failure", default=None)

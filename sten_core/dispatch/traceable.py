@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -310,4 +311,5 @@ def linear_training(x: Tensor, weight: Any, bias: Optional[Tensor] = None) -> Te
     ``sten_core::wrapper_linear`` node (the weight a graph input, its gradient in the graph)."""
     return torch.ops.sten_core.wrapper_linear(x, weight, bias)
 
-from sten_core.dispatch import dense_view as _dense_view  # noqa: E402,F401  (its custom operators, with these)
+
+importlib.import_module("sten_core.dispatch.dense_view")  # its custom operators are registered with these
