@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from sten_core.model import torch_support
 from sten_core.model.layouts import layout_metadata, supports_values, to_dense_tensor
 
 aten = torch.ops.aten
@@ -288,7 +289,8 @@ def wrapper_class(cls: type, layout: Any, grad_fmt: Any, trainable: bool) -> typ
     """The class a wrapper of ``layout`` has: the traceable twin of ``cls`` when the layout is
     registered traceable and takes this ``grad_fmt`` (see ``sten_core.dispatch.traceable.takes``;
     the default ``None`` only for a ``trainable`` wrapper: a parameter that requires grad), else
-    the eager class. Other subclasses keep theirs.
+    the eager class (always, on a torch older than ``torch_support.TRACEABLE_MIN_TORCH``). Other
+    subclasses keep theirs.
 
     Example:
         >>> import torch, sten_core as sten
@@ -297,7 +299,7 @@ def wrapper_class(cls: type, layout: Any, grad_fmt: Any, trainable: bool) -> typ
     """
     base = _EAGER_TWIN.get(cls, cls)
     entry = TRACEABLE_LAYOUTS.get(type(layout))
-    if entry is not None and entry[2](grad_fmt, trainable):
+    if entry is not None and torch_support.TRACEABLE_WRAPPERS and entry[2](grad_fmt, trainable):
         return _TRACEABLE_TWIN.get(base, base)
     return base
 
