@@ -9,7 +9,7 @@
 #   bench options go to bench_cuda24.py, e.g. --quick or --only linear,block (--only compile: compiled vs eager)
 #
 # Everything is written under $OUT (default ./gpu-out): session.log (all output),
-# env.txt, pip.log, tests.log + pytest.xml, tests-cutlass.log, tests-wgrad-*.log,
+# env.txt, pip.log, tests.log + pytest.xml, tests-cutlass.log, tests-wgrad-*.log, tests-traceable.log,
 # bench/bench_cuda24.{json,md}, bench.log and summary.txt (exit status of every step).
 # Each stage has its own time limit (TESTS_TIMEOUT, BENCH_TIMEOUT seconds) so that a
 # 10-minute command limit still returns the logs; the benchmark saves after each section.
@@ -118,6 +118,12 @@ if [ "$STAGE" != "bench" ]; then
         -k "twenty" > "$OUT/tests-wgrad-$mode.log" 2>&1
     tail -n 8 "$OUT/tests-wgrad-$mode.log"
   done
+  # on a torch below 2.13 the compiled-training tests skip (wrappers stay eager there): try them anyway
+  if ! "$PY" -c "import sys; from sten_core.model import torch_support as t; sys.exit(not t.TRACEABLE_WRAPPERS)"; then
+    step tests-traceable env STEN_TRACEABLE_WRAPPERS=1 timeout 240 "$PY" -m pytest -q -rs tests/test_torch_compile.py \
+        > "$OUT/tests-traceable.log" 2>&1
+    tail -n 15 "$OUT/tests-traceable.log"
+  fi
   cd "$ROOT"
 fi
 

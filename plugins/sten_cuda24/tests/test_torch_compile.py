@@ -16,6 +16,7 @@ from conftest import HAS_CUDA
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import sten_core as sten
+from sten_core.model import torch_support
 from sten_core.testing import compiled_training_grads
 from sten_cuda24 import BlockSparseTensor, Sparse24Tensor, paths, sparsify_24
 from sten_cuda24 import compiled as cc
@@ -24,6 +25,10 @@ LAYOUTS = ["24", "24t", "bsr"]  # 2:4, 2:4 with the transposed pair, 16x16 block
 LAYOUT_CLS = {"24": Sparse24Tensor, "24t": Sparse24Tensor, "bsr": BlockSparseTensor}
 OPS = {"24": torch.ops.sten_cuda24.linear24.default, "24t": torch.ops.sten_cuda24.linear24.default,
        "bsr": torch.ops.sten_cuda24.linear_bsr.default}
+TRACEABLE = pytest.mark.skipif(
+    not torch_support.TRACEABLE_WRAPPERS, reason=f"traceable wrappers are off on torch {torch.__version__} (below "
+    f"{torch_support.TRACEABLE_MIN_TORCH}, sten_core.model.torch_support): compiled training runs eagerly there "
+    f"(tests/test_torch_support.py); STEN_TRACEABLE_WRAPPERS=1 runs these")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_80+); none in this session"))]
 
 
@@ -254,9 +259,9 @@ def test_fake_implementations_of_the_activation_and_sparsify_operators_on_cuda(d
 
 
 @pytest.mark.parametrize("kind", LAYOUTS)
-@pytest.mark.parametrize("grad", [False, pytest.param(True, marks=pytest.mark.skipif(
+@pytest.mark.parametrize("grad", [False, pytest.param(True, marks=[TRACEABLE, pytest.mark.skipif(
     not torch.version.cuda, reason="autograd on fake CUDA tensors needs a CUDA build of torch (a CPU build aborts "
-    "in AccumulateGrad); the training step is traced on real CPU tensors in the tests below"))])
+    "in AccumulateGrad); the training step is traced on real CPU tensors in the tests below")])])
 def test_a_model_on_fake_cuda_tensors_traces_whole_with_the_custom_operators(kind, grad):
     """What the GPU graph holds, checked without a GPU: Dynamo traces an inference MLP
     (and, on a CUDA build of torch, a training step of traceable weights) on fake CUDA
@@ -315,6 +320,7 @@ def test_frozen_sparse_weights_train_compiled_whole_with_eager_gradients(device,
     torch.testing.assert_close(got[-1], rx.grad, **tol(x.dtype))
 
 
+@TRACEABLE
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", LAYOUTS)
 def test_training_step_of_sparse_weights_compiles_whole_with_eager_and_dense_gradients(device, kind):
@@ -339,6 +345,7 @@ def test_training_step_of_sparse_weights_compiles_whole_with_eager_and_dense_gra
     torch.testing.assert_close(got[-1], rx.grad, **tol(x.dtype))
 
 
+@TRACEABLE
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["24t", "bsr"])
 def test_compiled_optimizer_steps_follow_eager(device, kind):
@@ -453,6 +460,7 @@ def test_compiled_calls_reject_bad_inputs_naming_them():
         torch.compile(lambda b: torch.matmul(a, b), fullgraph=True)(torch.randn(31, 2))
 
 
+@TRACEABLE
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_operand_is_built_once_per_weight(device):
     """A compiled model rebuilds each weight's layout (and its GPU operand) once, not per call."""
