@@ -8,7 +8,7 @@ replaced: another tensor); public members and serialization are unchanged.
 Example:
     >>> import torch
     >>> from sten_nm import ColumnGroupedNMTensor
-    >>> W = ColumnGroupedNMTensor.from_dense(torch.randn(8, 64), 2, 4)
+    >>> W = ColumnGroupedNMTensor.from_dense(torch.randn(8, 1200), 2, 4)
     >>> d = with_tiles(W, W.desc(), 256, "tiled")
     >>> d.tile_kt > 0 and with_tiles(W, W.desc(), 256, "tiled").tiles == d.tiles
     True
@@ -34,14 +34,16 @@ def enabled() -> bool:
 def with_tiles(owner: Any, desc: _kernel.NMColGrouped, B: int, variant: str = "auto",
                nthreads: Optional[int] = None) -> _kernel.NMColGrouped:
     """``desc``, or a copy of it that points at ``owner``'s packed tiles for the tile length
-    the forward uses at batch ``B`` in ``variant`` (float32 values only; ``desc`` unchanged
-    where packing does not apply: bf16 values, a tile spanning 32768 columns or more)."""
+    the forward uses at batch ``B`` in ``variant`` (float32 values, passes of fewer slots than
+    a pattern has, i.e. the tiled order; ``desc`` unchanged otherwise: bf16 values, the stream
+    order, whose per-pattern rows are already contiguous and measured no faster packed, or a
+    tile spanning 32768 columns or more)."""
     if desc.vtype != _kernel.VTYPES[torch.float32] or B < 1 or not enabled():
         return desc
     lib = _kernel._load()
     kt = lib.nm_colgrouped_tile_kt(ctypes.byref(desc), B, _kernel._threads(nthreads), _kernel.CG_VARIANTS[variant])
-    if kt < 1:
-        return desc
+    if kt < 1 or kt >= desc.L:
+        return desc   # one pass over every slot (the stream order): the stored tables, no copy
     vals, cols = desc._keep[0], desc._keep[1]
     cache = owner.__dict__.setdefault("_cg_tiles", {})
     hit = cache.get(kt)

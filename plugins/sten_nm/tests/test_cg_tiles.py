@@ -87,7 +87,7 @@ def test_forward_on_tiles_every_isa(isa, n, m, B, variant, env, monkeypatch):
         t = _layout(N, K, n, m, g)
         x, b = torch.randn(B, K), torch.randn(N)
         d = with_tiles(t, t.desc(), B, variant)
-        assert d.tiles and d.tile_kt >= 1   # packed (float32, narrow tiles)
+        assert bool(d.tiles) == (variant == "tiled" and 1 <= d.tile_kt < d.L)   # packed for tiled passes
         y = _kernel.colgrouped_gather(d, x, b, variant=variant)
         torch.testing.assert_close(y, F.linear(x, t.to_dense(), b), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(_kernel.colgrouped_gather(d, x, nthreads=3, variant=variant),
@@ -95,24 +95,28 @@ def test_forward_on_tiles_every_isa(isa, n, m, B, variant, env, monkeypatch):
 
 
 @requires_kernel
-def test_tiles_for_another_tile_length_are_ignored():
-    """A descriptor packed for one tile length given to a pass of another (stream tiles to the
-    tiled order and back) reads the stored tables: still exact."""
+def test_tiles_for_another_tile_length_are_ignored(monkeypatch):
+    """A descriptor packed for one tile length given to passes of another (other tiles, the
+    stream order) reads the stored tables: still exact."""
     from sten_nm import _kernel
 
     t = ColumnGroupedNMTensor.from_dense(torch.randn(40, 1000), 1, 10)
     x = torch.randn(70, 1000)
-    ds, dt = with_tiles(t, t.desc(), 70, "stream"), with_tiles(t, t.desc(), 70, "tiled")
-    assert ds.tile_kt != dt.tile_kt
-    for d, v in ((ds, "tiled"), (dt, "stream")):
-        torch.testing.assert_close(_kernel.colgrouped_gather(d, x, variant=v), F.linear(x, t.to_dense()),
-                                   rtol=1e-4, atol=1e-4)
+    dt = with_tiles(t, t.desc(), 70, "tiled")
+    assert dt.tiles and dt.tile_kt != 5
+    assert not with_tiles(t, t.desc(), 70, "stream").tiles
+    torch.testing.assert_close(_kernel.colgrouped_gather(dt, x, variant="stream"), F.linear(x, t.to_dense()),
+                               rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("STEN_NM_CG_KT", "5")
+    torch.testing.assert_close(_kernel.colgrouped_gather(dt, x, variant="tiled"), F.linear(x, t.to_dense()),
+                               rtol=1e-4, atol=1e-4)
 
 
 @requires_kernel
-def test_tiles_follow_value_and_column_changes():
+def test_tiles_follow_value_and_column_changes(monkeypatch):
     """The cached packed copy is rebuilt when the values change in place or are replaced, and
-    F.linear on the layout uses it."""
+    F.linear on the layout uses it (tiled order; the tests run with tuning off)."""
+    monkeypatch.setenv("STEN_NM_CG_VARIANT", "2")
     t = ColumnGroupedNMTensor.from_dense(torch.randn(30, 300), 2, 4)
     x = torch.randn(50, 300)
     torch.testing.assert_close(column_grouped_linear(x, t), F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
@@ -124,7 +128,7 @@ def test_tiles_follow_value_and_column_changes():
     torch.testing.assert_close(column_grouped_linear(x, u), F.linear(x, u.to_dense()), rtol=1e-4, atol=1e-4)
     t._values = torch.randn_like(t._values)         # replaced under the same object
     torch.testing.assert_close(column_grouped_linear(x, t), F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
-    assert len(t._cg_tiles) <= 2
+    assert len(t._cg_tiles) == 1   # stale copies dropped
 
 
 @requires_kernel
