@@ -25,9 +25,14 @@
 
 /* acc_j += sum_{t in [t0,t1)} v[j*L + t] * x[cols[t]] for j < NJ; out[j] += acc_j. */
 static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
-    const float *panel, const int32_t *cols, const float *v, int64_t L, int64_t t0, int64_t t1,
-    float *const *out, const int NJ, const int pf)
+    const float *panel, const void *colsp, const float *v, int64_t L, int64_t t0, int64_t t1,
+    float *const *out, const int NJ, const int pf, const int I16)
 {
+    /* columns as int32 (the stored table) or int16 (the tile-major packed form, relative to
+     * the tile's base: panel points at it); I16 is a compile-time constant per call site */
+    const int32_t *cols = (const int32_t *)colsp;
+    const int16_t *cols16 = (const int16_t *)colsp;
+#define NMC_COL(i) (I16 ? (int64_t)cols16[i] : (int64_t)cols[i])
     /* two accumulator sets when one set has fewer than 8 independent chains and both fit */
     const int S = (NJ * NV < 8 && 2 * NJ * NV + NV + 2 <= NMC_REGS) ? 2 : 1;
     vf acc[2][4][NV];
@@ -42,11 +47,11 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
                 /* the columns are data-dependent (no hardware prefetch): fetch ahead */
                 if (pf) {
                     const int64_t tp = t + s + NMC_AHEAD < t1 ? t + s + NMC_AHEAD : t1 - 1;
-                    const float *px = panel + (int64_t)cols[tp] * BCHN;
+                    const float *px = panel + NMC_COL(tp) * BCHN;
 #pragma GCC unroll 8
                     for (int l = 0; l < BCHN; l += 16) __builtin_prefetch(px + l);
                 }
-                const float *px = panel + (int64_t)cols[t + s] * BCHN;
+                const float *px = panel + NMC_COL(t + s) * BCHN;
                 vf xv[NV];
 #pragma GCC unroll 8
                 for (int u = 0; u < NV; u++) xv[u] = *(const vf *)(px + u * VW);
@@ -62,11 +67,11 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
     for (; t < t1; t++) {
         if (pf) {
             const int64_t tp = t + NMC_AHEAD < t1 ? t + NMC_AHEAD : t1 - 1;
-            const float *px = panel + (int64_t)cols[tp] * BCHN;
+            const float *px = panel + NMC_COL(tp) * BCHN;
 #pragma GCC unroll 8
             for (int l = 0; l < BCHN; l += 16) __builtin_prefetch(px + l);
         }
-        const float *px = panel + (int64_t)cols[t] * BCHN;
+        const float *px = panel + NMC_COL(t) * BCHN;
         vf xv[NV];
 #pragma GCC unroll 8
         for (int u = 0; u < NV; u++) xv[u] = *(const vf *)(px + u * VW);
@@ -85,10 +90,13 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
             if (S == 2) r += acc[1][j][u];
             *(vf *)(out[j] + u * VW) += r;
         }
+#undef NMC_COL
 }
 
 /* one call of cgg_rows with a compile-time row count nj and prefetch flag PF */
-#define NMC_CALL(NJ_, PF_) NMC_CAT(cgg_rows, SUF, NV)(panel, cols, vj, L, t0, t1, out, NJ_, PF_)
+#define NMC_CALL1(NJ_, PF_) NMC_CAT(cgg_rows, SUF, NV)(pan, cp, vj, ls, t0, t1, out, NJ_, PF_, 0)
+#define NMC_CALL2(NJ_, PF_) NMC_CAT(cgg_rows, SUF, NV)(pan, cp, vj, ls, t0, t1, out, NJ_, PF_, 1)
+#define NMC_CALL(NJ_, PF_) do { if (i16) NMC_CALL2(NJ_, PF_); else NMC_CALL1(NJ_, PF_); } while (0)
 #if NMC_NJ >= 4
 #define NMC_DISPATCH(PF_) { switch (nj) { case 1: NMC_CALL(1, PF_); break; case 2: NMC_CALL(2, PF_); break; \
     case 3: NMC_CALL(3, PF_); break; default: NMC_CALL(4, PF_); break; } }
@@ -108,33 +116,54 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows, SUF, NV)(
 static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, int64_t q0, int64_t q1,
                                    int64_t t0, int64_t t1, float *ytmp, int flags, float *wbuf)
 {
-    const int first = flags & NM_CG_FIRST, pf = !(flags & NM_CG_IN_L1);
+    const int first = flags & NM_CG_FIRST, pf = !(flags & NM_CG_IN_L1), i16 = !!(flags & NM_CG_TILES);
     const int n = W->n, m = W->m, P = W->P;
     const int64_t L = W->L;
+    /* tile-major packed form: this pass's block of records and its base column */
+    const char *tblk = NULL;
+    const float *pan = panel;
+    int64_t rec = 0;
+    if (i16) {
+        const int64_t kt = W->tile_kt, tau = t0 / kt, nt = (L + kt - 1) / kt;
+        tblk = (const char *)W->tiles + nm_cg_tiles_header(nt) + tau * W->Nb * P * nm_cg_tile_record(n, kt);
+        rec = nm_cg_tile_record(n, t1 - t0);
+        pan = panel + (int64_t)((const int32_t *)W->tiles)[tau] * BCHN;
+    }
     for (int64_t q = q0; q < q1; q++) {
         float *yt = ytmp + (q - q0) * m * BCHN;
         if (first)
             for (int64_t i = 0; i < m * BCHN; i++) yt[i] = 0.0f;
         for (int p = 0; p < P; p++) {
-            const int32_t *cols = W->cols + (q * P + p) * L;
-            const int64_t vo = (q * P + p) * (int64_t)n * L;
+            const void *cp;
             const float *v;
-            if (W->vtype == NM_BF16) {
-                const uint16_t *h = (const uint16_t *)W->vals + vo;
-                uint32_t *wb = (uint32_t *)wbuf;
-                for (int j = 0; j < n; j++)
-                    for (int64_t t = t0; t < t1; t++)
-                        wb[(int64_t)j * L + t] = (uint32_t)h[(int64_t)j * L + t] << 16;
-                v = wbuf;
+            int64_t ls;   /* stride between a pattern's value rows */
+            if (i16) {
+                /* record: [n][w] floats then [w] int16, indexed from t0 like the table */
+                const char *r = tblk + (q * P + p) * rec;
+                v = (const float *)r - t0;
+                ls = t1 - t0;
+                cp = (const int16_t *)(r + (int64_t)n * (t1 - t0) * 4) - t0;
             } else {
-                v = (const float *)W->vals + vo;
+                cp = W->cols + (q * P + p) * L;
+                ls = L;
+                const int64_t vo = (q * P + p) * (int64_t)n * L;
+                if (W->vtype == NM_BF16) {
+                    const uint16_t *h = (const uint16_t *)W->vals + vo;
+                    uint32_t *wb = (uint32_t *)wbuf;
+                    for (int j = 0; j < n; j++)
+                        for (int64_t t = t0; t < t1; t++)
+                            wb[(int64_t)j * L + t] = (uint32_t)h[(int64_t)j * L + t] << 16;
+                    v = wbuf;
+                } else {
+                    v = (const float *)W->vals + vo;
+                }
             }
             const int32_t *rows = W->pats + p * n;
             for (int j0 = 0; j0 < n; j0 += NMC_NJ) {
                 const int nj = n - j0 < NMC_NJ ? n - j0 : NMC_NJ;
                 float *out[4] = {yt, yt, yt, yt};
                 for (int j = 0; j < nj; j++) out[j] = yt + (int64_t)rows[j0 + j] * BCHN;
-                const float *vj = v + (int64_t)j0 * L;
+                const float *vj = v + (int64_t)j0 * ls;
                 /* pf a constant in each call: no per-slot branch */
                 if (pf) NMC_DISPATCH(1) else NMC_DISPATCH(0)
             }
@@ -144,6 +173,8 @@ static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, in
 
 #undef NMC_DISPATCH
 #undef NMC_CALL
+#undef NMC_CALL1
+#undef NMC_CALL2
 #undef NMC_NJ
 #undef NMC_NJ_RAW
 #undef NMC_CAT4

@@ -65,6 +65,14 @@ typedef void (*nm_gtgather_fn)(const float *wv, const int32_t *cols, int64_t gn,
  * (a small slot range reused by many row blocks: no software prefetch) */
 #define NM_CG_FIRST 1
 #define NM_CG_IN_L1 2
+/* W->tiles holds this pass's tile (t0 a multiple of W->tile_kt): int16 columns relative to
+ * the tile's base, values and columns streamed contiguously */
+#define NM_CG_TILES 4
+
+/* tile-major packed form: header bytes (one int32 per tile, 64-byte multiple) and record
+ * bytes for w slots (n*w floats, w int16 padded to 4 bytes) */
+static inline int64_t nm_cg_tiles_header(int64_t ntiles) { return (ntiles * 4 + 63) / 64 * 64; }
+static inline int64_t nm_cg_tile_record(int n, int64_t w) { return (int64_t)n * w * 4 + (2 * w + 3) / 4 * 4; }
 typedef void (*nm_cgg_fn)(const nm_colgrouped *W, const float *panel, int64_t q0, int64_t q1,
                           int64_t t0, int64_t t1, float *ytmp, int flags, float *wbuf);
 

@@ -925,6 +925,7 @@ typedef struct {
     const nm_colgrouped *W; const float *xp; int64_t Kp, nbc, B; float *Y; int64_t ldy;
     const float *bias; int64_t bch, kt, qb; int in_l1; nm_cgg_fn fn; int err; int64_t next;
     const float *X; int64_t ldx; int *packed;   /* per batch chunk: 0 to pack, 1 packing, 2 packed */
+    int tiles;   /* W->tiles is packed for this kt: passes stream it (NM_CG_TILES) */
 } cgg_args;
 
 /* The panel of batch chunk bc, packed by the first unit that needs it (one parallel region
@@ -967,7 +968,8 @@ static void cgg_task(void *p, int tid, int nth)
         const int64_t bmax = a->B - bc * a->bch < a->bch ? a->B - bc * a->bch : a->bch;
         for (int64_t t0 = 0; t0 < W->L; t0 += a->kt)
             a->fn(W, panel, qa, qe, t0, t0 + a->kt < W->L ? t0 + a->kt : W->L, ytmp,
-                  (t0 == 0 ? NM_CG_FIRST : 0) | (a->in_l1 ? NM_CG_IN_L1 : 0), wbuf);
+                  (t0 == 0 ? NM_CG_FIRST : 0) | (a->in_l1 ? NM_CG_IN_L1 : 0) | (a->tiles ? NM_CG_TILES : 0),
+                  wbuf);
         const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N;
         nm_store_transposed(ytmp, a->bch, r1 - r0, bmax, a->Y + bc * a->bch * a->ldy + r0, a->ldy,
                             a->bias ? a->bias + r0 : NULL);
@@ -1082,11 +1084,80 @@ int nm_colgrouped_gather_variant_f32(const nm_colgrouped *W, int64_t B, const fl
     if (variant == NM_CG_AUTO) variant = (int)env_int("STEN_NM_CG_VARIANT", NM_CG_STREAM);
     int64_t kt, qb; int in_l1;
     cg_variant(W, variant, bch, nbc, nth, &kt, &qb, &in_l1);
-    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, qb, in_l1, T->cgg[nvi], 0, 0, X, ldx, packed};
+    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, qb, in_l1, T->cgg[nvi], 0, 0, X, ldx, packed,
+                  W->tiles && W->tile_kt == kt && W->vtype == NM_F32 && env_int("STEN_NM_CG_TILES", 1) != 0};
     run_parallel(nth, cgg_task, &a);
     scratch_give(xp);
     free(packed);
     return a.err;
+}
+
+/* The tile-major packed form (nm_kernel.h): header of per-tile base columns, then per tile
+ * (kt slots, the last narrower) the records of every (row block, pattern). */
+static int64_t cg_tile_span(const nm_colgrouped *W, int64_t t0, int64_t t1, int32_t *base)
+{
+    int32_t lo = INT32_MAX, hi = -1;
+    for (int64_t qp = 0; qp < W->Nb * W->P; qp++)
+        for (int64_t t = t0; t < t1; t++) {
+            const int32_t c = W->cols[qp * W->L + t];
+            if (c < lo) lo = c;
+            if (c > hi) hi = c;
+        }
+    if (hi < 0) lo = hi = 0;
+    *base = lo;
+    return (int64_t)hi - lo + 1;
+}
+
+int64_t nm_colgrouped_tiles_bytes(const nm_colgrouped *W, int64_t kt)
+{
+    if (cg_check_shape(W) || W->vtype != NM_F32 || kt < 1 || W->L < 1) return -1;
+    const int64_t nt = (W->L + kt - 1) / kt, last = W->L - (nt - 1) * kt;
+    return nm_cg_tiles_header(nt) + W->Nb * W->P * ((nt - 1) * nm_cg_tile_record(W->n, kt) +
+                                                   nm_cg_tile_record(W->n, last));
+}
+
+int nm_colgrouped_pack_tiles(const nm_colgrouped *W, int64_t kt, void *out, int64_t bytes)
+{
+    const int64_t need = nm_colgrouped_tiles_bytes(W, kt);
+    if (need < 0 || bytes < need || !out || cg_check_tables(W, 1)) return -1;
+    const int n = W->n;
+    const int64_t L = W->L, nt = (L + kt - 1) / kt, QP = W->Nb * W->P;
+    int32_t *hdr = (int32_t *)out;
+    char *blk = (char *)out + nm_cg_tiles_header(nt);
+    memset(out, 0, (size_t)need);
+    for (int64_t tau = 0; tau < nt; tau++) {
+        const int64_t t0 = tau * kt, t1 = t0 + kt < L ? t0 + kt : L, w = t1 - t0;
+        const int64_t rec = nm_cg_tile_record(n, w);
+        int32_t base;
+        if (cg_tile_span(W, t0, t1, &base) > 32768) return -2;   /* int16 columns */
+        hdr[tau] = base;
+        for (int64_t qp = 0; qp < QP; qp++) {
+            char *r = blk + qp * rec;
+            float *v = (float *)r;
+            int16_t *c = (int16_t *)(r + (int64_t)n * w * 4);
+            const float *sv = (const float *)W->vals + qp * n * L;
+            for (int j = 0; j < n; j++)
+                memcpy(v + (int64_t)j * w, sv + (int64_t)j * L + t0, (size_t)w * sizeof(float));
+            for (int64_t t = 0; t < w; t++) c[t] = (int16_t)(W->cols[qp * L + t0 + t] - base);
+        }
+        blk += QP * rec;
+    }
+    return 0;
+}
+
+int64_t nm_colgrouped_tile_kt(const nm_colgrouped *W, int64_t B, int nthreads, int variant)
+{
+    if (cg_check_shape(W) || B < 1 || variant < NM_CG_AUTO || variant > NM_CG_TILED) return -1;
+    if (W->N == 0 || W->K == 0 || W->L == 0) return -1;
+    const nm_isa_table *T = table();
+    const int64_t Kp = (int64_t)W->P * W->L;
+    int nvi; const int64_t bch = (int64_t)cg_choose_nv(B, Kp, W->n, T->vw, &nvi) * T->vw;
+    const int nth = clamp_threads(nthreads, 2.0 * B * W->Nb * W->n * Kp, W->Nb);
+    const int64_t nbc = (B + bch - 1) / bch;
+    if (variant == NM_CG_AUTO) variant = (int)env_int("STEN_NM_CG_VARIANT", NM_CG_STREAM);
+    int64_t kt, qb; int in_l1;
+    cg_variant(W, variant, bch, nbc, nth, &kt, &qb, &in_l1);
+    return kt;
 }
 
 /* ----------------------------------------------------------- conversions -- */

@@ -65,7 +65,25 @@ typedef struct {
     const void *vals;
     const int32_t *cols;
     const int32_t *pats;
+    /* optional (NULL: unused): the forward's tile-major copy of vals + cols for tiles of
+     * tile_kt slots (nm_colgrouped_pack_tiles); used only by a forward pass whose slot tile
+     * equals tile_kt, ignored by every other kernel */
+    const void *tiles;
+    int64_t tile_kt;
 } nm_colgrouped;
+
+/* Tile-major copy of a float32 column-grouped matrix for the forward (internal packed form):
+ * per tile of kt slots (the last may be narrower) and per (row block, pattern) one record of
+ * the tile's values [n][w] (float) then its columns [w] as int16 relative to the tile's
+ * first column (padded to 4 bytes), records contiguous in (row block, pattern) order, after a
+ * header of one int32 base column per tile; a tiled pass then streams one contiguous block.
+ * nm_colgrouped_tiles_bytes: the size for kt, or -1 where not applicable (not float32, kt < 1,
+ * or a tile spans 32768 columns or more). nm_colgrouped_pack_tiles: writes it (0, or < 0). */
+int64_t nm_colgrouped_tiles_bytes(const nm_colgrouped *W, int64_t kt);
+int nm_colgrouped_pack_tiles(const nm_colgrouped *W, int64_t kt, void *out, int64_t bytes);
+/* The slots per pass the forward uses for a batch of B rows in this variant (what
+ * nm_colgrouped_pack_tiles should be given), or -1 for invalid arguments. */
+int64_t nm_colgrouped_tile_kt(const nm_colgrouped *W, int64_t B, int nthreads, int variant);
 
 /* Y[b][r] = sum_k W[r][k] X[b][k] (+ bias[r]); X [B][K] (ldx), Y [B][N] (ldy). */
 int nm_colgrouped_gather_f32(const nm_colgrouped *W, int64_t B, const float *X, int64_t ldx,

@@ -41,6 +41,8 @@ class NMColGrouped(ctypes.Structure):
     _fields_ = [
         ("N", _c_i64), ("K", _c_i64), ("n", _c_i32), ("m", _c_i32), ("P", _c_i32), ("vtype", _c_i32),
         ("Nb", _c_i64), ("L", _c_i64), ("vals", _c_p), ("cols", _c_p), ("pats", _c_p),
+        # the forward's tile-major packed copy (sten_nm._cg_tiles), NULL / 0 when unused
+        ("tiles", _c_p), ("tile_kt", _c_i64),
     ]
 
 
@@ -387,6 +389,12 @@ def _declare_extra(lib: ctypes.CDLL) -> None:
     lib.nm_grouped_gather_bf16w.argtypes = [ctypes.POINTER(NMGrouped), _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p,
                                             ctypes.c_int]
     lib.nm_grouped_gather_bf16w.restype = ctypes.c_int
+    lib.nm_colgrouped_tiles_bytes.argtypes = [PC, _c_i64]
+    lib.nm_colgrouped_tiles_bytes.restype = _c_i64
+    lib.nm_colgrouped_pack_tiles.argtypes = [PC, _c_i64, _c_p, _c_i64]
+    lib.nm_colgrouped_pack_tiles.restype = ctypes.c_int
+    lib.nm_colgrouped_tile_kt.argtypes = [PC, _c_i64, ctypes.c_int, ctypes.c_int]
+    lib.nm_colgrouped_tile_kt.restype = _c_i64
 
 
 def colgrouped_grad_input(W: NMColGrouped, dY: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
