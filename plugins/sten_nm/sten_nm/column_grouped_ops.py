@@ -176,10 +176,10 @@ def _tuned_forward(W: ColumnGroupedNMTensor, desc: Any, x2: torch.Tensor,
     dt = "bfloat16" if desc.vtype == _kernel.VTYPES[torch.bfloat16] else "float32"
     k = tuning.key("cg_fwd", N, K, W.n, W.m, True, B, dt, torch.get_num_threads(), _kernel.isa())
     # each order on the weight's tile-major packed copy for its slot tile (sten_nm._cg_tiles)
-    run = {v: (lambda v=v: _kernel.colgrouped_gather(with_tiles(W, desc, B, v), x2, bias, variant=v))
+    run = {v: (lambda v=v: _kernel.colgrouped_gather(with_tiles(desc, B, v), x2, bias, variant=v))
            for v in ("stream", "tiled")}
     choice = tuning.pick(k, run, empty=B == 0, default=None, reps=5)
-    return _kernel.colgrouped_gather(with_tiles(W, desc, B), x2, bias) if choice is None else run[choice]()
+    return _kernel.colgrouped_gather(with_tiles(desc, B), x2, bias) if choice is None else run[choice]()
 
 
 def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:

@@ -3,12 +3,15 @@ nm_colgrouped_pack_tiles): its layout, the forward on it in every loop order and
 sizes, and that it follows changes of the values and columns."""
 
 import functools
+import pickle
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from sten_nm import ColumnGroupedNMTensor, column_grouped_linear
+from sten_nm import _cg_tiles
+from sten_nm import compiled as nmc
 from sten_nm._cg_tiles import with_tiles
 
 from conftest import requires_kernel
@@ -86,7 +89,7 @@ def test_forward_on_tiles_every_isa(isa, n, m, B, variant, env, monkeypatch):
     for N, K, g in ((13, 5, None), (19, 37, None), (40, 203, 3), (23, 1000, None)):
         t = _layout(N, K, n, m, g)
         x, b = torch.randn(B, K), torch.randn(N)
-        d = with_tiles(t, t.desc(), B, variant)
+        d = with_tiles(t.desc(), B, variant)
         assert bool(d.tiles) == (variant == "tiled" and 1 <= d.tile_kt < d.L)   # packed for tiled passes
         y = _kernel.colgrouped_gather(d, x, b, variant=variant)
         torch.testing.assert_close(y, F.linear(x, t.to_dense(), b), rtol=1e-4, atol=1e-4)
@@ -102,9 +105,9 @@ def test_tiles_for_another_tile_length_are_ignored(monkeypatch):
 
     t = ColumnGroupedNMTensor.from_dense(torch.randn(40, 1000), 1, 10)
     x = torch.randn(70, 1000)
-    dt = with_tiles(t, t.desc(), 70, "tiled")
+    dt = with_tiles(t.desc(), 70, "tiled")
     assert dt.tiles and dt.tile_kt != 5
-    assert not with_tiles(t, t.desc(), 70, "stream").tiles
+    assert not with_tiles(t.desc(), 70, "stream").tiles
     torch.testing.assert_close(_kernel.colgrouped_gather(dt, x, variant="stream"), F.linear(x, t.to_dense()),
                                rtol=1e-4, atol=1e-4)
     monkeypatch.setenv("STEN_NM_CG_KT", "5")
@@ -120,7 +123,8 @@ def test_tiles_follow_value_and_column_changes(monkeypatch):
     t = ColumnGroupedNMTensor.from_dense(torch.randn(30, 300), 2, 4)
     x = torch.randn(50, 300)
     torch.testing.assert_close(column_grouped_linear(x, t), F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
-    assert t.__dict__.get("_cg_tiles")   # F.linear packed it
+    assert _cg_tiles._CACHE.get(t.values())   # F.linear packed it
+    assert len(pickle.dumps(t)) < len(pickle.dumps(ColumnGroupedNMTensor.from_dense(torch.randn(30, 300), 2, 4))) * 1.01
     with torch.no_grad():
         t.values().mul_(-3.0)                     # in place
     torch.testing.assert_close(column_grouped_linear(x, t), F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
@@ -128,7 +132,7 @@ def test_tiles_follow_value_and_column_changes(monkeypatch):
     torch.testing.assert_close(column_grouped_linear(x, u), F.linear(x, u.to_dense()), rtol=1e-4, atol=1e-4)
     t._values = torch.randn_like(t._values)         # replaced under the same object
     torch.testing.assert_close(column_grouped_linear(x, t), F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
-    assert len(t._cg_tiles) == 1   # stale copies dropped
+    assert len(_cg_tiles._CACHE[t.values()]) == 1   # one copy per values tensor
 
 
 @requires_kernel
@@ -139,14 +143,30 @@ def test_no_tiles_for_bf16_wide_tiles_or_when_off(monkeypatch):
 
     tb = ColumnGroupedNMTensor.from_dense(torch.randn(8, 64).bfloat16(), 2, 4)
     d = tb.desc()
-    assert with_tiles(tb, d, 16, "tiled") is d
+    assert with_tiles(d, 16, "tiled") is d
     wide = ColumnGroupedNMTensor.from_dense(torch.randn(4, 40000), 1, 4)
     x = torch.randn(3, 40000)
     d = wide.desc()
-    assert with_tiles(wide, d, 3, "stream") is d      # one tile of 40000 columns
-    dt = with_tiles(wide, d, 3, "tiled")
+    assert with_tiles(d, 3, "stream") is d      # one tile of 40000 columns
+    dt = with_tiles(d, 3, "tiled")
     assert dt.tiles
     torch.testing.assert_close(_kernel.colgrouped_gather(dt, x, variant="tiled"), F.linear(x, wide.to_dense()),
                                rtol=1e-4, atol=1e-4)
     monkeypatch.setenv("STEN_NM_CG_TILES", "0")
-    assert with_tiles(wide, d, 3, "tiled") is d
+    assert with_tiles(d, 3, "tiled") is d
+
+
+@requires_kernel
+def test_a_layout_rebuilt_on_the_same_members_reuses_the_packed_copy(monkeypatch):
+    """A compiled model's custom operator rebuilds the layout object around the same member
+    tensors on every call: the packed copy is kept per values tensor, so it is built once
+    (it was rebuilt on every compiled call while it was kept on the layout object)."""
+    monkeypatch.setenv("STEN_NM_CG_VARIANT", "2")
+    t = ColumnGroupedNMTensor.from_dense(torch.randn(30, 300), 2, 4)
+    x = torch.randn(50, 300)
+    column_grouped_linear(x, t)
+    (kt, (_, _, buf)), = _cg_tiles._CACHE[t.values()].items()
+    u = nmc._column_grouped(*nmc.members(t))   # what the compiled operator does on every call
+    assert u is not t and u.values() is t.values()
+    torch.testing.assert_close(column_grouped_linear(x, u), F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
+    assert _cg_tiles._CACHE[t.values()][kt][2] is buf
