@@ -113,6 +113,7 @@ class Original:
 
 def load_original(workdir: str) -> tuple[Optional[Original], str]:
     try:
+        os.makedirs(workdir, exist_ok=True)   # --orig-workdir may name a folder not made yet
         return Original(workdir), ""
     except Exception as e:   # not installed or broken: report and go on without it
         return None, f"{type(e).__name__}: {e}"

@@ -32,3 +32,12 @@ def test_runs_without_the_original(tmp_path, capsys):
     assert "| 40x48 | 2:4 | ours: ColumnGroupedNMTensor (paper format) (g=" in text
     assert "original STen grouped n:m g=" not in text
     assert text.count("| 40x48 |") == 2 * 4 + 2   # 4 rows per case + 2 summary rows
+
+
+def test_the_original_workdir_is_made_when_missing(tmp_path):
+    """``--orig-workdir`` naming a folder not made yet: the original is set up there (or left
+    out because it is not installed), not failed with FileNotFoundError."""
+    workdir = tmp_path / "not" / "made"
+    orig, why = _load().load_original(str(workdir))
+    assert workdir.is_dir()
+    assert "FileNotFoundError" not in why
