@@ -39,8 +39,8 @@ static void bf16_gather_task(void *p, int tid, int nth)
     free(ytmp); free(offs); free(wv);
 }
 
-int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
-                    const float *bias, int nthreads)
+static int gather_bf16w_x(const nm_mat *A, int64_t B, const void *X, int x16, int64_t ldx, float *Y,
+                          int64_t ldy, const float *bias, int nthreads)
 {
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->R == 0) return 0;
@@ -53,12 +53,25 @@ int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx, flo
     const int64_t Cpad = A->G * A->m;
     int nth = clamp_threads(nthreads, 2.0 * B * A->R * A->G * A->n, (A->R + NM_ROWS - 1) / NM_ROWS);
     int64_t nbc;
-    float *xp = make_panel(X, ldx, B, A->C, Cpad, bch, &nbc, nth);
+    float *xp = make_panel_x(X, x16, ldx, B, A->C, Cpad, bch, &nbc, nth, 0);
     if (!xp) return -3;
     bf16_gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0};
     run_parallel(nth, bf16_gather_task, &ga);
     free(xp);
     return ga.err;
+}
+
+int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
+                    const float *bias, int nthreads)
+{
+    return gather_bf16w_x(A, B, X, 0, ldx, Y, ldy, bias, nthreads);
+}
+
+/* bf16 X and bf16 values: X widened while packing its panel (no float32 copy of X) */
+int nm_gather_bf16wx(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx, float *Y, int64_t ldy,
+                     const float *bias, int nthreads)
+{
+    return gather_bf16w_x(A, B, X, 1, ldx, Y, ldy, bias, nthreads);
 }
 
 /* float32 -> bfloat16 bits, round to nearest even, NaN -> 0x7fc0 (torch's scalar
