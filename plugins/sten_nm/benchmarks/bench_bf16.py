@@ -3,10 +3,11 @@ kernel only (tuning off), BERT shapes, one run, medians of turns (fp32 and bf16 
 the kernel (exact n:m: per block of rows, ``nm_gather_bf16w``; grouped: in registers on AVX-512, per row group and chunk
 elsewhere, ``nm_grouped_gather_bf16w``; paper format: per pattern and batch chunk), fp32 ones read as they are. bf16 x:
 the paper format reads it in the kernel (``vdpbf16ps`` on AVX512_BF16 CPUs, ``STEN_NM_BF16_DOT=0`` turns it off;
-widened while packing elsewhere), the other layouts widen it before the kernel; the "x.float() first" column is
-that widening done by torch for every layout (the paper format's previous path). ``STEN_NM_ISA=avx2`` measures the AVX2 kernels.
+widened while packing elsewhere), exact n:m widens it while packing its panel (``nm_gather_bf16wx``), the 16-row
+grouped layout widens it before the kernel; the "x.float() first" column is that widening done by torch for every
+layout (the previous path of the paper format and of exact n:m). ``--layout NMTensor`` times one layout. ``STEN_NM_ISA=avx2`` measures the AVX2 kernels.
 
-    python benchmarks/bench_bf16.py [--threads 2] [--batch 1024] [--reps 7] [--cpu-time]
+    python benchmarks/bench_bf16.py [--threads 2] [--batch 1024] [--reps 7] [--cpu-time] [--layout NMTensor]
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--layout", action="append", help="only these layouts (class names; repeatable)")
     ap.add_argument("--cpu-time", action="store_true", help="CPU time of the process (less sensitive to load)")
     a = ap.parse_args()
     global CLOCK
@@ -65,6 +67,8 @@ def main() -> None:
             xb = x.bfloat16()
             for name, cls, fn in (("NMTensor", NMTensor, nm_linear), ("GroupedNMTensor", GroupedNMTensor, grouped_linear),
                                   ("ColumnGroupedNMTensor", ColumnGroupedNMTensor, column_grouped_linear)):
+                if a.layout and name not in a.layout:
+                    continue
                 t32 = cls.from_dense(w, n, m)
                 t16 = cls.from_dense(w.bfloat16(), n, m)
                 f32, b16, bb, bw = interleaved([lambda: fn(x, t32), lambda: fn(x, t16), lambda: fn(xb, t16),

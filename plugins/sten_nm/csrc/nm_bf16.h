@@ -1,13 +1,14 @@
 /* Exact n:m forward with bf16 stored values (included once by nm_kernel.c after its
- * driver). A block of NM_ROWS rows at a time, each thread widens the block's kept values
- * into a scratch buffer in L1 (NM_ROWS x G*n floats, shifted into float32: exact) and runs
- * the ISA's float32 gather kernel on that block (a descriptor of the block's rows); the
- * widening is read once per block and reused over every batch chunk, ~1/B of the FMAs.
+ * driver). The float32 driver's units of rows (gather_rows: the unit's values and offsets
+ * beside one batch chunk's panel in L2), each thread widens the unit's kept values into a
+ * buffer (rows x G*n floats, shifted into float32: exact) and runs the ISA's float32 gather
+ * kernel on the unit (a descriptor of its rows); the widening is read once per unit and
+ * reused over every batch chunk, ~1/B of the FMAs. The x panel is the cached scratch one.
  * float32 accumulation; no float32 copy of the weight is kept. */
 
 typedef struct {
     const nm_mat *A; const float *xp; int64_t Cpad, nbc, B; float *Y; int64_t ldy;
-    const float *bias; int64_t kbg, bch; nm_gather_fn fn; int err; int64_t next;
+    const float *bias; int64_t kbg, bch; nm_gather_fn fn; int err; int64_t next; int64_t rows;
 } bf16_gather_args;
 
 static void bf16_gather_task(void *p, int tid, int nth)
@@ -18,14 +19,15 @@ static void bf16_gather_task(void *p, int tid, int nth)
     (void)tid; (void)nth;
     float *ytmp = NULL, *wv = NULL;
     int32_t *offs = NULL;
-    for (int64_t u; (u = next_unit(&a->next)) * NM_ROWS < A->R;) {
+    const int64_t rows = a->rows;
+    for (int64_t u; (u = next_unit(&a->next)) * rows < A->R;) {
         if (!ytmp) {
             ytmp = (float *)alloc64((size_t)(NM_ROWS * a->bch) * sizeof(float));
-            offs = (int32_t *)alloc64((size_t)(NM_ROWS * gn) * sizeof(int32_t));
-            wv = (float *)alloc64((size_t)(NM_ROWS * gn) * sizeof(float));
+            offs = (int32_t *)alloc64((size_t)(rows * gn) * sizeof(int32_t));
+            wv = (float *)alloc64((size_t)(rows * gn) * sizeof(float));
             if (!ytmp || !offs || !wv) { free(ytmp); free(offs); free(wv); a->err = -3; return; }
         }
-        const int64_t r0 = u * NM_ROWS, r1 = r0 + NM_ROWS < A->R ? r0 + NM_ROWS : A->R;
+        const int64_t r0 = u * rows, r1 = r0 + rows < A->R ? r0 + rows : A->R;
         const uint16_t *h = (const uint16_t *)(const void *)A->vals + r0 * gn;
         uint32_t *w = (uint32_t *)wv;
         for (int64_t i = 0; i < (r1 - r0) * gn; i++) w[i] = (uint32_t)h[i] << 16;
@@ -39,8 +41,8 @@ static void bf16_gather_task(void *p, int tid, int nth)
     free(ytmp); free(offs); free(wv);
 }
 
-int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
-                    const float *bias, int nthreads)
+static int gather_bf16w_x(const nm_mat *A, int64_t B, const void *X, int x16, int64_t ldx, float *Y,
+                          int64_t ldy, const float *bias, int nthreads)
 {
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->R == 0) return 0;
@@ -53,12 +55,26 @@ int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx, flo
     const int64_t Cpad = A->G * A->m;
     int nth = clamp_threads(nthreads, 2.0 * B * A->R * A->G * A->n, (A->R + NM_ROWS - 1) / NM_ROWS);
     int64_t nbc;
-    float *xp = make_panel(X, ldx, B, A->C, Cpad, bch, &nbc, nth);
+    float *xp = make_panel_x(X, x16, ldx, B, A->C, Cpad, bch, &nbc, nth, 1);   /* scratch_give */
     if (!xp) return -3;
-    bf16_gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0};
+    bf16_gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0,
+                           gather_rows(A, Cpad, bch, nth)};
     run_parallel(nth, bf16_gather_task, &ga);
-    free(xp);
+    scratch_give(xp);
     return ga.err;
+}
+
+int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
+                    const float *bias, int nthreads)
+{
+    return gather_bf16w_x(A, B, X, 0, ldx, Y, ldy, bias, nthreads);
+}
+
+/* bf16 X and bf16 values: X widened while packing its panel (no float32 copy of X) */
+int nm_gather_bf16wx(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx, float *Y, int64_t ldy,
+                     const float *bias, int nthreads)
+{
+    return gather_bf16w_x(A, B, X, 1, ldx, Y, ldy, bias, nthreads);
 }
 
 /* float32 -> bfloat16 bits, round to nearest even, NaN -> 0x7fc0 (torch's scalar

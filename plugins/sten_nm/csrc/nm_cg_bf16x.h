@@ -65,25 +65,18 @@ typedef struct {
     void *xp; float *Y; int64_t ldy; const float *bias; nm_cgg_fn fn; int err; int64_t next;
 } cgx_args;
 
-#define CGX_PC 64   /* panel columns per packing unit (the rows' segments stay in L1) */
+#define CGX_PC NM_BF16_PC   /* panel columns per packing unit (the rows' segments stay in L1) */
 
 /* Panel of batch chunk bc, columns [c0, c0 + CGX_PC) (fewer at Kp): float32 or bf16 bits
- * [c][bch], zero past B or K. Three vectorisable passes in L1: widen the rows' segments
- * into tile [bch][CGX_PC], transpose it (pack_panel's 4 x 4 tiles) into f [CGX_PC][bch] (the
- * float32 panel itself), and for the dot panel keep the high halves. */
+ * [c][bch], zero past B or K. The float32 panel is pack_panel_bf16's (nm_bf16_pack.h: the
+ * rows' segments widened into tile, then transposed into f, or straight into the panel);
+ * for the dot panel the high halves of f are kept. */
 static void cgx_pack(const cgx_args *a, int64_t bc, int64_t c0, float *tile, float *f)
 {
-    const int64_t b0 = bc * a->bch, bch = a->bch, K = a->W->K;
-    const int64_t nb = a->B - b0 < bch ? a->B - b0 : bch;
-    const int64_t c1 = c0 + CGX_PC < a->Kp ? c0 + CGX_PC : a->Kp, ce = c1 < K ? c1 : K;
-    const int64_t nc = ce > c0 ? ce - c0 : 0;
-    for (int64_t bi = 0; bi < nb; bi++) {
-        const uint16_t *restrict x = a->X + (b0 + bi) * a->ldx + c0;
-        uint32_t *restrict t = (uint32_t *)(tile + bi * CGX_PC);
-        for (int64_t c = 0; c < nc; c++) t[c] = (uint32_t)x[c] << 16;
-    }
+    const int64_t bch = a->bch;
+    const int64_t c1 = c0 + CGX_PC < a->Kp ? c0 + CGX_PC : a->Kp;
     float *dst = a->dot ? f : (float *)a->xp + (bc * a->Kp + c0) * bch;
-    pack_panel(tile, CGX_PC, nb, nc, 0, bch, 0, c1 - c0, dst);
+    pack_panel_bf16(a->X, a->ldx, a->B, a->W->K, bc * bch, bch, c0, c1, tile, dst);
     if (a->dot) {
         uint16_t *restrict d = (uint16_t *)a->xp + (bc * a->Kp + c0) * bch;
         const uint32_t *restrict s = (const uint32_t *)f;

@@ -213,6 +213,7 @@ static void scratch_give(void *p)
 /* Pack X[B][C] (row stride ldx) into [nbc][Cpad][bch], transposed, zero padded. */
 typedef struct {
     const float *X; int64_t ldx, B, C, Cpad, nbc, bch; float *xp; int64_t next;
+    const uint16_t *X16; int err;   /* X16: X is bfloat16 bits, widened while packing */
 } pack_args;
 
 /* 4-float vectors (SSE2 on x86-64, NEON on arm64), 4-byte aligned: any float offset. */
@@ -280,17 +281,29 @@ static void pack_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int64_
         for (int64_t bi = 0; bi < bch; bi++) dst[(c - c0) * bch + bi] = 0.0f;
 }
 
+#include "nm_bf16_pack.h"
+
 static void pack_task(void *p, int tid, int nth)
 {
     pack_args *a = (pack_args *)p;
     (void)tid; (void)nth;
+    float *tile = NULL;   /* bf16 X: the rows' widened segments */
     /* units of 64 columns (dynamic): the rows' segments stay in L1 while a panel is written */
     for (int64_t u; (u = next_unit(&a->next)) * 64 < a->Cpad;) {
         const int64_t c0 = u * 64, c1 = c0 + 64 < a->Cpad ? c0 + 64 : a->Cpad;
-        for (int64_t bc = 0; bc < a->nbc; bc++)
-            pack_panel(a->X, a->ldx, a->B, a->C, bc * a->bch, a->bch, c0, c1,
-                       a->xp + (bc * a->Cpad + c0) * a->bch);
+        if (a->X16 && !tile && !(tile = (float *)alloc64((size_t)(NM_BF16_PC * a->bch) * sizeof(float)))) {
+            a->err = -3;
+            return;
+        }
+        for (int64_t bc = 0; bc < a->nbc; bc++) {
+            float *dst = a->xp + (bc * a->Cpad + c0) * a->bch;
+            if (a->X16)
+                pack_panel_bf16(a->X16, a->ldx, a->B, a->C, bc * a->bch, a->bch, c0, c1, tile, dst);
+            else
+                pack_panel(a->X, a->ldx, a->B, a->C, bc * a->bch, a->bch, c0, c1, dst);
+        }
     }
+    free(tile);
 }
 
 static int choose_nv(int64_t B, int vw, int *nvi)
@@ -303,19 +316,32 @@ static int choose_nv(int64_t B, int vw, int *nvi)
     return nv;
 }
 
-static float *make_panel_in(const float *X, int64_t ldx, int64_t B, int64_t C, int64_t Cpad,
-                            int64_t bch, int64_t *nbc_out, int nth, int scratch)
+/* The float32 panel of X (float32, or bfloat16 bits when x16: widened while packing) in a
+ * fresh buffer (scratch 0: the caller frees it) or the cached scratch one (scratch_give). */
+static float *make_panel_x(const void *X, int x16, int64_t ldx, int64_t B, int64_t C, int64_t Cpad,
+                           int64_t bch, int64_t *nbc_out, int nth, int scratch)
 {
     const int64_t nbc = (B + bch - 1) / bch;
     const size_t bytes = (size_t)(nbc * Cpad * bch) * sizeof(float);
     float *xp = (float *)(scratch ? scratch_take(bytes) : alloc64(bytes));
     if (!xp) return NULL;
-    pack_args pa = {X, ldx, B, C, Cpad, nbc, bch, xp, 0};
+    pack_args pa = {x16 ? NULL : (const float *)X, ldx, B, C, Cpad, nbc, bch, xp, 0,
+                    x16 ? (const uint16_t *)X : NULL, 0};
     int pth = nth;
     if ((Cpad + 63) / 64 < pth) pth = (int)((Cpad + 63) / 64);
     run_parallel(pth, pack_task, &pa);
+    if (pa.err) {
+        if (scratch) scratch_give(xp); else free(xp);
+        return NULL;
+    }
     *nbc_out = nbc;
     return xp;
+}
+
+static float *make_panel_in(const float *X, int64_t ldx, int64_t B, int64_t C, int64_t Cpad,
+                            int64_t bch, int64_t *nbc_out, int nth, int scratch)
+{
+    return make_panel_x(X, 0, ldx, B, C, Cpad, bch, nbc_out, nth, scratch);
 }
 
 /* the panel in a fresh buffer (the caller frees it) */
@@ -417,8 +443,9 @@ static int64_t gather_rows(const nm_mat *A, int64_t Cpad, int64_t bch, int nth)
     return rows < NM_ROWS ? NM_ROWS : rows;
 }
 
-int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
-                  const float *bias, int nthreads)
+/* nm_gather_f32 on X float32 or bfloat16 bits (x16: widened while packing the panel) */
+static int gather_x(const nm_mat *A, int64_t B, const void *X, int x16, int64_t ldx, float *Y, int64_t ldy,
+                    const float *bias, int nthreads)
 {
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->R == 0) return 0;
@@ -431,13 +458,25 @@ int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float
     const int64_t Cpad = A->G * A->m;
     int nth = clamp_threads(nthreads, 2.0 * B * A->R * A->G * A->n, A->R);
     int64_t nbc;
-    float *xp = make_panel_in(X, ldx, B, A->C, Cpad, bch, &nbc, nth, 1);   /* scratch_give */
+    float *xp = make_panel_x(X, x16, ldx, B, A->C, Cpad, bch, &nbc, nth, 1);   /* scratch_give */
     if (!xp) return -3;
     gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0,
                       gather_rows(A, Cpad, bch, nth)};
     run_parallel(nth, gather_task, &ga);
     scratch_give(xp);
     return ga.err;
+}
+
+int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
+                  const float *bias, int nthreads)
+{
+    return gather_x(A, B, X, 0, ldx, Y, ldy, bias, nthreads);
+}
+
+int nm_gather_bf16x(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx, float *Y, int64_t ldy,
+                    const float *bias, int nthreads)
+{
+    return gather_x(A, B, X, 1, ldx, Y, ldy, bias, nthreads);
 }
 
 /* ------------------------------------------------- transposed (CSR) gather -- */

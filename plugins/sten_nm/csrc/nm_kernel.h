@@ -114,6 +114,12 @@ int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx,
  * per block of rows in the kernel, float32 accumulation. */
 int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx,
                     float *Y, int64_t ldy, const float *bias, int nthreads);
+/* nm_gather_f32 / nm_gather_bf16w with X bfloat16 bits (uint16_t [B][C], row stride ldx,
+ * any 2-byte offset): widened while packing the kernel's panel (exact), no float32 copy of X. */
+int nm_gather_bf16x(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx,
+                    float *Y, int64_t ldy, const float *bias, int nthreads);
+int nm_gather_bf16wx(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx,
+                     float *Y, int64_t ldy, const float *bias, int nthreads);
 /* nm_grouped_gather_f32 for vals pointing to bfloat16 bits ([Q][G*n][16] uint16_t): each
  * row group's chunk of slots widened in the kernel, float32 accumulation. */
 int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,

@@ -42,6 +42,9 @@ def _lib() -> ctypes.CDLL:
         lib.nm_tgather_bf16w.restype = ci
         lib.nm_grouped_tgather_bf16w.argtypes = [ctypes.POINTER(_kernel.NMGrouped), i64, vp, i64, vp, i64, ci]
         lib.nm_grouped_tgather_bf16w.restype = ci
+        for fn in (lib.nm_gather_bf16x, lib.nm_gather_bf16wx):
+            fn.argtypes = [ctypes.POINTER(_kernel.NMMat), i64, vp, i64, vp, i64, vp, ci]
+            fn.restype = ci
         _declared.add(id(lib))
     return lib
 
@@ -77,14 +80,54 @@ def colgrouped_gather_bf16x(W: _kernel.NMColGrouped, X: torch.Tensor, bias: Opti
         raise ValueError(f"X must be a 2-D bfloat16 tensor, got {X.dtype} of shape {tuple(X.shape)}")
     if X.shape[1] != W.K:
         raise ValueError(f"X must have {W.K} columns, got shape {tuple(X.shape)}")
-    if X.stride(-1) != 1 or (X.size(0) > 1 and X.stride(0) < X.size(1)):
-        X = X.contiguous()
+    X = _bf16_rows(X)
     Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
     b = bias.contiguous().float() if bias is not None else None
     rc = _lib().nm_colgrouped_gather_bf16x(
         ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0) if W.K else 1, Y.data_ptr(), Y.stride(0) if W.N else 1,
         b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
     _kernel._check(rc, "nm_colgrouped_gather_bf16x")
+    return Y
+
+
+def _bf16_rows(X: torch.Tensor) -> torch.Tensor:
+    """``X`` as it is where the kernels can read it (bf16 rows with unit column stride, any row
+    stride at least the row length, any offset), else a contiguous copy."""
+    if X.stride(-1) != 1 or (X.size(0) > 1 and X.stride(0) < X.size(1)):
+        X = X.contiguous()
+    return X
+
+
+def gather_bf16x(A: _kernel.NMMat, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`sten_nm._kernel.gather` (``Y = X A^T (+ bias)``, float32 ``[B, R]``) for bfloat16
+    ``X`` ``[B, C]`` read by the kernel: widened while packing its panel (exact), no float32
+    copy of X. ``A`` may describe float32 or bfloat16 values (``nm_gather_bf16x`` /
+    ``nm_gather_bf16wx``); the result has the same bits as ``gather`` of ``X.float()``.
+
+        >>> from sten_nm import NMTensor
+        >>> W = NMTensor.from_dense(torch.randn(8, 16), 2, 4)
+        >>> gather_bf16x(W.fp32().mat(), torch.randn(3, 16).bfloat16()).shape
+        torch.Size([3, 8])
+    """
+    if X.dtype != torch.bfloat16 or X.dim() != 2:
+        raise ValueError(f"X must be a 2-D bfloat16 tensor, got {X.dtype} of shape {tuple(X.shape)}")
+    if X.shape[1] != A.C:
+        raise ValueError(f"X must have {A.C} columns, got shape {tuple(X.shape)}")
+    vals = getattr(A, "_keep", (None,))[0]
+    if vals is None or vals.dtype not in (torch.float32, torch.bfloat16) or not vals.is_contiguous():
+        raise ValueError("gather_bf16x needs a descriptor of contiguous float32 or bfloat16 values")
+    lib = _lib()
+    if vals.dtype == torch.bfloat16:
+        kernel, what = lib.nm_gather_bf16wx, "nm_gather_bf16wx"
+    else:
+        kernel, what = lib.nm_gather_bf16x, "nm_gather_bf16x"
+    X = _bf16_rows(X)
+    Y = torch.empty((X.shape[0], A.R), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = kernel(ctypes.byref(A), X.shape[0], X.data_ptr(), X.stride(0) if A.C else 1, Y.data_ptr(),
+                Y.stride(0) if A.R else 1, b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
+    _kernel._check(rc, what)
     return Y
 
 

@@ -72,12 +72,17 @@ def _bf16_weight(W: NMTensor, a_is_w: bool, round_to: Optional[torch.dtype] = No
 
 def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: bool,
           round_to: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``x2 @ Weff^T (+ bias)`` in float32 (bf16 values widened in the kernel, fp32 accumulation)."""
+    """``x2 @ Weff^T (+ bias)`` in float32 (bf16 values widened in the kernel, fp32 accumulation;
+    bf16 ``x2`` widened while the kernel packs it, no float32 copy)."""
     if _bf16_weight(W, a_is_w, round_to):
         from ._fp32 import kernel_values
 
         R, C = W._rc()
         v = kernel_values(W, W._values, round_to)
+        if x2.dtype == torch.bfloat16:
+            from ._bf16x import gather_bf16x
+
+            return gather_bf16x(_kernel.mat(v, W.indices, R, C, W.n, W.m), x2, bias)
         return _kernel.gather_bf16w(_kernel.mat(v, W.indices, R, C, W.n, W.m), x2, bias)
     if (round_to if round_to is not None else W._values.dtype) == torch.bfloat16:   # transposed product
         from ._bf16x import tgather_bf16w
@@ -88,6 +93,10 @@ def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: b
         return tgather_bf16w(_kernel.mat(v, W.indices, R, C, W.n, W.m), x2, bias)
     A = W.fp32(round_to)
     mat = A.mat()
+    if a_is_w and x2.dtype == torch.bfloat16:
+        from ._bf16x import gather_bf16x
+
+        return gather_bf16x(mat, x2, bias)
     return _kernel.gather(mat, x2, bias) if a_is_w else _kernel.tgather(mat, x2, bias)
 
 

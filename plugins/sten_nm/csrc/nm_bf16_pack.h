@@ -1,0 +1,27 @@
+/* Packing a bfloat16 operand X[B][C] (uint16_t bits, row stride ldx, any 2-byte offset)
+ * into a float32 panel, widened while packing (exact: bf16 bits shifted into the high half
+ * of a float32), so no float32 copy of X is made. Used by the exact forward's panel
+ * (make_panel_x) and the paper format's bf16-x pack (nm_cg_bf16x.h). Needs pack_panel. */
+#ifndef STEN_NM_BF16_PACK_H
+#define STEN_NM_BF16_PACK_H
+
+/* columns per packing unit: the rows' widened segments ([bch][NM_BF16_PC] floats) stay in L1 */
+#define NM_BF16_PC 64
+
+/* dst[c - c0][bi] = float(X[b0 + bi][c]) for bi < bch, c in [c0, c1) (0 past B or C),
+ * c1 - c0 <= NM_BF16_PC; tile is scratch of bch * NM_BF16_PC floats. Two vectorisable
+ * passes in L1: widen the rows' segments into tile [bch][NM_BF16_PC], then pack_panel's
+ * 4 x 4 transposes of the tile into dst. */
+static void pack_panel_bf16(const uint16_t *X, int64_t ldx, int64_t B, int64_t C, int64_t b0, int64_t bch,
+                            int64_t c0, int64_t c1, float *tile, float *dst)
+{
+    const int64_t nb = B - b0 < bch ? (B - b0 > 0 ? B - b0 : 0) : bch;
+    const int64_t ce = c1 < C ? c1 : C, nc = ce > c0 ? ce - c0 : 0;
+    for (int64_t bi = 0; bi < nb; bi++) {
+        const uint16_t *restrict x = X + (b0 + bi) * ldx + c0;
+        uint32_t *restrict t = (uint32_t *)(tile + bi * NM_BF16_PC);
+        for (int64_t c = 0; c < nc; c++) t[c] = (uint32_t)x[c] << 16;
+    }
+    pack_panel(tile, NM_BF16_PC, nb, nc, 0, bch, 0, c1 - c0, dst);
+}
+#endif
