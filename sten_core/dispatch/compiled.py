@@ -249,7 +249,9 @@ def autocast_result(op: Any, args: tuple, result: Any) -> Any:
     on, as eager and dense torch return it. The custom operators in the graph have no autocast rule,
     so without this a compiled product under ``torch.autocast("cpu", torch.bfloat16)`` returned
     float32 where eager returns bfloat16 (values rounded once, at the end; eager rounds the operands:
-    equal within the autocast dtype's precision). Float64 operands are never cast, as in torch.
+    equal within the autocast dtype's precision). Float64 operands are never cast, as in torch, nor
+    results of a layout whose class sets ``ignores_autocast = True`` (its eager kernels compute in the
+    weight's dtype under autocast too, e.g. the scipy layouts).
 
     Example:
         >>> import torch, torch.nn.functional as F
@@ -262,6 +264,8 @@ def autocast_result(op: Any, args: tuple, result: Any) -> Any:
     if not torch.is_autocast_enabled("cpu") or not result.is_floating_point() or result.dtype == torch.float64:
         return result
     if any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args):
+        return result
+    if any(getattr(type(a.wrapped_tensor), "ignores_autocast", False) for a in args if isinstance(a, SparseTensorWrapper)):
         return result
     dtype = torch.get_autocast_dtype("cpu")
     return result if result.dtype == dtype else result.to(dtype)
