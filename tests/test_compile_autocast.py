@@ -86,3 +86,28 @@ def test_autocast_result_leaves_float64_and_autocast_off_alone():
         assert autocast_result(F.linear, (torch.ones(1, 2, dtype=torch.float64),), y) is y
         assert autocast_result(torch.Tensor.t, (y,), y) is y  # not a product
         assert autocast_result(F.linear, (torch.ones(1, 2),), y).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor])
+@pytest.mark.parametrize("backend", ["explain", "eager", "aot_eager"])
+def test_graphs_run_by_dynamos_eager_backends_under_autocast(layout, backend):
+    """``torch._dynamo.explain`` and ``backend="eager"`` run Dynamo's graph with autocast still on:
+    the CSR custom operators then ran ``torch.sparse.mm`` on float32 operands cast to bfloat16 by
+    autocast (``NotImplementedError: "addmm_out_sparse_csr_impl_mkl" not implemented for 'BFloat16'``);
+    they now compute with autocast off, in the dtypes the graph gives them."""
+    ws = [_weight(layout, False) for _ in range(2)]
+    ws[1] = sten.SparseParameterWrapper(layout.from_dense(ws[1].to_dense()[:, :12]), requires_grad=False)
+    fn = lambda t: F.linear(F.linear(t, ws[0]).relu(), ws[1])
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(7))
+    torch._dynamo.reset()
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("ignore")
+        eager = fn(x)
+        if backend == "explain":
+            assert torch._dynamo.explain(fn)(x).graph_break_count == 0
+            compiled = torch.compile(fn, backend="eager")(x)
+        else:
+            compiled = torch.compile(fn, backend=backend, fullgraph=True)(x)
+    torch._dynamo.reset()
+    assert compiled.dtype == eager.dtype == torch.bfloat16
+    torch.testing.assert_close(compiled.float(), eager.float(), **BF16)
