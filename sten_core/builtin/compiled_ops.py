@@ -26,6 +26,14 @@ from sten_core.builtin.ops import _sparse_times
 from sten_core.builtin.torch_layouts import CscTensor, CsrTensor
 
 
+def _no_autocast() -> Any:
+    """The custom operators compute in their operands' dtypes: the graph chose them
+    (``compiled.autocast_result``). A graph run by Dynamo's ``eager`` backend or
+    ``torch._dynamo.explain`` under ``torch.autocast`` calls them with CPU autocast on, which
+    cast ``torch.sparse.mm``'s float32 operands to bfloat16 (MKL: not implemented)."""
+    return torch.autocast("cpu", enabled=False)
+
+
 def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns: int,
          dtype: torch.dtype) -> torch.Tensor:
     values = values if values.dtype == dtype else values.to(dtype)
@@ -37,7 +45,8 @@ def csr_mm(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, columns:
            dense: torch.Tensor) -> torch.Tensor:
     """``W @ dense`` for a CSR ``W`` [R, columns] given by its members and ``dense``
     [columns, M] (the eager kernel: ``torch.sparse.mm``, MKL on the CPU); [R, M]."""
-    return _sparse_times(_csr(crow, col, values, columns, dense.dtype), dense).contiguous()
+    with _no_autocast():
+        return _sparse_times(_csr(crow, col, values, columns, dense.dtype), dense).contiguous()
 
 
 @csr_mm.register_fake
@@ -50,7 +59,8 @@ def csr_t_mm(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, column
              dense: torch.Tensor) -> torch.Tensor:
     """``W.t() @ dense`` for a CSR ``W`` [R, columns] and ``dense`` [R, M]; [columns, M]."""
     w = _csr(crow, col, values, columns, dense.dtype)
-    return _sparse_times(w.t(), dense).contiguous()
+    with _no_autocast():
+        return _sparse_times(w.t(), dense).contiguous()
 
 
 @csr_t_mm.register_fake
@@ -63,7 +73,8 @@ def csr_sampled(a: torch.Tensor, b: torch.Tensor, crow: torch.Tensor, col: torch
     """Values of ``a @ b`` at a CSR pattern (the weight gradient, pattern kept)."""
     ones = torch.ones(col.shape[0], dtype=a.dtype, device=a.device)
     pattern = torch.sparse_csr_tensor(crow, col, ones, (crow.shape[0] - 1, b.shape[1]))
-    return torch.sparse.sampled_addmm(pattern, a.contiguous(), b.contiguous(), beta=0.0).values().clone()
+    with _no_autocast():
+        return torch.sparse.sampled_addmm(pattern, a.contiguous(), b.contiguous(), beta=0.0).values().clone()
 
 
 @csr_sampled.register_fake

@@ -233,7 +233,42 @@ def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:
         return dense_training_call(op, *args, **kwargs)
     if impl is dense_call or (kwargs and impl in _WEIGHT_FIRST):  # (out=...: eager's dense fallback)
         return dense_call(op, *args, **kwargs)
-    return impl(*args, **kwargs)
+    return autocast_result(op, args, impl(*args, **kwargs))
+
+
+AUTOCAST_PRODUCTS = frozenset({
+    torch.nn.functional.linear, torch.mm, torch.matmul, torch.addmm, torch.bmm,
+    torch.Tensor.mm, torch.Tensor.matmul, torch.Tensor.__matmul__,
+})
+"""Products on CPU autocast's lower-precision list: eager's sparse kernels (and dense torch) return
+the autocast dtype for them."""
+
+
+def autocast_result(op: Any, args: tuple, result: Any) -> Any:
+    """``result`` of a layout's compiled operator for ``op``, in CPU autocast's dtype when autocast is
+    on, as eager and dense torch return it. The custom operators in the graph have no autocast rule,
+    so without this a compiled product under ``torch.autocast("cpu", torch.bfloat16)`` returned
+    float32 where eager returns bfloat16 (values rounded once, at the end; eager rounds the operands:
+    equal within the autocast dtype's precision). Float64 operands are never cast, as in torch, nor
+    results of a layout whose class sets ``ignores_autocast = True`` (its eager kernels compute in the
+    weight's dtype under autocast too, e.g. the scipy layouts).
+
+    Example:
+        >>> import torch, torch.nn.functional as F
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     autocast_result(F.linear, (torch.ones(1, 2), torch.ones(3, 2)), torch.ones(1, 3)).dtype
+        torch.bfloat16
+    """
+    if op not in AUTOCAST_PRODUCTS or not isinstance(result, torch.Tensor) or result.device.type != "cpu":
+        return result
+    if not torch.is_autocast_enabled("cpu") or not result.is_floating_point() or result.dtype == torch.float64:
+        return result
+    if any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args):
+        return result
+    if any(getattr(type(a.wrapped_tensor), "ignores_autocast", False) for a in args if isinstance(a, SparseTensorWrapper)):
+        return result
+    dtype = torch.get_autocast_dtype("cpu")
+    return result if result.dtype == dtype else result.to(dtype)
 
 
 _WEIGHT_FIRST = (compiled_products.weight_first_matmul, compiled_products.weight_first_mm)

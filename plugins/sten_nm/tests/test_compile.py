@@ -458,3 +458,38 @@ def test_x_at_a_frozen_grouped_weight_runs_its_own_to_dense_in_one_custom_operat
 @pytest.mark.parametrize("layout", [NMTensor, GroupedNMTensor, ColumnGroupedNMTensor])
 def test_a_weight_used_twice_trains_compiled_with_eager_gradients(layout):
     check_compile_shared_weight(layout, size=32)
+
+
+@pytest.mark.parametrize("layout", [NMTensor, GroupedNMTensor, ColumnGroupedNMTensor])
+@pytest.mark.parametrize("trainable", [False, True])
+def test_compiled_linear_under_cpu_autocast_returns_eagers_dtype(layout, trainable):
+    """Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` a compiled ``F.linear`` with an n:m weight
+    returns bfloat16 as eager and dense torch do (it returned float32 silently: the custom operators
+    have no autocast rule; ``sten_core.dispatch.compiled.autocast_result``), with output and gradients
+    equal to eager's within bfloat16's precision."""
+    import warnings
+
+    g = torch.Generator().manual_seed(3)
+    dense = layout.from_dense(torch.randn(12, 16, generator=g)).to_dense()  # its n:m pattern
+    x0, b = torch.randn(2, 5, 16, generator=g), torch.linspace(-1, 1, 12)
+    runs = []
+    for mode in ("eager", "compiled", "dense"):
+        w = torch.nn.Parameter(dense.clone(), requires_grad=trainable) if mode == "dense" else \
+            sten.SparseParameterWrapper(layout.from_dense(dense), requires_grad=trainable)
+        x = x0.clone().requires_grad_(True)
+        torch._dynamo.reset()
+        with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+            warnings.simplefilter("ignore")
+            fn = (lambda t: F.linear(t, w, b))
+            y = torch.compile(fn, fullgraph=True)(x) if mode == "compiled" else fn(x)
+        torch._dynamo.reset()
+        y.float().square().sum().backward()
+        wg = w.grad.to_dense() if isinstance(w.grad, sten.SparseTensorWrapper) else w.grad
+        runs.append((mode, y, x.grad, wg))
+    (_, ye, gxe, gwe), (_, yc, gxc, gwc), (_, yd, _, _) = runs
+    assert ye.dtype == yc.dtype == yd.dtype == torch.bfloat16, (ye.dtype, yc.dtype, yd.dtype)
+    torch.testing.assert_close(yc.float(), ye.float(), rtol=1.6e-2, atol=2e-2)
+    torch.testing.assert_close(yc.float(), yd.float(), rtol=1.6e-2, atol=2e-2)
+    torch.testing.assert_close(gxc, gxe, rtol=0, atol=2e-2 * gxe.abs().max().item())
+    if trainable:
+        torch.testing.assert_close(gwc, gwe, rtol=0, atol=2e-2 * gwe.abs().max().item())

@@ -66,6 +66,8 @@ class ScipyCompressed(Layout):
     format: str = "csr"
     array_type: type = scipy.sparse.csr_array
     _major: int = 0  # the compressed dim: 0 for CSR, 1 for CSC
+    ignores_autocast: bool = True  # scipy computes in the weight's dtype (float32/64): eager's F.linear under
+    # CPU autocast returns float32, and a compiled one must too (sten_core.dispatch.compiled.autocast_result)
 
     def __init__(self, data: Any):
         name = type(self).__name__

@@ -368,3 +368,25 @@ def test_training_through_other_products_compiles_whole(layout):
 @pytest.mark.parametrize("layout", [ScipyCsrTensor, ScipyCscTensor])
 def test_a_weight_used_twice_trains_compiled_with_eager_gradients(layout):
     check_compile_shared_weight(layout)
+
+
+@pytest.mark.parametrize("layout", [ScipyCsrTensor, ScipyCscTensor])
+def test_compiled_layers_under_cpu_autocast_follow_eager_float32(layout):
+    """scipy computes in the weight's dtype, so eager's ``F.linear`` under CPU autocast returns float32;
+    compiled must too (``ignores_autocast``): casting it to bfloat16 made the next scipy layer refuse its
+    bfloat16 input (``TypeError``) in a compiled two-layer model that runs eagerly."""
+    import warnings
+
+    g = torch.Generator().manual_seed(3)
+    dense = [torch.randn(16, 16, generator=g) * (torch.rand(16, 16, generator=g) > 0.5) for _ in range(2)]
+    ws = [sten.SparseParameterWrapper(layout.from_dense(d), requires_grad=False) for d in dense]
+    x = torch.randn(4, 16, generator=g)
+    fn = lambda t: F.linear(F.linear(t, ws[0]).relu(), ws[1])
+    torch._dynamo.reset()
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("ignore")
+        eager, compiled = fn(x), torch.compile(fn, fullgraph=True)(x)
+    torch._dynamo.reset()
+    assert eager.dtype == compiled.dtype == torch.float32
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(compiled, F.linear(F.linear(x, dense[0]).relu(), dense[1]))
