@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
