@@ -6,14 +6,9 @@
  * reused over every batch chunk, ~1/B of the FMAs. The x panel is the cached scratch one.
  * float32 accumulation; no float32 copy of the weight is kept. */
 
-typedef struct {
-    const nm_mat *A; const float *xp; int64_t Cpad, nbc, B; float *Y; int64_t ldy;
-    const float *bias; int64_t kbg, bch; nm_gather_fn fn; int err; int64_t next; int64_t rows;
-} bf16_gather_args;
-
 static void bf16_gather_task(void *p, int tid, int nth)
 {
-    bf16_gather_args *a = (bf16_gather_args *)p;
+    gather_args *a = (gather_args *)p;   /* the float32 driver's arguments (gather_driver) */
     const nm_mat *A = a->A;
     const int64_t gn = A->G * A->n;
     (void)tid; (void)nth;
@@ -41,40 +36,17 @@ static void bf16_gather_task(void *p, int tid, int nth)
     free(ytmp); free(offs); free(wv);
 }
 
-static int gather_bf16w_x(const nm_mat *A, int64_t B, const void *X, int x16, int64_t ldx, float *Y,
-                          int64_t ldy, const float *bias, int nthreads)
-{
-    if (check_mat(A) || B < 0) return -1;
-    if (B == 0 || A->R == 0) return 0;
-    if (A->C == 0) {
-        fill_with_bias(Y, B, A->R, ldy, bias);
-        return 0;
-    }
-    const nm_isa_table *T = table();
-    int nvi; const int64_t bch = (int64_t)choose_nv(B, T->vw, &nvi) * T->vw;
-    const int64_t Cpad = A->G * A->m;
-    int nth = clamp_threads(nthreads, 2.0 * B * A->R * A->G * A->n, (A->R + NM_ROWS - 1) / NM_ROWS);
-    int64_t nbc;
-    float *xp = make_panel_x(X, x16, ldx, B, A->C, Cpad, bch, &nbc, nth, 1);   /* scratch_give */
-    if (!xp) return -3;
-    bf16_gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0,
-                           gather_rows(A, Cpad, bch, nth)};
-    run_parallel(nth, bf16_gather_task, &ga);
-    scratch_give(xp);
-    return ga.err;
-}
-
 int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
                     const float *bias, int nthreads)
 {
-    return gather_bf16w_x(A, B, X, 0, ldx, Y, ldy, bias, nthreads);
+    return gather_driver(A, B, X, 0, ldx, Y, ldy, bias, nthreads, bf16_gather_task, (A->R + NM_ROWS - 1) / NM_ROWS);
 }
 
 /* bf16 X and bf16 values: X widened while packing its panel (no float32 copy of X) */
 int nm_gather_bf16wx(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx, float *Y, int64_t ldy,
                      const float *bias, int nthreads)
 {
-    return gather_bf16w_x(A, B, X, 1, ldx, Y, ldy, bias, nthreads);
+    return gather_driver(A, B, X, 1, ldx, Y, ldy, bias, nthreads, bf16_gather_task, (A->R + NM_ROWS - 1) / NM_ROWS);
 }
 
 /* float32 -> bfloat16 bits, round to nearest even, NaN -> 0x7fc0 (torch's scalar

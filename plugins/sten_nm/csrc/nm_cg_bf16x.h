@@ -249,10 +249,7 @@ static void cgx_task(void *p, int tid, int nth)
         } else {
             a->fn(W, (const float *)a->xp + bc * a->Kp * a->bch, qa, qe, 0, W->L, ytmp, NM_CG_FIRST, wbuf);
         }
-        const int64_t bmax = a->B - bc * a->bch < a->bch ? a->B - bc * a->bch : a->bch;
-        const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N;
-        nm_store_transposed(ytmp, a->bch, r1 - r0, bmax, a->Y + bc * a->bch * a->ldy + r0, a->ldy,
-                            a->bias ? a->bias + r0 : NULL);
+        cg_store_unit(W, ytmp, a->B, a->bch, bc, qa, qe, a->Y, a->ldy, a->bias);
     }
     free(ytmp);
     free(wbuf);

@@ -444,8 +444,11 @@ static int64_t gather_rows(const nm_mat *A, int64_t Cpad, int64_t bch, int nth)
 }
 
 /* nm_gather_f32 on X float32 or bfloat16 bits (x16: widened while packing the panel) */
-static int gather_x(const nm_mat *A, int64_t B, const void *X, int x16, int64_t ldx, float *Y, int64_t ldy,
-                    const float *bias, int nthreads)
+/* The exact forward's driver: x (float32, or bf16 when x16) packed into the cached scratch panel,
+ * then `task` over units of gather_rows rows on at most `max_threads` threads (gather_task for
+ * float32 values, bf16_gather_task for bf16 ones). */
+static int gather_driver(const nm_mat *A, int64_t B, const void *X, int x16, int64_t ldx, float *Y, int64_t ldy,
+                         const float *bias, int nthreads, task_fn task, int64_t max_threads)
 {
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->R == 0) return 0;
@@ -456,13 +459,13 @@ static int gather_x(const nm_mat *A, int64_t B, const void *X, int x16, int64_t 
     const nm_isa_table *T = table();
     int nvi; const int64_t bch = (int64_t)choose_nv(B, T->vw, &nvi) * T->vw;
     const int64_t Cpad = A->G * A->m;
-    int nth = clamp_threads(nthreads, 2.0 * B * A->R * A->G * A->n, A->R);
+    int nth = clamp_threads(nthreads, 2.0 * B * A->R * A->G * A->n, max_threads);
     int64_t nbc;
     float *xp = make_panel_x(X, x16, ldx, B, A->C, Cpad, bch, &nbc, nth, 1);   /* scratch_give */
     if (!xp) return -3;
     gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0,
                       gather_rows(A, Cpad, bch, nth)};
-    run_parallel(nth, gather_task, &ga);
+    run_parallel(nth, task, &ga);
     scratch_give(xp);
     return ga.err;
 }
@@ -470,13 +473,13 @@ static int gather_x(const nm_mat *A, int64_t B, const void *X, int x16, int64_t 
 int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
                   const float *bias, int nthreads)
 {
-    return gather_x(A, B, X, 0, ldx, Y, ldy, bias, nthreads);
+    return gather_driver(A, B, X, 0, ldx, Y, ldy, bias, nthreads, gather_task, A->R);
 }
 
 int nm_gather_bf16x(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx, float *Y, int64_t ldy,
                     const float *bias, int nthreads)
 {
-    return gather_x(A, B, X, 1, ldx, Y, ldy, bias, nthreads);
+    return gather_driver(A, B, X, 1, ldx, Y, ldy, bias, nthreads, gather_task, A->R);
 }
 
 /* ------------------------------------------------- transposed (CSR) gather -- */
@@ -985,6 +988,16 @@ static void cgg_panel_ready(cgg_args *a, int64_t bc)
 
 /* Units (batch chunk, qb row blocks); per unit the blocks' rows are accumulated in ytmp,
  * slot range after slot range (kt slots of every pattern per pass), then written. */
+/* Rows [qa*m, qe*m) of batch chunk bc (bch columns of ytmp, the chunk's first B - bc*bch valid)
+ * into Y, transposed, bias added: the paper-format drivers' last step per unit. */
+static void cg_store_unit(const nm_colgrouped *W, const float *ytmp, int64_t B, int64_t bch, int64_t bc,
+                          int64_t qa, int64_t qe, float *Y, int64_t ldy, const float *bias)
+{
+    const int64_t bmax = B - bc * bch < bch ? B - bc * bch : bch;
+    const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N;
+    nm_store_transposed(ytmp, bch, r1 - r0, bmax, Y + bc * bch * ldy + r0, ldy, bias ? bias + r0 : NULL);
+}
+
 static void cgg_task(void *p, int tid, int nth)
 {
     cgg_args *a = (cgg_args *)p;
@@ -1004,14 +1017,11 @@ static void cgg_task(void *p, int tid, int nth)
         const int64_t bc = u / nq, qa = (u % nq) * qb, qe = qa + qb < W->Nb ? qa + qb : W->Nb;
         cgg_panel_ready(a, bc);
         const float *panel = a->xp + bc * a->Kp * a->bch;
-        const int64_t bmax = a->B - bc * a->bch < a->bch ? a->B - bc * a->bch : a->bch;
         for (int64_t t0 = 0; t0 < W->L; t0 += a->kt)
             a->fn(W, panel, qa, qe, t0, t0 + a->kt < W->L ? t0 + a->kt : W->L, ytmp,
                   (t0 == 0 ? NM_CG_FIRST : 0) | (a->in_l1 ? NM_CG_IN_L1 : 0) | (a->tiles ? NM_CG_TILES : 0),
                   wbuf);
-        const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N;
-        nm_store_transposed(ytmp, a->bch, r1 - r0, bmax, a->Y + bc * a->bch * a->ldy + r0, a->ldy,
-                            a->bias ? a->bias + r0 : NULL);
+        cg_store_unit(W, ytmp, a->B, a->bch, bc, qa, qe, a->Y, a->ldy, a->bias);
     }
     free(ytmp);
     free(wbuf);
