@@ -12,6 +12,8 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import functools
+import hashlib
 import os
 import re
 import warnings
@@ -63,6 +65,17 @@ def _library_path() -> str:
     from . import _nmkernel  # the compiled extension (a normal CPython module)
 
     return _nmkernel.__file__
+
+
+@functools.lru_cache(maxsize=None)
+def build_id() -> str:
+    """A digest of the kernel library's bytes (a rebuilt extension gets a new one), or
+    ``"none"`` when it cannot be read. Example: ``len(build_id()) in (4, 12)``."""
+    try:
+        with open(_library_path(), "rb") as f:
+            return hashlib.sha1(f.read()).hexdigest()[:12]
+    except (OSError, ImportError):
+        return "none"
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -6,7 +6,9 @@ dtype, threads, ISA) and cached on disk, like FFTW's wisdom. The paper format's 
 * ``STEN_NM_TUNE=0`` turns tuning off (always the sparse kernel);
 * ``STEN_NM_TUNE_CACHE`` names the cache file (default
   ``~/.cache/sten_nm/tuning-<cpu>.json``, one file per CPU model: a home directory
-  shared by different machines never hands one CPU's timings to another);
+  shared by different machines never hands one CPU's timings to another); the file records
+  the kernel build and torch version it was timed with (:func:`build`) and is ignored when
+  either changed, so a rebuilt kernel or another torch is timed afresh;
 * :func:`choices` returns what was chosen (also ``python -m sten_nm.tuning``);
 * :func:`status` says, for one key, what tuning chose, would choose or why it is off;
   the products say it to ``sten explain`` through ``plugin_api.note`` (:func:`pick`).
@@ -49,6 +51,18 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
 
 
+@functools.lru_cache(maxsize=None)
+def build() -> str:
+    """What the cached timings were measured with: the kernel library's digest and torch's
+    version. A cache file written by another build is ignored (its choices may be stale:
+    a faster kernel variant, another dense GEMM). Example: ``"kernel 1a2b3c4d5e6f, torch 2.13.0+cpu"``."""
+    import torch
+
+    from . import _kernel
+
+    return f"kernel {_kernel.build_id()}, torch {torch.__version__}"
+
+
 def cache_path() -> str:
     """The cache file: ``STEN_NM_TUNE_CACHE``, else one per CPU model under ``~/.cache/sten_nm``."""
     if os.environ.get("STEN_NM_TUNE_CACHE"):
@@ -81,8 +95,9 @@ def _load() -> dict[str, dict]:
         try:
             with open(path) as f:
                 data = json.load(f)
-            if isinstance(data, dict):
-                _memory.update({k: v for k, v in data.items() if isinstance(v, dict) and isinstance(v.get("choice"), str)})
+            if isinstance(data, dict) and data.get("build") == build() and isinstance(data.get("choices"), dict):
+                _memory.update({k: v for k, v in data["choices"].items()
+                                if isinstance(v, dict) and isinstance(v.get("choice"), str)})
         except (OSError, ValueError):
             pass
         _loaded_from = path
@@ -95,7 +110,7 @@ def _save() -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump(_memory, f, indent=1, sort_keys=True)
+            json.dump({"build": build(), "choices": _memory}, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only home: the choice still holds for this process
@@ -212,5 +227,5 @@ def forget() -> None:
 
 
 if __name__ == "__main__":  # python -m sten_nm.tuning: show the choices
-    json.dump({"enabled": enabled(), "cache": cache_path(), "choices": choices()}, sys.stdout, indent=1)
+    json.dump({"enabled": enabled(), "cache": cache_path(), "build": build(), "choices": choices()}, sys.stdout, indent=1)
     print()

@@ -36,7 +36,8 @@ def test_choice_is_timed_once_cached_on_disk_and_visible(tune, monkeypatch):
     (k, v), = ch.items()
     assert k.startswith("fwd R=64 C=96 2:4 a_is_w=1 B~32 float32") and v["choice"] in ("kernel", "dense")
     assert set(v["ms"]) == {"kernel", "dense"}
-    assert json.loads(tune.read_text())[k]["choice"] == v["choice"]
+    saved = json.loads(tune.read_text())
+    assert saved["choices"][k]["choice"] == v["choice"] and saved["build"] == tuning.build()
     calls = []
     monkeypatch.setattr(tuning, "_best_time", lambda fn, reps: calls.append(1) or 1.0)
     nm_linear(torch.randn(31, 96), t)          # same bucket: no new timing
@@ -92,6 +93,34 @@ def test_unreadable_cache_is_ignored(tune):
     t = NMTensor.from_dense(torch.randn(16, 32), 2, 4)
     torch.testing.assert_close(nm_linear(torch.ones(2, 32), t), F.linear(torch.ones(2, 32), t.to_dense()))
     assert len(tuning.choices()) == 1
+
+
+def test_cache_from_another_build_is_timed_afresh(tune, monkeypatch):
+    """Choices timed with another kernel build or torch are stale (a faster variant, another
+    dense GEMM): a file written by another build is ignored and rewritten by this one."""
+    t = NMTensor.from_dense(torch.randn(16, 32), 2, 4)
+    x = torch.ones(2, 32)
+    nm_linear(x, t)
+    (k,) = tuning.choices()
+    other = "dense" if tuning.choices()[k]["choice"] == "kernel" else "kernel"
+    stale = {k: {"choice": other, "ms": {"kernel": 1.0, "dense": 1.0}}}
+    timed = []
+    best_time = tuning._best_time
+    monkeypatch.setattr(tuning, "_best_time", lambda fn, reps: timed.append(1) or best_time(fn, reps))
+    for written in ({"build": "kernel 000000000000, torch 1.0", "choices": stale}, stale):  # old build / old format
+        tune.write_text(json.dumps(written))
+        tuning._loaded_from = None   # as in a fresh process
+        assert tuning.choices() == {} and tuning.status(k) == "not tuned yet"
+        timed.clear()
+        torch.testing.assert_close(nm_linear(x, t), F.linear(x, t.to_dense()))
+        assert timed and json.loads(tune.read_text())["build"] == tuning.build()
+
+
+def test_build_names_the_kernel_digest_and_torch():
+    from sten_nm import _kernel
+
+    assert tuning.build() == f"kernel {_kernel.build_id()}, torch {torch.__version__}"
+    assert len(_kernel.build_id()) == 12
 
 
 def test_batch_bucket():
