@@ -131,22 +131,26 @@ static void gbf16_rows_task(void *p, int tid, int nth)
     float *xb = (float *)alloc64((size_t)(a->mcp * NM_MB * ccols) * sizeof(float));
     float *wv = (float *)alloc64((size_t)(a->kc * NM_GR) * sizeof(float));
     int32_t *ob = (int32_t *)alloc64((size_t)a->kc * sizeof(int32_t));
-    if (!T || !xb || !wv || !ob) { free(T); free(xb); free(wv); free(ob); a->err = -3; return; }
+    int err = 0;
+    float *tile = gpack_tile(a, &err);
+    if (!T || !xb || !wv || !ob || err) {
+        free(T); free(xb); free(wv); free(ob); free(tile);
+        a->err = -3;
+        return;
+    }
     for (int64_t p0 = pa; p0 < pb; p0 += a->mcp) {
         const int64_t np = p0 + a->mcp < pb ? a->mcp : pb - p0;
         for (int64_t e0 = 0; e0 < gn; e0 += a->kc) {
             const int64_t e1 = e0 + a->kc < gn ? e0 + a->kc : gn;
             const int64_t c0 = e0 / W->n * W->m, c1 = e1 / W->n * W->m;
-            for (int64_t i = 0; i < np; i++)
-                pack_panel(a->X, a->ldx, a->B, W->K, (p0 + i) * NM_MB, NM_MB, c0, c1,
-                           xb + i * NM_MB * (c1 - c0));
+            for (int64_t i = 0; i < np; i++) gpack(a, p0 + i, c0, c1, tile, xb + i * NM_MB * (c1 - c0));
             for (int64_t q = 0; q < W->Q; q++)
                 gbf16_group(a, q, e0, e1, xb, NM_MB * (c1 - c0), c0, np, T, wv, ob, e0 == 0);
         }
         const int64_t b1 = (p0 + np) * NM_MB < a->B ? (p0 + np) * NM_MB : a->B;
         unpermute(a, T, p0 * NM_MB, b1);
     }
-    free(T); free(xb); free(wv); free(ob);
+    free(T); free(xb); free(wv); free(ob); free(tile);
 }
 
 static void gbf16_groups_task(void *p, int tid, int nth)
@@ -169,11 +173,11 @@ static void gbf16_groups_task(void *p, int tid, int nth)
 
 /* The grouped driver with the tasks above; 4x the float32 driver's panels per block: each
  * widening serves 4x the batch rows. */
-static int grouped_gather_bf16w_scratch(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
+static int grouped_gather_bf16w_scratch(const nm_grouped *W, int64_t B, const void *X, int x16, int64_t ldx,
                                         float *Y, int64_t ldy, const float *bias, int nthreads)
 {
     const grouped_schedule s = {table()->ggather, gbf16_rows_task, gbf16_groups_task, 512 * 1024};
-    return grouped_drive(W, B, X, ldx, Y, ldy, bias, nthreads, &s);
+    return grouped_drive(W, B, X, x16, ldx, Y, ldy, bias, nthreads, &s);
 }
 
 /* Grouped forward with bf16 values. AVX-512: the float32 driver (both schedules) around
@@ -183,10 +187,23 @@ static int grouped_gather_bf16w_scratch(const nm_grouped *W, int64_t B, const fl
  * registers do not hold two panels and the in-register widening costs 4 operations per 12 FMAs
  * (measured 0.8-0.87x on AVX2), so those widen per row group and chunk into a buffer instead
  * (docs/nm.md). */
+static int grouped_gather_bf16w_x(const nm_grouped *W, int64_t B, const void *X, int x16, int64_t ldx,
+                                  float *Y, int64_t ldy, const float *bias, int nthreads)
+{
+    if (table()->vw >= 16 || env_int("STEN_NM_BF16_IN_REGISTERS", 0))
+        return grouped_gather_with(W, B, X, x16, ldx, Y, ldy, bias, nthreads, table()->ggather16);
+    return grouped_gather_bf16w_scratch(W, B, X, x16, ldx, Y, ldy, bias, nthreads);
+}
+
 int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                             float *Y, int64_t ldy, const float *bias, int nthreads)
 {
-    if (table()->vw >= 16 || env_int("STEN_NM_BF16_IN_REGISTERS", 0))
-        return grouped_gather_with(W, B, X, ldx, Y, ldy, bias, nthreads, table()->ggather16);
-    return grouped_gather_bf16w_scratch(W, B, X, ldx, Y, ldy, bias, nthreads);
+    return grouped_gather_bf16w_x(W, B, X, 0, ldx, Y, ldy, bias, nthreads);
+}
+
+/* nm_grouped_gather_bf16w with bf16 x, widened while packing its micro-panels (gpack). */
+int nm_grouped_gather_bf16wx(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                             float *Y, int64_t ldy, const float *bias, int nthreads)
+{
+    return grouped_gather_bf16w_x(W, B, X, 1, ldx, Y, ldy, bias, nthreads);
 }

@@ -642,7 +642,31 @@ typedef struct {
     const float *X; int64_t ldx; const float *xp;
     int64_t Kpad, B, npan, kc, mcp; float *Y; int64_t ldy; const float *bias;
     float *T; int64_t ldt; nm_ggather_fn fn; int err;
+    const uint16_t *X16;   /* bf16 x (X is NULL then): widened while packing */
 } ggather_args;
+
+/* Micro-panel b6 of x (rows b6 * 6 .. + 6), columns [c0, c1) into dst ([c - c0][6]); bf16 x
+ * widened on the way through tile (NM_MB * NM_BF16_PC floats), 64 columns at a time. */
+static void gpack(const ggather_args *a, int64_t b6, int64_t c0, int64_t c1, float *tile, float *dst)
+{
+    if (!a->X16) {
+        pack_panel(a->X, a->ldx, a->B, a->W->K, b6 * NM_MB, NM_MB, c0, c1, dst);
+        return;
+    }
+    for (int64_t c = c0; c < c1; c += NM_BF16_PC) {
+        const int64_t ce = c + NM_BF16_PC < c1 ? c + NM_BF16_PC : c1;
+        pack_panel_bf16(a->X16, a->ldx, a->B, a->W->K, b6 * NM_MB, NM_MB, c, ce, tile, dst + (c - c0) * NM_MB);
+    }
+}
+
+/* The per-thread tile gpack needs (NULL for float32 x; *err = -3 when out of memory). */
+static float *gpack_tile(const ggather_args *a, int *err)
+{
+    if (!a->X16) return NULL;
+    float *t = (float *)alloc64((size_t)(NM_MB * NM_BF16_PC) * sizeof(float));
+    if (!t) *err = -3;
+    return t;
+}
 
 /* Y[b][r] = T[b - b0][inv[r]] (+ bias[r]) for rows b in [b0, b1). */
 static void unpermute(const ggather_args *a, const float *T, int64_t b0, int64_t b1)
@@ -665,21 +689,21 @@ static void ggather_rows_task(void *p, int tid, int nth)
     if (pb <= pa) return;
     float *T = (float *)alloc64((size_t)(a->mcp * NM_MB * a->ldt) * sizeof(float));
     float *xb = (float *)alloc64((size_t)(a->mcp * NM_MB * ccols) * sizeof(float));
-    if (!T || !xb) { free(T); free(xb); a->err = -3; return; }
+    int err = 0;
+    float *tile = gpack_tile(a, &err);
+    if (!T || !xb || err) { free(T); free(xb); free(tile); a->err = -3; return; }
     for (int64_t p0 = pa; p0 < pb; p0 += a->mcp) {
         const int64_t np = p0 + a->mcp < pb ? a->mcp : pb - p0;
         for (int64_t e0 = 0; e0 < gn; e0 += a->kc) {
             const int64_t e1 = e0 + a->kc < gn ? e0 + a->kc : gn;
             const int64_t c0 = e0 / W->n * W->m, c1 = e1 / W->n * W->m;
-            for (int64_t i = 0; i < np; i++)
-                pack_panel(a->X, a->ldx, a->B, W->K, (p0 + i) * NM_MB, NM_MB, c0, c1,
-                           xb + i * NM_MB * (c1 - c0));
+            for (int64_t i = 0; i < np; i++) gpack(a, p0 + i, c0, c1, tile, xb + i * NM_MB * (c1 - c0));
             a->fn(W, a->offs, xb, NM_MB * (c1 - c0), c0, np, e0, e1, 0, W->Q, T, a->ldt, e0 == 0);
         }
         const int64_t b1 = (p0 + np) * NM_MB < a->B ? (p0 + np) * NM_MB : a->B;
         unpermute(a, T, p0 * NM_MB, b1);
     }
-    free(T); free(xb);
+    free(T); free(xb); free(tile);
 }
 
 /* Few batch rows: threads split the row groups; x packed whole, one shared T. */
@@ -747,7 +771,7 @@ typedef struct {
     int panel_bytes;
 } grouped_schedule;
 
-static int grouped_drive(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
+static int grouped_drive(const nm_grouped *W, int64_t B, const void *X, int x16, int64_t ldx,
                          float *Y, int64_t ldy, const float *bias, int nthreads,
                          const grouped_schedule *s)
 {
@@ -770,8 +794,8 @@ static int grouped_drive(const nm_grouped *W, int64_t B, const float *X, int64_t
         if (inv[r] < 0) { free(offs); free(inv); return -1; }   /* perm is not a permutation */
     const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, Q * B);
     const int64_t npan = (B + NM_MB - 1) / NM_MB;
-    ggather_args a = {W, offs, inv, X, ldx, NULL, Kpad, B, npan, 0, 0, Y, ldy, bias, NULL, 0,
-                      s->fn, 0};
+    ggather_args a = {W, offs, inv, x16 ? NULL : (const float *)X, ldx, NULL, Kpad, B, npan, 0, 0, Y, ldy,
+                      bias, NULL, 0, s->fn, 0, x16 ? (const uint16_t *)X : NULL};
     /* chunks of kept slots: whole groups of m columns, about STEN_NM_GROUPED_KC slots,
      * equal sizes */
     a.kc = equal_chunk_slots(G, env_int("STEN_NM_GROUPED_KC", 512) / W->n, W->n);
@@ -783,7 +807,7 @@ static int grouped_drive(const nm_grouped *W, int64_t B, const float *X, int64_t
         run_parallel(nth, s->rows_task, &a);
     } else {
         int64_t np;
-        float *xp = make_panel(X, ldx, B, W->K, Kpad, NM_MB, &np, nth);
+        float *xp = make_panel_x(X, x16, ldx, B, W->K, Kpad, NM_MB, &np, nth, 0);
         a.T = (float *)alloc64((size_t)(npan * NM_MB * a.ldt) * sizeof(float));
         a.xp = xp;
         if (!xp || !a.T) { a.err = -3; } else {
@@ -798,18 +822,24 @@ static int grouped_drive(const nm_grouped *W, int64_t B, const float *X, int64_t
 
 /* The float32 grouped forward around a per-slot kernel (table()->ggather, or ggather16 for
  * bf16 values widened in registers). */
-static int grouped_gather_with(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
+static int grouped_gather_with(const nm_grouped *W, int64_t B, const void *X, int x16, int64_t ldx,
                                float *Y, int64_t ldy, const float *bias, int nthreads,
                                nm_ggather_fn fn)
 {
     const grouped_schedule s = {fn, ggather_rows_task, ggather_groups_task, 128 * 1024};
-    return grouped_drive(W, B, X, ldx, Y, ldy, bias, nthreads, &s);
+    return grouped_drive(W, B, X, x16, ldx, Y, ldy, bias, nthreads, &s);
 }
 
 int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                           float *Y, int64_t ldy, const float *bias, int nthreads)
 {
-    return grouped_gather_with(W, B, X, ldx, Y, ldy, bias, nthreads, table()->ggather);
+    return grouped_gather_with(W, B, X, 0, ldx, Y, ldy, bias, nthreads, table()->ggather);
+}
+
+int nm_grouped_gather_bf16x(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                            float *Y, int64_t ldy, const float *bias, int nthreads)
+{
+    return grouped_gather_with(W, B, X, 1, ldx, Y, ldy, bias, nthreads, table()->ggather);
 }
 
 /* ------------------------------------------------ grouped weight gradient -- */

@@ -124,6 +124,13 @@ int nm_gather_bf16wx(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx,
  * row group's chunk of slots widened in the kernel, float32 accumulation. */
 int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                             float *Y, int64_t ldy, const float *bias, int nthreads);
+/* nm_grouped_gather_f32 / nm_grouped_gather_bf16w with X bfloat16 bits (uint16_t [B][K], row
+ * stride ldx, any 2-byte offset): widened while packing the 6-row micro-panels (exact), no
+ * float32 copy of X. */
+int nm_grouped_gather_bf16x(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                            float *Y, int64_t ldy, const float *bias, int nthreads);
+int nm_grouped_gather_bf16wx(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                             float *Y, int64_t ldy, const float *bias, int nthreads);
 /* nm_colgrouped_gather_f32 with X in bfloat16 bits (uint16_t [B][K], row stride ldx), read by
  * the kernel: on AVX512_BF16 CPUs (ISA avx512) with bf16 values, vdpbf16ps on adjacent-slot
  * pairs; otherwise x widened while packing and the float32 kernel (csrc/nm_cg_bf16x.h). */

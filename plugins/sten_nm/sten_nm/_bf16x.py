@@ -45,6 +45,12 @@ def _lib() -> ctypes.CDLL:
         for fn in (lib.nm_gather_bf16x, lib.nm_gather_bf16wx):
             fn.argtypes = [ctypes.POINTER(_kernel.NMMat), i64, vp, i64, vp, i64, vp, ci]
             fn.restype = ci
+        for fn in (lib.nm_grouped_gather_bf16x, lib.nm_grouped_gather_bf16wx):
+            fn.argtypes = [ctypes.POINTER(_kernel.NMGrouped), i64, vp, i64, vp, i64, vp, ci]
+            fn.restype = ci
+        for fn in ():
+            fn.argtypes = [ctypes.POINTER(_kernel.NMMat), i64, vp, i64, vp, i64, vp, ci]
+            fn.restype = ci
         _declared.add(id(lib))
     return lib
 
@@ -127,6 +133,40 @@ def gather_bf16x(A: _kernel.NMMat, X: torch.Tensor, bias: Optional[torch.Tensor]
     b = bias.contiguous().float() if bias is not None else None
     rc = kernel(ctypes.byref(A), X.shape[0], X.data_ptr(), X.stride(0) if A.C else 1, Y.data_ptr(),
                 Y.stride(0) if A.R else 1, b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
+    _kernel._check(rc, what)
+    return Y
+
+
+def grouped_gather_bf16x(W: _kernel.NMGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                         nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`sten_nm._kernel.grouped_gather` (``Y = X W^T (+ bias)``, float32 ``[B, N]``) for
+    bfloat16 ``X`` ``[B, K]`` read by the kernel: widened while packing its 6-row micro-panels
+    (exact), no float32 copy of X. ``W`` may describe float32 or bfloat16 values
+    (``nm_grouped_gather_bf16x`` / ``nm_grouped_gather_bf16wx``); the result has the same bits
+    as the float32-x kernel on ``X.float()``.
+
+        >>> from sten_nm import GroupedNMTensor
+        >>> W = GroupedNMTensor.from_dense(torch.randn(16, 16), 2, 4)
+        >>> grouped_gather_bf16x(W.desc(), torch.randn(3, 16).bfloat16()).shape
+        torch.Size([3, 16])
+    """
+    if X.dtype != torch.bfloat16 or X.dim() != 2:
+        raise ValueError(f"X must be a 2-D bfloat16 tensor, got {X.dtype} of shape {tuple(X.shape)}")
+    if X.shape[1] != W.K:
+        raise ValueError(f"X must have {W.K} columns, got shape {tuple(X.shape)}")
+    vals = getattr(W, "_keep", (None,))[0]
+    if vals is None or vals.dtype not in (torch.float32, torch.bfloat16) or not vals.is_contiguous():
+        raise ValueError("grouped_gather_bf16x needs a descriptor of contiguous float32 or bfloat16 values")
+    lib = _lib()
+    if vals.dtype == torch.bfloat16:
+        kernel, what = lib.nm_grouped_gather_bf16wx, "nm_grouped_gather_bf16wx"
+    else:
+        kernel, what = lib.nm_grouped_gather_bf16x, "nm_grouped_gather_bf16x"
+    X = _bf16_rows(X)
+    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = kernel(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0) if W.K else 1, Y.data_ptr(),
+                Y.stride(0) if W.N else 1, b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
     _kernel._check(rc, what)
     return Y
 

@@ -329,10 +329,17 @@ def grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = 
         if bf16:   # bf16 values read in the kernel (no float32 copy of the weight)
             from ._fp32 import kernel_values
 
-            v = kernel_values(W, W._vals, amp)
-            y2 = _kernel.grouped_gather_bf16w(_kernel.grouped(v, W.indices, W.perm, N, K, W.n, W.m), x2, bias)
+            desc = _kernel.grouped(kernel_values(W, W._vals, amp), W.indices, W.perm, N, K, W.n, W.m)
         else:
-            y2 = _kernel.grouped_gather(W.desc(amp), x2, bias)
+            desc = W.desc(amp)
+        if x2.dtype == torch.bfloat16:   # bf16 x widened while the kernel packs it (no float32 copy)
+            from ._bf16x import grouped_gather_bf16x
+
+            y2 = grouped_gather_bf16x(desc, x2, bias)
+        elif bf16:
+            y2 = _kernel.grouped_gather_bf16w(desc, x2, bias)
+        else:
+            y2 = _kernel.grouped_gather(desc, x2, bias)
     return _result(y2, dtype).reshape(*x.shape[:-1], N)
 
 
