@@ -283,6 +283,16 @@ static void pack_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int64_
 
 #include "nm_bf16_pack.h"
 
+/* Element i of an operand given as float32 (x16 NULL) or as bfloat16 bits (x16), widened exactly. */
+static inline float ld_f32_or_bf16(const float *x, const uint16_t *x16, int64_t i)
+{
+    if (!x16) return x[i];
+    const uint32_t u = (uint32_t)x16[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 static void pack_task(void *p, int tid, int nth)
 {
     pack_args *a = (pack_args *)p;
@@ -504,8 +514,9 @@ static void cgather_task(void *p, int tid, int nth)
 
 /* X[b][c] = sum_r A[r][c] Y[b][r] (+ bias[c]) through the transpose of A (CSR, built here):
  * register accumulation like the forward, instead of read-modify-write of X. */
-int nm_tgather_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, float *X, int64_t ldx,
-                   const float *bias, int nthreads)
+/* nm_tgather_f32 on Y float32 or bfloat16 bits (y16: widened while packing its panel). */
+static int tgather_driver(const nm_mat *A, int64_t B, const void *Y, int y16, int64_t ldy, float *X, int64_t ldx,
+                          const float *bias, int nthreads)
 {
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->C == 0) return 0;
@@ -542,7 +553,7 @@ int nm_tgather_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, floa
     free(cols);
     int nth = clamp_threads(nthreads, 2.0 * B * R * gn, C);
     int64_t nbc;
-    float *yp = make_panel(Y, ldy, B, R, R, bch, &nbc, nth);
+    float *yp = make_panel_x(Y, y16, ldy, B, R, R, bch, &nbc, nth, 0);
     if (!yp) { free(rowptr); free(toff); free(tv); return -3; }
     int64_t kbr = env_int("STEN_NM_BLOCK_BYTES", 16 * 1024) / (bch * 4);
     if (kbr < 1) kbr = 1;
@@ -550,6 +561,12 @@ int nm_tgather_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, floa
     run_parallel(nth, cgather_task, &ca);
     free(yp); free(rowptr); free(toff); free(tv);
     return ca.err;
+}
+
+int nm_tgather_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, float *X, int64_t ldx,
+                   const float *bias, int nthreads)
+{
+    return tgather_driver(A, B, Y, 0, ldy, X, ldx, bias, nthreads);
 }
 
 /* --------------------------------------------------------------- scatter -- */
@@ -610,8 +627,9 @@ static void sddmm_task(void *p, int tid, int nth)
     free(offs);
 }
 
-int nm_sddmm_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, const float *X,
-                 int64_t ldx, float *out, int nthreads)
+/* nm_sddmm_f32 on Y and X each float32 or bfloat16 bits (y16, x16: widened while packing). */
+static int sddmm_driver(const nm_mat *A, int64_t B, const void *Y, int y16, int64_t ldy, const void *X, int x16,
+                        int64_t ldx, float *out, int nthreads)
 {
     if (check_mat(A) || B < 0) return -1;
     const int64_t gn = A->G * A->n;
@@ -622,13 +640,19 @@ int nm_sddmm_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, const 
     const int64_t Cpad = A->G * A->m;
     int nth = clamp_threads(nthreads, 2.0 * B * A->R * gn, A->R);
     int64_t nbc, nbc2;
-    float *xp = make_panel(X, ldx, B, A->C, Cpad, bch, &nbc, nth);
-    float *yp = make_panel(Y, ldy, B, A->R, A->R, bch, &nbc2, nth);
+    float *xp = make_panel_x(X, x16, ldx, B, A->C, Cpad, bch, &nbc, nth, 0);
+    float *yp = make_panel_x(Y, y16, ldy, B, A->R, A->R, bch, &nbc2, nth, 0);
     if (!xp || !yp) { free(xp); free(yp); return -3; }
     sddmm_args sa = {A, xp, Cpad, yp, nbc, out, block_groups(A, bch), T->sddmm[nvi], 0};
     run_parallel(nth, sddmm_task, &sa);
     free(xp); free(yp);
     return sa.err;
+}
+
+int nm_sddmm_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, const float *X,
+                 int64_t ldx, float *out, int nthreads)
+{
+    return sddmm_driver(A, B, Y, 0, ldy, X, 0, ldx, out, nthreads);
 }
 
 /* --------------------------------------------------------------- grouped -- */
@@ -847,6 +871,7 @@ typedef struct {
     const nm_grouped *W; const float *dY; int64_t ldg; const float *X; int64_t ldx;
     int64_t B; const int32_t *cols; float *gq; float *xt; int64_t ldb; float *out;
     int64_t kb, kc; nm_gsddmm_fn fn; int err;
+    const uint16_t *dY16, *X16;   /* bf16 dY / X (dY / X NULL then), widened while packing */
 } gsddmm_args;
 
 /* gq[q][b][j] = dY[b][perm[q*16 + j]] (0 for padding rows), groups split by thread;
@@ -861,8 +886,8 @@ static void gsddmm_pack_task(void *p, int tid, int nth)
         const int32_t *rows = W->perm + q * NM_GR;
         float *g = a->gq + q * a->B * NM_GR;
         for (int64_t b = 0; b < a->B; b++) {
-            const float *dy = a->dY + b * a->ldg;
-            for (int j = 0; j < NM_GR; j++) g[b * NM_GR + j] = rows[j] >= 0 ? dy[rows[j]] : 0.0f;
+            for (int j = 0; j < NM_GR; j++)
+                g[b * NM_GR + j] = rows[j] >= 0 ? ld_f32_or_bf16(a->dY, a->dY16, b * a->ldg + rows[j]) : 0.0f;
         }
     }
     const int64_t Kpad = (W->K + W->m - 1) / W->m * W->m;
@@ -872,8 +897,13 @@ static void gsddmm_pack_task(void *p, int tid, int nth)
         for (int64_t b0 = 0; b0 < a->B; b0 += 16) {
             const int64_t be = b0 + 16 < a->B ? b0 + 16 : a->B;
             for (int64_t b = b0; b < be; b++) {
-                const float *x = a->X + b * a->ldx;
-                for (int64_t c = cb; c < cx; c++) a->xt[c * a->ldb + b] = x[c];
+                if (a->X16) {
+                    const uint16_t *x = a->X16 + b * a->ldx;
+                    for (int64_t c = cb; c < cx; c++) a->xt[c * a->ldb + b] = ld_f32_or_bf16(NULL, x, c);
+                } else {
+                    const float *x = a->X + b * a->ldx;
+                    for (int64_t c = cb; c < cx; c++) a->xt[c * a->ldb + b] = x[c];
+                }
                 for (int64_t c = cx > cb ? cx : cb; c < ce; c++) a->xt[c * a->ldb + b] = 0.0f;
             }
         }
@@ -906,8 +936,9 @@ static void gsddmm_task(void *p, int tid, int nth)
     free(cols);
 }
 
-int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
-                         const float *X, int64_t ldx, float *out, int nthreads)
+/* nm_grouped_sddmm_f32 on dY and X each float32 or bfloat16 bits (y16, x16). */
+static int grouped_sddmm_driver(const nm_grouped *W, int64_t B, const void *dY, int y16, int64_t ldg,
+                                const void *X, int x16, int64_t ldx, float *out, int nthreads)
 {
     if (check_grouped(W) || B < 0) return -1;
     const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n, Q = W->Q;
@@ -919,7 +950,9 @@ int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_
     float *xt = (float *)alloc64((size_t)(G * W->m * ldb) * sizeof(float));
     if (!cols || !gq || !xt) { free(cols); free(gq); free(xt); return -3; }
     const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, Q);
-    gsddmm_args a = {W, dY, ldg, X, ldx, B, cols, gq, xt, ldb, out, 0, 0, table()->gsddmm, 0};
+    gsddmm_args a = {W, y16 ? NULL : (const float *)dY, ldg, x16 ? NULL : (const float *)X, ldx, B, cols, gq, xt,
+                     ldb, out, 0, 0, table()->gsddmm, 0, y16 ? (const uint16_t *)dY : NULL,
+                     x16 ? (const uint16_t *)X : NULL};
     /* blocks of kb batch rows x chunks of kcg groups of m columns (kb x kcg*m floats of x) */
     a.kb = env_int("STEN_NM_GSDDMM_ROWS", 256);
     a.kc = equal_chunk_slots(G, env_int("STEN_NM_GSDDMM_BYTES", 192 * 1024) / (a.kb * 4 * W->m), W->n);
@@ -929,10 +962,17 @@ int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_
     return a.err;
 }
 
+int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
+                         const float *X, int64_t ldx, float *out, int nthreads)
+{
+    return grouped_sddmm_driver(W, B, dY, 0, ldg, X, 0, ldx, out, nthreads);
+}
+
 /* -------------------------------------------------- grouped input gradient -- */
 typedef struct {
     const nm_grouped *W; const float *dY; int64_t ldg; float *dX; int64_t ldx; int64_t B;
     const int32_t *cols; int64_t rows; nm_gtgather_fn fn; int err;
+    const uint16_t *dY16;   /* bf16 dY (dY NULL then), widened while regrouping */
 } gtgather_args;
 
 /* Each thread takes a range of batch rows, block by block (rows, a multiple of the vector
@@ -957,7 +997,7 @@ static void gtgather_task(void *p, int tid, int nth)
             const int32_t r = W->perm[j];
             float *o = gyt + j * ld;
             for (int64_t bi = 0; bi < nbv; bi++)
-                o[bi] = (r >= 0 && bi < nb) ? a->dY[(b0 + bi) * a->ldg + r] : 0.0f;
+                o[bi] = (r >= 0 && bi < nb) ? ld_f32_or_bf16(a->dY, a->dY16, (b0 + bi) * a->ldg + r) : 0.0f;
         }
         memset(gxt, 0, (size_t)(Kpad * ld) * sizeof(float));
         for (int64_t q = 0; q < W->Q; q++)
@@ -970,8 +1010,9 @@ static void gtgather_task(void *p, int tid, int nth)
     free(gyt); free(gxt);
 }
 
-int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
-                           float *dX, int64_t ldx, int nthreads)
+/* nm_grouped_tgather_f32 on dY float32 or bfloat16 bits (y16). */
+static int grouped_tgather_driver(const nm_grouped *W, int64_t B, const void *dY, int y16, int64_t ldg,
+                                  float *dX, int64_t ldx, int nthreads)
 {
     if (check_grouped(W) || B < 0) return -1;
     const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n;
@@ -986,10 +1027,17 @@ int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int6
     int64_t rows = env_int("STEN_NM_GTGATHER_ROWS", 16);
     rows = (rows + vw - 1) / vw * vw;
     const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, (B + rows - 1) / rows);
-    gtgather_args a = {W, dY, ldg, dX, ldx, B, cols, rows, table()->gtgather, 0};
+    gtgather_args a = {W, y16 ? NULL : (const float *)dY, ldg, dX, ldx, B, cols, rows, table()->gtgather, 0,
+                       y16 ? (const uint16_t *)dY : NULL};
     run_parallel(nth, gtgather_task, &a);
     free(cols);
     return a.err;
+}
+
+int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
+                           float *dX, int64_t ldx, int nthreads)
+{
+    return grouped_tgather_driver(W, B, dY, 0, ldg, dX, ldx, nthreads);
 }
 
 /* -------------------------------------------------------- column-grouped -- */

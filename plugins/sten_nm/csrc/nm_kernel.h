@@ -144,6 +144,22 @@ int nm_tgather_bf16w(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, fl
                      const float *bias, int nthreads);
 int nm_grouped_tgather_bf16w(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
                              float *dX, int64_t ldx, int nthreads);
+/* The backward products with dY (Y) and, for the values gradients, X each float32 or bfloat16
+ * bits (y16 / x16 = 1: uint16_t rows, any 2-byte offset), widened while packing (exact), float32
+ * results; w16 = 1: the descriptor's values are bfloat16 (csrc/nm_bf16_bwd.h). Same arguments
+ * as the _f32 functions otherwise. */
+int nm_tgather_mixed(const nm_mat *A, int64_t B, const void *Y, int64_t ldy, float *X, int64_t ldx,
+                     const float *bias, int nthreads, int w16, int y16);
+int nm_sddmm_mixed(const nm_mat *A, int64_t B, const void *Y, int64_t ldy, const void *X, int64_t ldx,
+                   float *out, int nthreads, int y16, int x16);
+int nm_grouped_tgather_mixed(const nm_grouped *W, int64_t B, const void *dY, int64_t ldg, float *dX,
+                             int64_t ldx, int nthreads, int w16, int y16);
+int nm_grouped_sddmm_mixed(const nm_grouped *W, int64_t B, const void *dY, int64_t ldg, const void *X,
+                           int64_t ldx, float *out, int nthreads, int y16, int x16);
+int nm_colgrouped_grad_input_mixed(const nm_colgrouped *W, int64_t B, const void *dY, int64_t ldg, float *dX,
+                                   int64_t ldx, int nthreads, int y16);
+int nm_colgrouped_grad_values_mixed(const nm_colgrouped *W, int64_t B, const void *dY, int64_t ldg,
+                                    const void *X, int64_t ldx, float *out, int nthreads, int y16, int x16);
 /* Whether the CPU has AVX512_BF16 (and AVX-512BW); whether the vdpbf16ps switch is on. */
 int nm_bf16_dot_supported(void);
 int nm_bf16_dot_enabled(void);

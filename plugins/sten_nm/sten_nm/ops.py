@@ -111,21 +111,27 @@ def _bf16_mat(W: NMTensor) -> Optional[Any]:
 
 
 def _gy_w(W: NMTensor, gy2: torch.Tensor, a_is_w: bool) -> torch.Tensor:
-    """``gy2 @ Weff`` in float32 (gradient wrt the input; bf16 values widened in the kernel call)."""
-    m16 = _bf16_mat(W)
-    if m16 is not None:
-        from ._bf16x import tgather_bf16w
+    """``gy2 @ Weff`` in float32 (gradient wrt the input; bf16 values widened in the kernel call,
+    bf16 ``gy2`` widened while the kernel packs it: no float32 copy of either)."""
+    from ._bf16x import gather_bf16x, tgather_mixed
 
-        return tgather_bf16w(m16, gy2) if a_is_w else _kernel.gather_bf16w(m16, gy2)
-    mat = W.fp32().mat()
-    return _kernel.tgather(mat, gy2) if a_is_w else _kernel.gather(mat, gy2)
+    m16 = _bf16_mat(W)
+    mat = m16 if m16 is not None else W.fp32().mat()
+    if a_is_w:
+        return tgather_mixed(mat, gy2)
+    if gy2.dtype == torch.bfloat16:
+        return gather_bf16x(mat, gy2)
+    return _kernel.gather_bf16w(mat, gy2) if m16 is not None else _kernel.gather(mat, gy2)
 
 
 def _grad_values(W: NMTensor, x2: torch.Tensor, gy2: torch.Tensor, a_is_w: bool) -> torch.Tensor:
-    """Gradient of the stored values (``gy2^T x2`` at the kept positions only; reads no values)."""
+    """Gradient of the stored values (``gy2^T x2`` at the kept positions only; reads no values;
+    bf16 ``gy2`` / ``x2`` widened while the kernel packs them)."""
+    from ._bf16x import sddmm_mixed
+
     mat = _bf16_mat(W)
     mat = mat if mat is not None else W.fp32().mat()
-    return _kernel.sddmm(mat, gy2, x2) if a_is_w else _kernel.sddmm(mat, x2, gy2)
+    return sddmm_mixed(mat, gy2, x2) if a_is_w else sddmm_mixed(mat, x2, gy2)
 
 
 def _autocast_dtype(*ts: Optional[torch.Tensor]) -> Optional[torch.dtype]:
@@ -374,17 +380,17 @@ def _grouped_backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple
     x2 = _rows(x)
     gx = gw = gb = None
     if needs_grad(ctx, 0):
-        if G._vals.dtype == torch.bfloat16:   # bf16 values widened in the kernel call
-            from ._bf16x import grouped_tgather_bf16w
+        # bf16 values widened in the kernel call, bf16 gy2 while the kernel regroups it
+        from ._bf16x import grouped_tgather_mixed
 
-            gx2 = grouped_tgather_bf16w(_grouped_bf16_desc(G), gy2)
-        else:
-            gx2 = _kernel.grouped_tgather(G.desc(), gy2)
+        gx2 = grouped_tgather_mixed(_grouped_bf16_desc(G) if G._vals.dtype == torch.bfloat16 else G.desc(), gy2)
         gx = gx2.to(x.dtype).reshape(x.shape)
     if needs_grad(ctx, 1):
         if sparse_grad:   # reads no values: the bf16 descriptor as is
+            from ._bf16x import grouped_sddmm_mixed
+
             d = _grouped_bf16_desc(G) if G._vals.dtype == torch.bfloat16 else G.desc()
-            vals = _kernel.grouped_sddmm(d, gy2, x2)
+            vals = grouped_sddmm_mixed(d, gy2, x2)   # bf16 gy2 / x2 read by the kernel
             gw = SparseTensorWrapper(G.with_values(vals.to(G.dtype)))
         else:
             gw = (gy2.t() @ x2.to(gy2.dtype)).to(G.dtype)
