@@ -39,14 +39,14 @@ static void bf16_gather_task(void *p, int tid, int nth)
 int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
                     const float *bias, int nthreads)
 {
-    return gather_driver(A, B, X, 0, ldx, Y, ldy, bias, nthreads, bf16_gather_task, (A->R + NM_ROWS - 1) / NM_ROWS);
+    return gather_driver(A, B, X, 0, ldx, Y, NULL, ldy, bias, nthreads, bf16_gather_task, (A->R + NM_ROWS - 1) / NM_ROWS);
 }
 
 /* bf16 X and bf16 values: X widened while packing its panel (no float32 copy of X) */
 int nm_gather_bf16wx(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx, float *Y, int64_t ldy,
                      const float *bias, int nthreads)
 {
-    return gather_driver(A, B, X, 1, ldx, Y, ldy, bias, nthreads, bf16_gather_task, (A->R + NM_ROWS - 1) / NM_ROWS);
+    return gather_driver(A, B, X, 1, ldx, Y, NULL, ldy, bias, nthreads, bf16_gather_task, (A->R + NM_ROWS - 1) / NM_ROWS);
 }
 
 /* float32 -> bfloat16 bits, round to nearest even, NaN -> 0x7fc0 (torch's scalar
@@ -206,4 +206,90 @@ int nm_grouped_gather_bf16wx(const nm_grouped *W, int64_t B, const uint16_t *X, 
                              float *Y, int64_t ldy, const float *bias, int nthreads)
 {
     return grouped_gather_bf16w_x(W, B, X, 1, ldx, Y, ldy, bias, nthreads);
+}
+
+/* ------------------------------------------------ exact forward, bf16 output -- */
+/* The exact forward's bf16 result (a bf16 x and bf16 weight, or CPU autocast) rounded on the
+ * kernels' threads unit by unit: each unit of rows runs into a per-thread float32 block
+ * ([B][rows], in L2) that is rounded into Y16 while it is in cache, so there is no float32
+ * Y in memory, no second pass over it and no second fork/join (the previous path: float32 Y,
+ * then nm_f32_to_bf16). Same bits as that path. */
+
+/* y16[i] = bf16(y[i]) (round to nearest even), i < n. */
+static void round_span(const float *y, uint16_t *y16, int64_t n)
+{
+#ifdef STEN_NM_X86
+    if (table()->vw >= 8) { to_bf16_span_avx2((const uint32_t *)(const void *)y, y16, n); return; }
+#endif
+    to_bf16_span((const uint32_t *)(const void *)y, y16, n);
+}
+
+static void gather_out16(gather_args *a, int w16)
+{
+    const nm_mat *A = a->A;
+    const int64_t gn = A->G * A->n, rows = a->rows;
+    float *ytmp = NULL, *wv = NULL, *yb = NULL;
+    int32_t *offs = NULL;
+    for (int64_t u; (u = next_unit(&a->next)) * rows < A->R;) {
+        if (!ytmp) {
+            ytmp = (float *)alloc64((size_t)(NM_ROWS * a->bch) * sizeof(float));
+            offs = (int32_t *)alloc64((size_t)(rows * gn) * sizeof(int32_t));
+            yb = (float *)alloc64((size_t)(a->B * rows) * sizeof(float));
+            wv = w16 ? (float *)alloc64((size_t)(rows * gn) * sizeof(float)) : NULL;
+            if (!ytmp || !offs || !yb || (w16 && !wv)) {
+                free(ytmp); free(offs); free(yb); free(wv);
+                a->err = -3;
+                return;
+            }
+        }
+        const int64_t r0 = u * rows, r1 = r0 + rows < A->R ? r0 + rows : A->R, nr = r1 - r0;
+        nm_mat blk = *A;            /* rows [r0, r1) as a matrix of their own */
+        blk.R = nr;
+        blk.idx = A->idx + r0 * A->iw;
+        if (w16) {
+            const uint16_t *h = (const uint16_t *)(const void *)A->vals + r0 * gn;
+            uint32_t *w = (uint32_t *)wv;
+            for (int64_t i = 0; i < nr * gn; i++) w[i] = (uint32_t)h[i] << 16;
+            blk.vals = wv;
+        } else {
+            blk.vals = A->vals + r0 * gn;
+        }
+        a->fn(&blk, a->xp, a->Cpad, a->nbc, a->B, yb, rows, a->bias ? a->bias + r0 : NULL, 0, nr, ytmp, offs,
+              a->kbg);
+        for (int64_t b = 0; b < a->B; b++) round_span(yb + b * rows, a->Y16 + b * a->ldy + r0, nr);
+    }
+    free(ytmp); free(offs); free(yb); free(wv);
+}
+
+static void gather_out16_task(void *p, int tid, int nth)
+{
+    (void)tid; (void)nth;
+    gather_out16((gather_args *)p, 0);
+}
+
+static void bf16_gather_out16_task(void *p, int tid, int nth)
+{
+    (void)tid; (void)nth;
+    gather_out16((gather_args *)p, 1);
+}
+
+int nm_gather_bf16x_out16(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx, uint16_t *Y, int64_t ldy,
+                          const float *bias, int nthreads, int w16)
+{
+    if (check_mat(A) || B < 0) return -1;
+    if (B == 0 || A->R == 0) return 0;
+    if (A->C == 0) {   /* empty contraction: the bias (or 0), rounded */
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t r = 0; r < A->R; r++) {
+                const float v = bias ? bias[r] : 0.0f;
+                uint32_t u;
+                memcpy(&u, &v, sizeof u);
+                Y[b * ldy + r] = f32_to_bf16_rne(u);
+            }
+        return 0;
+    }
+    if (w16)
+        return gather_driver(A, B, X, 1, ldx, NULL, Y, ldy, bias, nthreads, bf16_gather_out16_task,
+                             (A->R + NM_ROWS - 1) / NM_ROWS);
+    return gather_driver(A, B, X, 1, ldx, NULL, Y, ldy, bias, nthreads, gather_out16_task, A->R);
 }

@@ -400,6 +400,7 @@ static int check_mat(const nm_mat *A)
 typedef struct {
     const nm_mat *A; const float *xp; int64_t Cpad, nbc, B; float *Y; int64_t ldy;
     const float *bias; int64_t kbg, bch; nm_gather_fn fn; int err; int64_t next; int64_t rows;
+    uint16_t *Y16;   /* bf16 output (Y NULL then): each unit rounded while in cache (nm_bf16.h) */
 } gather_args;
 
 static void gather_task(void *p, int tid, int nth)
@@ -457,8 +458,8 @@ static int64_t gather_rows(const nm_mat *A, int64_t Cpad, int64_t bch, int nth)
 /* The exact forward's driver: x (float32, or bf16 when x16) packed into the cached scratch panel,
  * then `task` over units of gather_rows rows on at most `max_threads` threads (gather_task for
  * float32 values, bf16_gather_task for bf16 ones). */
-static int gather_driver(const nm_mat *A, int64_t B, const void *X, int x16, int64_t ldx, float *Y, int64_t ldy,
-                         const float *bias, int nthreads, task_fn task, int64_t max_threads)
+static int gather_driver(const nm_mat *A, int64_t B, const void *X, int x16, int64_t ldx, float *Y, uint16_t *Y16,
+                         int64_t ldy, const float *bias, int nthreads, task_fn task, int64_t max_threads)
 {
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->R == 0) return 0;
@@ -474,7 +475,7 @@ static int gather_driver(const nm_mat *A, int64_t B, const void *X, int x16, int
     float *xp = make_panel_x(X, x16, ldx, B, A->C, Cpad, bch, &nbc, nth, 1);   /* scratch_give */
     if (!xp) return -3;
     gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0,
-                      gather_rows(A, Cpad, bch, nth)};
+                      gather_rows(A, Cpad, bch, nth), Y16};
     run_parallel(nth, task, &ga);
     scratch_give(xp);
     return ga.err;
@@ -483,13 +484,13 @@ static int gather_driver(const nm_mat *A, int64_t B, const void *X, int x16, int
 int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
                   const float *bias, int nthreads)
 {
-    return gather_driver(A, B, X, 0, ldx, Y, ldy, bias, nthreads, gather_task, A->R);
+    return gather_driver(A, B, X, 0, ldx, Y, NULL, ldy, bias, nthreads, gather_task, A->R);
 }
 
 int nm_gather_bf16x(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx, float *Y, int64_t ldy,
                     const float *bias, int nthreads)
 {
-    return gather_driver(A, B, X, 1, ldx, Y, ldy, bias, nthreads, gather_task, A->R);
+    return gather_driver(A, B, X, 1, ldx, Y, NULL, ldy, bias, nthreads, gather_task, A->R);
 }
 
 /* ------------------------------------------------- transposed (CSR) gather -- */

@@ -124,6 +124,11 @@ int nm_gather_bf16wx(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx,
  * row group's chunk of slots widened in the kernel, float32 accumulation. */
 int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                             float *Y, int64_t ldy, const float *bias, int nthreads);
+/* nm_gather_bf16x (w16 = 0) / nm_gather_bf16wx (w16 = 1) with a bfloat16 result Y (uint16_t
+ * [B][R], row stride ldy): each unit of rows rounded (nearest even) on the kernels' threads
+ * while in cache; the same bits as the float32 result rounded by nm_f32_to_bf16. */
+int nm_gather_bf16x_out16(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx, uint16_t *Y, int64_t ldy,
+                          const float *bias, int nthreads, int w16);
 /* nm_grouped_gather_f32 / nm_grouped_gather_bf16w with X bfloat16 bits (uint16_t [B][K], row
  * stride ldx, any 2-byte offset): widened while packing the 6-row micro-panels (exact), no
  * float32 copy of X. */

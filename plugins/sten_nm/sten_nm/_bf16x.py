@@ -48,6 +48,8 @@ def _lib() -> ctypes.CDLL:
         for fn in (lib.nm_grouped_gather_bf16x, lib.nm_grouped_gather_bf16wx):
             fn.argtypes = [ctypes.POINTER(_kernel.NMGrouped), i64, vp, i64, vp, i64, vp, ci]
             fn.restype = ci
+        lib.nm_gather_bf16x_out16.argtypes = [ctypes.POINTER(_kernel.NMMat), i64, vp, i64, vp, i64, vp, ci, ci]
+        lib.nm_gather_bf16x_out16.restype = ci
         _declare_mixed(lib)
         _declared.add(id(lib))
     return lib
@@ -103,11 +105,13 @@ def _bf16_rows(X: torch.Tensor) -> torch.Tensor:
 
 
 def gather_bf16x(A: _kernel.NMMat, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 nthreads: Optional[int] = None) -> torch.Tensor:
+                 nthreads: Optional[int] = None, out_bf16: bool = False) -> torch.Tensor:
     """:func:`sten_nm._kernel.gather` (``Y = X A^T (+ bias)``, float32 ``[B, R]``) for bfloat16
     ``X`` ``[B, C]`` read by the kernel: widened while packing its panel (exact), no float32
     copy of X. ``A`` may describe float32 or bfloat16 values (``nm_gather_bf16x`` /
     ``nm_gather_bf16wx``); the result has the same bits as ``gather`` of ``X.float()``.
+    ``out_bf16``: a bfloat16 result, rounded on the kernels' threads unit by unit while in cache
+    (``nm_gather_bf16x_out16``; the same bits as the float32 result ``.to(torch.bfloat16)``).
 
         >>> from sten_nm import NMTensor
         >>> W = NMTensor.from_dense(torch.randn(8, 16), 2, 4)
@@ -127,8 +131,15 @@ def gather_bf16x(A: _kernel.NMMat, X: torch.Tensor, bias: Optional[torch.Tensor]
     else:
         kernel, what = lib.nm_gather_bf16x, "nm_gather_bf16x"
     X = _bf16_rows(X)
-    Y = torch.empty((X.shape[0], A.R), dtype=torch.float32)
     b = bias.contiguous().float() if bias is not None else None
+    if out_bf16:
+        Y = torch.empty((X.shape[0], A.R), dtype=torch.bfloat16)
+        rc = lib.nm_gather_bf16x_out16(ctypes.byref(A), X.shape[0], X.data_ptr(), X.stride(0) if A.C else 1,
+                                       Y.data_ptr(), Y.stride(0) if A.R else 1, b.data_ptr() if b is not None else None,
+                                       _kernel._threads(nthreads), int(vals.dtype == torch.bfloat16))
+        _kernel._check(rc, "nm_gather_bf16x_out16")
+        return Y
+    Y = torch.empty((X.shape[0], A.R), dtype=torch.float32)
     rc = kernel(ctypes.byref(A), X.shape[0], X.data_ptr(), X.stride(0) if A.C else 1, Y.data_ptr(),
                 Y.stride(0) if A.R else 1, b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
     _kernel._check(rc, what)

@@ -224,7 +224,7 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
         return gx, gv
 
     if c == torch.float32 and _kernel.available()[0]:
-        g, gv = _tuned_backward(W, gy_in.shape[0], kernels, dense)
+        g, gv = _tuned_backward(W, gy_in.shape[0], kernels, dense, bf16=torch.bfloat16 in (gy_in.dtype, x_in.dtype))
     else:
         g, gv = dense()
     if need_x:
@@ -240,11 +240,13 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     return gx, gw, gb
 
 
-def _tuned_backward(W: ColumnGroupedNMTensor, B: int, kernels: Any, dense: Any) -> tuple:
+def _tuned_backward(W: ColumnGroupedNMTensor, B: int, kernels: Any, dense: Any, bf16: bool = False) -> tuple:
     """The faster of the two backward paths on this machine (timed once, cached on disk,
-    ``STEN_NM_TUNE=0``: always the kernels); see :mod:`sten_nm.tuning`."""
+    ``STEN_NM_TUNE=0``: always the kernels); see :mod:`sten_nm.tuning`. bf16 gy / x (read as
+    bf16 by the kernels, widened by dense) have their own entry."""
     N, K = W.shape
-    k = tuning.key("cg_bwd", N, K, W.n, W.m, True, B, "float32", torch.get_num_threads(), _kernel.isa())
+    dt = "float32 gy=bfloat16" if bf16 else "float32"
+    k = tuning.key("cg_bwd", N, K, W.n, W.m, True, B, dt, torch.get_num_threads(), _kernel.isa())
     choice = tuning.pick(k, {tuning.KERNEL: kernels, tuning.DENSE: dense}, empty=B == 0)
     return kernels() if choice == tuning.KERNEL else dense()
 

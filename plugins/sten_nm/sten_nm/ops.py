@@ -71,9 +71,11 @@ def _bf16_weight(W: NMTensor, a_is_w: bool, round_to: Optional[torch.dtype] = No
 
 
 def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: bool,
-          round_to: Optional[torch.dtype] = None) -> torch.Tensor:
+          round_to: Optional[torch.dtype] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``x2 @ Weff^T (+ bias)`` in float32 (bf16 values widened in the kernel, fp32 accumulation;
-    bf16 ``x2`` widened while the kernel packs it, no float32 copy)."""
+    bf16 ``x2`` widened while the kernel packs it, no float32 copy); with bf16 ``x2`` and
+    ``out_dtype`` bf16 the result is bf16, rounded by the kernel's threads while in cache."""
+    out16 = out_dtype == torch.bfloat16 and x2.dtype == torch.bfloat16
     if _bf16_weight(W, a_is_w, round_to):
         from ._fp32 import kernel_values
 
@@ -82,7 +84,7 @@ def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: b
         if x2.dtype == torch.bfloat16:
             from ._bf16x import gather_bf16x
 
-            return gather_bf16x(_kernel.mat(v, W.indices, R, C, W.n, W.m), x2, bias)
+            return gather_bf16x(_kernel.mat(v, W.indices, R, C, W.n, W.m), x2, bias, out_bf16=out16)
         return _kernel.gather_bf16w(_kernel.mat(v, W.indices, R, C, W.n, W.m), x2, bias)
     if (round_to if round_to is not None else W._values.dtype) == torch.bfloat16:   # transposed product
         from ._bf16x import tgather_bf16w
@@ -96,7 +98,7 @@ def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: b
     if a_is_w and x2.dtype == torch.bfloat16:
         from ._bf16x import gather_bf16x
 
-        return gather_bf16x(mat, x2, bias)
+        return gather_bf16x(mat, x2, bias, out_bf16=out16)
     return _kernel.gather(mat, x2, bias) if a_is_w else _kernel.tgather(mat, x2, bias)
 
 
@@ -166,8 +168,9 @@ def _apply(x: torch.Tensor, W: NMTensor, bias: Optional[torch.Tensor], a_is_w: b
                 y = x2.float() @ (D.t() if a_is_w == (W.dim == 1) else D)
                 return y if bias is None else y + bias.float()
 
-        y2 = _tuned("fwd", W, x2.shape[0], a_is_w, lambda: _x_at(W, x2, bias, a_is_w, amp), dense,
-                    "bfloat16" if bf16 else "float32")
+        # bf16 x has its own tuning entry (the kernel reads it as bf16, dense widens it first)
+        y2 = _tuned("fwd", W, x2.shape[0], a_is_w, lambda: _x_at(W, x2, bias, a_is_w, amp, dtype), dense,
+                    ("bfloat16" if bf16 else "float32") + (" x=bfloat16" if x2.dtype == torch.bfloat16 else ""))
     return _result(y2, dtype).reshape(*x.shape[:-1], n_out)
 
 
@@ -260,7 +263,9 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, sa
                 D = W.fp32().to_dense()
                 return gy2.float() @ (D if linear else D.t())
 
-            g = _tuned("bwd_x", W, gy2.shape[0], a_is_w, lambda: _gy_w(W, gy2, a_is_w), dense)
+            dt = ("bfloat16" if W._values.dtype == torch.bfloat16 else "float32") + (
+                " gy=bfloat16" if gy2.dtype == torch.bfloat16 else "")
+            g = _tuned("bwd_x", W, gy2.shape[0], a_is_w, lambda: _gy_w(W, gy2, a_is_w), dense, dt)
         gx = g.to(x.dtype).reshape(x.shape)
     if needs_grad(ctx, 1):
         if sparse_grad:
