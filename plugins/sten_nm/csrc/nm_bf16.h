@@ -174,10 +174,10 @@ static void gbf16_groups_task(void *p, int tid, int nth)
 /* The grouped driver with the tasks above; 4x the float32 driver's panels per block: each
  * widening serves 4x the batch rows. */
 static int grouped_gather_bf16w_scratch(const nm_grouped *W, int64_t B, const void *X, int x16, int64_t ldx,
-                                        float *Y, int64_t ldy, const float *bias, int nthreads)
+                                        float *Y, uint16_t *Y16, int64_t ldy, const float *bias, int nthreads)
 {
     const grouped_schedule s = {table()->ggather, gbf16_rows_task, gbf16_groups_task, 512 * 1024};
-    return grouped_drive(W, B, X, x16, ldx, Y, ldy, bias, nthreads, &s);
+    return grouped_drive(W, B, X, x16, ldx, Y, Y16, ldy, bias, nthreads, &s);
 }
 
 /* Grouped forward with bf16 values. AVX-512: the float32 driver (both schedules) around
@@ -188,24 +188,24 @@ static int grouped_gather_bf16w_scratch(const nm_grouped *W, int64_t B, const vo
  * (measured 0.8-0.87x on AVX2), so those widen per row group and chunk into a buffer instead
  * (docs/nm.md). */
 static int grouped_gather_bf16w_x(const nm_grouped *W, int64_t B, const void *X, int x16, int64_t ldx,
-                                  float *Y, int64_t ldy, const float *bias, int nthreads)
+                                  float *Y, uint16_t *Y16, int64_t ldy, const float *bias, int nthreads)
 {
     if (table()->vw >= 16 || env_int("STEN_NM_BF16_IN_REGISTERS", 0))
-        return grouped_gather_with(W, B, X, x16, ldx, Y, ldy, bias, nthreads, table()->ggather16);
-    return grouped_gather_bf16w_scratch(W, B, X, x16, ldx, Y, ldy, bias, nthreads);
+        return grouped_gather_with(W, B, X, x16, ldx, Y, Y16, ldy, bias, nthreads, table()->ggather16);
+    return grouped_gather_bf16w_scratch(W, B, X, x16, ldx, Y, Y16, ldy, bias, nthreads);
 }
 
 int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                             float *Y, int64_t ldy, const float *bias, int nthreads)
 {
-    return grouped_gather_bf16w_x(W, B, X, 0, ldx, Y, ldy, bias, nthreads);
+    return grouped_gather_bf16w_x(W, B, X, 0, ldx, Y, NULL, ldy, bias, nthreads);
 }
 
 /* nm_grouped_gather_bf16w with bf16 x, widened while packing its micro-panels (gpack). */
 int nm_grouped_gather_bf16wx(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx,
                              float *Y, int64_t ldy, const float *bias, int nthreads)
 {
-    return grouped_gather_bf16w_x(W, B, X, 1, ldx, Y, ldy, bias, nthreads);
+    return grouped_gather_bf16w_x(W, B, X, 1, ldx, Y, NULL, ldy, bias, nthreads);
 }
 
 /* ------------------------------------------------ exact forward, bf16 output -- */
@@ -292,4 +292,25 @@ int nm_gather_bf16x_out16(const nm_mat *A, int64_t B, const uint16_t *X, int64_t
         return gather_driver(A, B, X, 1, ldx, NULL, Y, ldy, bias, nthreads, bf16_gather_out16_task,
                              (A->R + NM_ROWS - 1) / NM_ROWS);
     return gather_driver(A, B, X, 1, ldx, NULL, Y, ldy, bias, nthreads, gather_out16_task, A->R);
+}
+
+/* nm_grouped_gather_bf16x (w16 = 0) / nm_grouped_gather_bf16wx (w16 = 1) with a bfloat16 result
+ * (uint16_t [B][N], row stride ldy): each row rounded as the driver writes it in order. */
+int nm_grouped_gather_bf16x_out16(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx, uint16_t *Y,
+                                  int64_t ldy, const float *bias, int nthreads, int w16)
+{
+    if (check_grouped(W) || B < 0) return -1;
+    if (B == 0 || W->N == 0) return 0;
+    if (W->K == 0) {   /* empty contraction: the bias (or 0), rounded */
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t r = 0; r < W->N; r++) {
+                const float v = bias ? bias[r] : 0.0f;
+                uint32_t u;
+                memcpy(&u, &v, sizeof u);
+                Y[b * ldy + r] = f32_to_bf16_rne(u);
+            }
+        return 0;
+    }
+    if (w16) return grouped_gather_bf16w_x(W, B, X, 1, ldx, NULL, Y, ldy, bias, nthreads);
+    return grouped_gather_with(W, B, X, 1, ldx, NULL, Y, ldy, bias, nthreads, table()->ggather);
 }

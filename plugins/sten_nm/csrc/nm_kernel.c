@@ -668,7 +668,10 @@ typedef struct {
     int64_t Kpad, B, npan, kc, mcp; float *Y; int64_t ldy; const float *bias;
     float *T; int64_t ldt; nm_ggather_fn fn; int err;
     const uint16_t *X16;   /* bf16 x (X is NULL then): widened while packing */
+    uint16_t *Y16;         /* bf16 output (Y is NULL then): rows rounded as they are written */
 } ggather_args;
+
+static void round_span(const float *y, uint16_t *y16, int64_t n);   /* nm_bf16.h */
 
 /* Micro-panel b6 of x (rows b6 * 6 .. + 6), columns [c0, c1) into dst ([c - c0][6]); bf16 x
  * widened on the way through tile (NM_MB * NM_BF16_PC floats), 64 columns at a time. */
@@ -694,10 +697,21 @@ static float *gpack_tile(const ggather_args *a, int *err)
 }
 
 /* Y[b][r] = T[b - b0][inv[r]] (+ bias[r]) for rows b in [b0, b1). */
-static void unpermute(const ggather_args *a, const float *T, int64_t b0, int64_t b1)
+static void unpermute(ggather_args *a, const float *T, int64_t b0, int64_t b1)
 {
     const nm_unperm_fn fn = table()->unperm;
-    for (int64_t b = b0; b < b1; b++) fn(T + (b - b0) * a->ldt, a->inv, a->bias, a->W->N, a->Y + b * a->ldy);
+    if (!a->Y16) {
+        for (int64_t b = b0; b < b1; b++) fn(T + (b - b0) * a->ldt, a->inv, a->bias, a->W->N, a->Y + b * a->ldy);
+        return;
+    }
+    /* bf16 output: each row put in order into an L1 buffer, then rounded into Y16 */
+    float *row = (float *)alloc64((size_t)(a->W->N > 0 ? a->W->N : 1) * sizeof(float));
+    if (!row) { a->err = -3; return; }
+    for (int64_t b = b0; b < b1; b++) {
+        fn(T + (b - b0) * a->ldt, a->inv, a->bias, a->W->N, row);
+        round_span(row, a->Y16 + b * a->ldy, a->W->N);
+    }
+    free(row);
 }
 
 /* Many batch rows: each thread takes a range of micro-panels, block by block (mcp
@@ -797,7 +811,7 @@ typedef struct {
 } grouped_schedule;
 
 static int grouped_drive(const nm_grouped *W, int64_t B, const void *X, int x16, int64_t ldx,
-                         float *Y, int64_t ldy, const float *bias, int nthreads,
+                         float *Y, uint16_t *Y16, int64_t ldy, const float *bias, int nthreads,
                          const grouped_schedule *s)
 {
     if (check_grouped(W) || B < 0) return -1;
@@ -820,7 +834,7 @@ static int grouped_drive(const nm_grouped *W, int64_t B, const void *X, int x16,
     const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, Q * B);
     const int64_t npan = (B + NM_MB - 1) / NM_MB;
     ggather_args a = {W, offs, inv, x16 ? NULL : (const float *)X, ldx, NULL, Kpad, B, npan, 0, 0, Y, ldy,
-                      bias, NULL, 0, s->fn, 0, x16 ? (const uint16_t *)X : NULL};
+                      bias, NULL, 0, s->fn, 0, x16 ? (const uint16_t *)X : NULL, Y16};
     /* chunks of kept slots: whole groups of m columns, about STEN_NM_GROUPED_KC slots,
      * equal sizes */
     a.kc = equal_chunk_slots(G, env_int("STEN_NM_GROUPED_KC", 512) / W->n, W->n);
@@ -848,23 +862,23 @@ static int grouped_drive(const nm_grouped *W, int64_t B, const void *X, int x16,
 /* The float32 grouped forward around a per-slot kernel (table()->ggather, or ggather16 for
  * bf16 values widened in registers). */
 static int grouped_gather_with(const nm_grouped *W, int64_t B, const void *X, int x16, int64_t ldx,
-                               float *Y, int64_t ldy, const float *bias, int nthreads,
+                               float *Y, uint16_t *Y16, int64_t ldy, const float *bias, int nthreads,
                                nm_ggather_fn fn)
 {
     const grouped_schedule s = {fn, ggather_rows_task, ggather_groups_task, 128 * 1024};
-    return grouped_drive(W, B, X, x16, ldx, Y, ldy, bias, nthreads, &s);
+    return grouped_drive(W, B, X, x16, ldx, Y, Y16, ldy, bias, nthreads, &s);
 }
 
 int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                           float *Y, int64_t ldy, const float *bias, int nthreads)
 {
-    return grouped_gather_with(W, B, X, 0, ldx, Y, ldy, bias, nthreads, table()->ggather);
+    return grouped_gather_with(W, B, X, 0, ldx, Y, NULL, ldy, bias, nthreads, table()->ggather);
 }
 
 int nm_grouped_gather_bf16x(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx,
                             float *Y, int64_t ldy, const float *bias, int nthreads)
 {
-    return grouped_gather_with(W, B, X, 1, ldx, Y, ldy, bias, nthreads, table()->ggather);
+    return grouped_gather_with(W, B, X, 1, ldx, Y, NULL, ldy, bias, nthreads, table()->ggather);
 }
 
 /* ------------------------------------------------ grouped weight gradient -- */

@@ -136,6 +136,10 @@ int nm_grouped_gather_bf16x(const nm_grouped *W, int64_t B, const uint16_t *X, i
                             float *Y, int64_t ldy, const float *bias, int nthreads);
 int nm_grouped_gather_bf16wx(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx,
                              float *Y, int64_t ldy, const float *bias, int nthreads);
+/* the same with a bfloat16 result (uint16_t [B][N], ldy; w16: bf16 values), rows rounded as
+ * the driver writes them; the same bits as rounding the float32 result. */
+int nm_grouped_gather_bf16x_out16(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx, uint16_t *Y,
+                                  int64_t ldy, const float *bias, int nthreads, int w16);
 /* nm_colgrouped_gather_f32 with X in bfloat16 bits (uint16_t [B][K], row stride ldx), read by
  * the kernel: on AVX512_BF16 CPUs (ISA avx512) with bf16 values, vdpbf16ps on adjacent-slot
  * pairs; otherwise x widened while packing and the float32 kernel (csrc/nm_cg_bf16x.h). */

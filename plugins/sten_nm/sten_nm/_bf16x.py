@@ -50,6 +50,9 @@ def _lib() -> ctypes.CDLL:
             fn.restype = ci
         lib.nm_gather_bf16x_out16.argtypes = [ctypes.POINTER(_kernel.NMMat), i64, vp, i64, vp, i64, vp, ci, ci]
         lib.nm_gather_bf16x_out16.restype = ci
+        lib.nm_grouped_gather_bf16x_out16.argtypes = [ctypes.POINTER(_kernel.NMGrouped), i64, vp, i64, vp, i64, vp,
+                                                      ci, ci]
+        lib.nm_grouped_gather_bf16x_out16.restype = ci
         _declare_mixed(lib)
         _declared.add(id(lib))
     return lib
@@ -147,12 +150,14 @@ def gather_bf16x(A: _kernel.NMMat, X: torch.Tensor, bias: Optional[torch.Tensor]
 
 
 def grouped_gather_bf16x(W: _kernel.NMGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                         nthreads: Optional[int] = None) -> torch.Tensor:
+                         nthreads: Optional[int] = None, out_bf16: bool = False) -> torch.Tensor:
     """:func:`sten_nm._kernel.grouped_gather` (``Y = X W^T (+ bias)``, float32 ``[B, N]``) for
     bfloat16 ``X`` ``[B, K]`` read by the kernel: widened while packing its 6-row micro-panels
     (exact), no float32 copy of X. ``W`` may describe float32 or bfloat16 values
     (``nm_grouped_gather_bf16x`` / ``nm_grouped_gather_bf16wx``); the result has the same bits
-    as the float32-x kernel on ``X.float()``.
+    as the float32-x kernel on ``X.float()``. ``out_bf16``: a bfloat16 result, each row rounded
+    as the kernel's threads write it (``nm_grouped_gather_bf16x_out16``; the same bits as
+    rounding the float32 result).
 
         >>> from sten_nm import GroupedNMTensor
         >>> W = GroupedNMTensor.from_dense(torch.randn(16, 16), 2, 4)
@@ -172,8 +177,16 @@ def grouped_gather_bf16x(W: _kernel.NMGrouped, X: torch.Tensor, bias: Optional[t
     else:
         kernel, what = lib.nm_grouped_gather_bf16x, "nm_grouped_gather_bf16x"
     X = _bf16_rows(X)
-    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
     b = bias.contiguous().float() if bias is not None else None
+    if out_bf16:
+        Y = torch.empty((X.shape[0], W.N), dtype=torch.bfloat16)
+        rc = lib.nm_grouped_gather_bf16x_out16(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0) if W.K else 1,
+                                               Y.data_ptr(), Y.stride(0) if W.N else 1,
+                                               b.data_ptr() if b is not None else None, _kernel._threads(nthreads),
+                                               int(vals.dtype == torch.bfloat16))
+        _kernel._check(rc, "nm_grouped_gather_bf16x_out16")
+        return Y
+    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
     rc = kernel(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0) if W.K else 1, Y.data_ptr(),
                 Y.stride(0) if W.N else 1, b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
     _kernel._check(rc, what)

@@ -346,7 +346,7 @@ def grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = 
         if x2.dtype == torch.bfloat16:   # bf16 x widened while the kernel packs it (no float32 copy)
             from ._bf16x import grouped_gather_bf16x
 
-            y2 = grouped_gather_bf16x(desc, x2, bias)
+            y2 = grouped_gather_bf16x(desc, x2, bias, out_bf16=dtype == torch.bfloat16)
         elif bf16:
             y2 = _kernel.grouped_gather_bf16w(desc, x2, bias)
         else:

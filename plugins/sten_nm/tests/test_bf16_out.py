@@ -1,13 +1,14 @@
-"""The exact ``NMTensor`` forward with a bf16 result rounded by the kernel's threads
-(``nm_gather_bf16x_out16``: each unit of rows rounded while in cache, no float32 result in
-memory): the same bits as the float32 kernel result rounded by ``.to(torch.bfloat16)``, on every
+"""The exact ``NMTensor`` and 16-row ``GroupedNMTensor`` forwards with a bf16 result rounded
+by the kernel's threads (``nm_gather_bf16x_out16``: each unit of rows rounded while in cache;
+``nm_grouped_gather_bf16x_out16``: each row as it is written; no float32 result in memory): the same bits as the float32 kernel result rounded by ``.to(torch.bfloat16)``, on every
 ISA, float32 and bf16 values, with and without bias, odd sizes, B = 0, K = 0 and views."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sten_nm import NMTensor, _bf16x, _kernel
+from sten_nm import GroupedNMTensor, NMTensor, _bf16x, _kernel
+from sten_nm.ops import grouped_linear
 
 from conftest import requires_kernel
 
@@ -49,3 +50,36 @@ def test_views_and_specials(isa):
     assert torch.equal(y.isnan(), y32.isnan())
     ok = ~y32.isnan()
     assert torch.equal(y[ok], y32[ok].to(torch.bfloat16))
+
+
+def _gdesc(g):
+    N, K = g.shape
+    return _kernel.grouped(g._vals.contiguous(), g.indices, g.perm, N, K, g.n, g.m)
+
+
+@pytest.mark.parametrize("in_registers", [False, True])
+@pytest.mark.parametrize("vdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,m", [(1, 2), (2, 4), (1, 10), (3, 32)])
+@pytest.mark.parametrize("B", [0, 1, 17, 130])
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_grouped_same_bits_as_rounding(isa, monkeypatch, in_registers, vdtype, n, m, B, nthreads):
+    """16-row GroupedNMTensor: rows rounded as the driver writes them (both schedules)."""
+    if in_registers:
+        monkeypatch.setenv("STEN_NM_BF16_IN_REGISTERS", "1")
+    for N, K in ((5, 3), (37, 45), (70, 131), (9, 0), (0, 7)):
+        g = GroupedNMTensor.from_dense(torch.randn(N, K).to(vdtype), n, m)
+        xb = torch.randn(B, K).bfloat16()
+        for bias in (None, torch.randn(N)):
+            y = _bf16x.grouped_gather_bf16x(_gdesc(g), xb, bias, nthreads, out_bf16=True)
+            assert y.dtype == torch.bfloat16 and y.shape == (B, N)
+            assert torch.equal(y, _bf16x.grouped_gather_bf16x(_gdesc(g), xb, bias, nthreads).to(torch.bfloat16))
+            ref = F.linear(xb.double(), g.to_dense().double(), None if bias is None else bias.double())
+            torch.testing.assert_close(y.double(), ref.to(torch.bfloat16).double(), rtol=1e-2, atol=1e-2)
+
+
+def test_grouped_linear_bf16_out_view():
+    g = GroupedNMTensor.from_dense(torch.randn(40, 67).bfloat16(), 2, 4)
+    xv = torch.randn(9, 80).bfloat16()[:, 1:68]
+    y = grouped_linear(xv, g)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, _bf16x.grouped_gather_bf16x(_gdesc(g), xv).to(torch.bfloat16))
