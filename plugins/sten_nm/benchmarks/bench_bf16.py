@@ -3,8 +3,9 @@ kernel only (tuning off), BERT shapes, one run, medians of turns (fp32 and bf16 
 the kernel (exact n:m: per block of rows, ``nm_gather_bf16w``; grouped: in registers on AVX-512, per row group and chunk
 elsewhere, ``nm_grouped_gather_bf16w``; paper format: per pattern and batch chunk), fp32 ones read as they are. bf16 x:
 the paper format reads it in the kernel (``vdpbf16ps`` on AVX512_BF16 CPUs, ``STEN_NM_BF16_DOT=0`` turns it off;
-widened while packing elsewhere), exact n:m widens it while packing its panel (``nm_gather_bf16wx``), the 16-row
-grouped layout widens it before the kernel; the "x.float() first" column is that widening done by torch for every
+widened while packing elsewhere), exact n:m widens it while packing its panel (``nm_gather_bf16wx``; its bf16
+result rounded per unit of rows on the kernel's threads, ``nm_gather_bf16x_out16``), the 16-row grouped layout
+while packing its 6-row micro-panels (``nm_grouped_gather_bf16wx``); the "x.float() first" column is that widening done by torch for every
 layout (the previous path of the paper format and of exact n:m). ``--layout NMTensor`` times one layout. ``STEN_NM_ISA=avx2`` measures the AVX2 kernels.
 
     python benchmarks/bench_bf16.py [--threads 2] [--batch 1024] [--reps 7] [--cpu-time] [--layout NMTensor]

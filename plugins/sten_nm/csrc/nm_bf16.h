@@ -39,14 +39,14 @@ static void bf16_gather_task(void *p, int tid, int nth)
 int nm_gather_bf16w(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
                     const float *bias, int nthreads)
 {
-    return gather_driver(A, B, X, 0, ldx, Y, ldy, bias, nthreads, bf16_gather_task, (A->R + NM_ROWS - 1) / NM_ROWS);
+    return gather_driver(A, B, X, 0, ldx, Y, NULL, ldy, bias, nthreads, bf16_gather_task, (A->R + NM_ROWS - 1) / NM_ROWS);
 }
 
 /* bf16 X and bf16 values: X widened while packing its panel (no float32 copy of X) */
 int nm_gather_bf16wx(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx, float *Y, int64_t ldy,
                      const float *bias, int nthreads)
 {
-    return gather_driver(A, B, X, 1, ldx, Y, ldy, bias, nthreads, bf16_gather_task, (A->R + NM_ROWS - 1) / NM_ROWS);
+    return gather_driver(A, B, X, 1, ldx, Y, NULL, ldy, bias, nthreads, bf16_gather_task, (A->R + NM_ROWS - 1) / NM_ROWS);
 }
 
 /* float32 -> bfloat16 bits, round to nearest even, NaN -> 0x7fc0 (torch's scalar
@@ -131,22 +131,26 @@ static void gbf16_rows_task(void *p, int tid, int nth)
     float *xb = (float *)alloc64((size_t)(a->mcp * NM_MB * ccols) * sizeof(float));
     float *wv = (float *)alloc64((size_t)(a->kc * NM_GR) * sizeof(float));
     int32_t *ob = (int32_t *)alloc64((size_t)a->kc * sizeof(int32_t));
-    if (!T || !xb || !wv || !ob) { free(T); free(xb); free(wv); free(ob); a->err = -3; return; }
+    int err = 0;
+    float *tile = gpack_tile(a, &err);
+    if (!T || !xb || !wv || !ob || err) {
+        free(T); free(xb); free(wv); free(ob); free(tile);
+        a->err = -3;
+        return;
+    }
     for (int64_t p0 = pa; p0 < pb; p0 += a->mcp) {
         const int64_t np = p0 + a->mcp < pb ? a->mcp : pb - p0;
         for (int64_t e0 = 0; e0 < gn; e0 += a->kc) {
             const int64_t e1 = e0 + a->kc < gn ? e0 + a->kc : gn;
             const int64_t c0 = e0 / W->n * W->m, c1 = e1 / W->n * W->m;
-            for (int64_t i = 0; i < np; i++)
-                pack_panel(a->X, a->ldx, a->B, W->K, (p0 + i) * NM_MB, NM_MB, c0, c1,
-                           xb + i * NM_MB * (c1 - c0));
+            for (int64_t i = 0; i < np; i++) gpack(a, p0 + i, c0, c1, tile, xb + i * NM_MB * (c1 - c0));
             for (int64_t q = 0; q < W->Q; q++)
                 gbf16_group(a, q, e0, e1, xb, NM_MB * (c1 - c0), c0, np, T, wv, ob, e0 == 0);
         }
         const int64_t b1 = (p0 + np) * NM_MB < a->B ? (p0 + np) * NM_MB : a->B;
         unpermute(a, T, p0 * NM_MB, b1);
     }
-    free(T); free(xb); free(wv); free(ob);
+    free(T); free(xb); free(wv); free(ob); free(tile);
 }
 
 static void gbf16_groups_task(void *p, int tid, int nth)
@@ -169,11 +173,11 @@ static void gbf16_groups_task(void *p, int tid, int nth)
 
 /* The grouped driver with the tasks above; 4x the float32 driver's panels per block: each
  * widening serves 4x the batch rows. */
-static int grouped_gather_bf16w_scratch(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
-                                        float *Y, int64_t ldy, const float *bias, int nthreads)
+static int grouped_gather_bf16w_scratch(const nm_grouped *W, int64_t B, const void *X, int x16, int64_t ldx,
+                                        float *Y, uint16_t *Y16, int64_t ldy, const float *bias, int nthreads)
 {
     const grouped_schedule s = {table()->ggather, gbf16_rows_task, gbf16_groups_task, 512 * 1024};
-    return grouped_drive(W, B, X, ldx, Y, ldy, bias, nthreads, &s);
+    return grouped_drive(W, B, X, x16, ldx, Y, Y16, ldy, bias, nthreads, &s);
 }
 
 /* Grouped forward with bf16 values. AVX-512: the float32 driver (both schedules) around
@@ -183,10 +187,130 @@ static int grouped_gather_bf16w_scratch(const nm_grouped *W, int64_t B, const fl
  * registers do not hold two panels and the in-register widening costs 4 operations per 12 FMAs
  * (measured 0.8-0.87x on AVX2), so those widen per row group and chunk into a buffer instead
  * (docs/nm.md). */
+static int grouped_gather_bf16w_x(const nm_grouped *W, int64_t B, const void *X, int x16, int64_t ldx,
+                                  float *Y, uint16_t *Y16, int64_t ldy, const float *bias, int nthreads)
+{
+    if (table()->vw >= 16 || env_int("STEN_NM_BF16_IN_REGISTERS", 0))
+        return grouped_gather_with(W, B, X, x16, ldx, Y, Y16, ldy, bias, nthreads, table()->ggather16);
+    return grouped_gather_bf16w_scratch(W, B, X, x16, ldx, Y, Y16, ldy, bias, nthreads);
+}
+
 int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                             float *Y, int64_t ldy, const float *bias, int nthreads)
 {
-    if (table()->vw >= 16 || env_int("STEN_NM_BF16_IN_REGISTERS", 0))
-        return grouped_gather_with(W, B, X, ldx, Y, ldy, bias, nthreads, table()->ggather16);
-    return grouped_gather_bf16w_scratch(W, B, X, ldx, Y, ldy, bias, nthreads);
+    return grouped_gather_bf16w_x(W, B, X, 0, ldx, Y, NULL, ldy, bias, nthreads);
+}
+
+/* nm_grouped_gather_bf16w with bf16 x, widened while packing its micro-panels (gpack). */
+int nm_grouped_gather_bf16wx(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                             float *Y, int64_t ldy, const float *bias, int nthreads)
+{
+    return grouped_gather_bf16w_x(W, B, X, 1, ldx, Y, NULL, ldy, bias, nthreads);
+}
+
+/* ------------------------------------------------ exact forward, bf16 output -- */
+/* The exact forward's bf16 result (a bf16 x and bf16 weight, or CPU autocast) rounded on the
+ * kernels' threads unit by unit: each unit of rows runs into a per-thread float32 block
+ * ([B][rows], in L2) that is rounded into Y16 while it is in cache, so there is no float32
+ * Y in memory, no second pass over it and no second fork/join (the previous path: float32 Y,
+ * then nm_f32_to_bf16). Same bits as that path. */
+
+/* y16[i] = bf16(y[i]) (round to nearest even), i < n. */
+static void round_span(const float *y, uint16_t *y16, int64_t n)
+{
+#ifdef STEN_NM_X86
+    if (table()->vw >= 8) { to_bf16_span_avx2((const uint32_t *)(const void *)y, y16, n); return; }
+#endif
+    to_bf16_span((const uint32_t *)(const void *)y, y16, n);
+}
+
+static void gather_out16(gather_args *a, int w16)
+{
+    const nm_mat *A = a->A;
+    const int64_t gn = A->G * A->n, rows = a->rows;
+    float *ytmp = NULL, *wv = NULL, *yb = NULL;
+    int32_t *offs = NULL;
+    for (int64_t u; (u = next_unit(&a->next)) * rows < A->R;) {
+        if (!ytmp) {
+            ytmp = (float *)alloc64((size_t)(NM_ROWS * a->bch) * sizeof(float));
+            offs = (int32_t *)alloc64((size_t)(rows * gn) * sizeof(int32_t));
+            yb = (float *)alloc64((size_t)(a->B * rows) * sizeof(float));
+            wv = w16 ? (float *)alloc64((size_t)(rows * gn) * sizeof(float)) : NULL;
+            if (!ytmp || !offs || !yb || (w16 && !wv)) {
+                free(ytmp); free(offs); free(yb); free(wv);
+                a->err = -3;
+                return;
+            }
+        }
+        const int64_t r0 = u * rows, r1 = r0 + rows < A->R ? r0 + rows : A->R, nr = r1 - r0;
+        nm_mat blk = *A;            /* rows [r0, r1) as a matrix of their own */
+        blk.R = nr;
+        blk.idx = A->idx + r0 * A->iw;
+        if (w16) {
+            const uint16_t *h = (const uint16_t *)(const void *)A->vals + r0 * gn;
+            uint32_t *w = (uint32_t *)wv;
+            for (int64_t i = 0; i < nr * gn; i++) w[i] = (uint32_t)h[i] << 16;
+            blk.vals = wv;
+        } else {
+            blk.vals = A->vals + r0 * gn;
+        }
+        a->fn(&blk, a->xp, a->Cpad, a->nbc, a->B, yb, rows, a->bias ? a->bias + r0 : NULL, 0, nr, ytmp, offs,
+              a->kbg);
+        for (int64_t b = 0; b < a->B; b++) round_span(yb + b * rows, a->Y16 + b * a->ldy + r0, nr);
+    }
+    free(ytmp); free(offs); free(yb); free(wv);
+}
+
+static void gather_out16_task(void *p, int tid, int nth)
+{
+    (void)tid; (void)nth;
+    gather_out16((gather_args *)p, 0);
+}
+
+static void bf16_gather_out16_task(void *p, int tid, int nth)
+{
+    (void)tid; (void)nth;
+    gather_out16((gather_args *)p, 1);
+}
+
+int nm_gather_bf16x_out16(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx, uint16_t *Y, int64_t ldy,
+                          const float *bias, int nthreads, int w16)
+{
+    if (check_mat(A) || B < 0) return -1;
+    if (B == 0 || A->R == 0) return 0;
+    if (A->C == 0) {   /* empty contraction: the bias (or 0), rounded */
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t r = 0; r < A->R; r++) {
+                const float v = bias ? bias[r] : 0.0f;
+                uint32_t u;
+                memcpy(&u, &v, sizeof u);
+                Y[b * ldy + r] = f32_to_bf16_rne(u);
+            }
+        return 0;
+    }
+    if (w16)
+        return gather_driver(A, B, X, 1, ldx, NULL, Y, ldy, bias, nthreads, bf16_gather_out16_task,
+                             (A->R + NM_ROWS - 1) / NM_ROWS);
+    return gather_driver(A, B, X, 1, ldx, NULL, Y, ldy, bias, nthreads, gather_out16_task, A->R);
+}
+
+/* nm_grouped_gather_bf16x (w16 = 0) / nm_grouped_gather_bf16wx (w16 = 1) with a bfloat16 result
+ * (uint16_t [B][N], row stride ldy): each row rounded as the driver writes it in order. */
+int nm_grouped_gather_bf16x_out16(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx, uint16_t *Y,
+                                  int64_t ldy, const float *bias, int nthreads, int w16)
+{
+    if (check_grouped(W) || B < 0) return -1;
+    if (B == 0 || W->N == 0) return 0;
+    if (W->K == 0) {   /* empty contraction: the bias (or 0), rounded */
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t r = 0; r < W->N; r++) {
+                const float v = bias ? bias[r] : 0.0f;
+                uint32_t u;
+                memcpy(&u, &v, sizeof u);
+                Y[b * ldy + r] = f32_to_bf16_rne(u);
+            }
+        return 0;
+    }
+    if (w16) return grouped_gather_bf16w_x(W, B, X, 1, ldx, NULL, Y, ldy, bias, nthreads);
+    return grouped_gather_with(W, B, X, 1, ldx, NULL, Y, ldy, bias, nthreads, table()->ggather);
 }

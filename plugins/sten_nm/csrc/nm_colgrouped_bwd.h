@@ -89,8 +89,9 @@ static void cgb_gx_task(void *p, int tid, int nth)
     free(gxt); free(wbuf);
 }
 
-int nm_colgrouped_grad_input_f32(const nm_colgrouped *W, int64_t B, const float *dY, int64_t ldg,
-                                 float *dX, int64_t ldx, int nthreads)
+/* nm_colgrouped_grad_input_f32 on dY float32 or bfloat16 bits (y16: widened while packing). */
+static int cg_grad_input_driver(const nm_colgrouped *W, int64_t B, const void *dY, int y16, int64_t ldg,
+                                float *dX, int64_t ldx, int nthreads)
 {
     if (cg_check_shape(W) || cg_check_tables(W, 1) || B < 0) return -1;
     if (B == 0 || W->K == 0) return 0;
@@ -112,12 +113,18 @@ int nm_colgrouped_grad_input_f32(const nm_colgrouped *W, int64_t B, const float 
     const int64_t bch = (int64_t)nv * vw;
     const int nth = clamp_threads(nthreads, 2.0 * B * W->Nb * W->n * Kp, (B + bch - 1) / bch);
     int64_t nbc;
-    float *gyp = make_panel(dY, ldg, B, W->N, Nm, bch, &nbc, nth);
+    float *gyp = make_panel_x(dY, y16, ldg, B, W->N, Nm, bch, &nbc, nth, 0);
     if (!gyp) return -3;
     cgb_gx_args a = {W, gyp, Nm, nbc, bch, B, dX, ldx, gx, 0, 0};
     run_parallel(nth, cgb_gx_task, &a);
     free(gyp);
     return a.err;
+}
+
+int nm_colgrouped_grad_input_f32(const nm_colgrouped *W, int64_t B, const float *dY, int64_t ldg,
+                                 float *dX, int64_t ldx, int nthreads)
+{
+    return cg_grad_input_driver(W, B, dY, 0, ldg, dX, ldx, nthreads);
 }
 
 /* ----------------------------------------------------------- values gradient -- */
@@ -138,8 +145,9 @@ static void cgb_gv_task(void *p, int tid, int nth)
         a->fn(a->W, a->xp + k * a->Kp * a->bb, a->gyp + k * a->Nm * a->bb, a->bb, q0, q1, a->out, k == 0);
 }
 
-int nm_colgrouped_grad_values_f32(const nm_colgrouped *W, int64_t B, const float *dY, int64_t ldg,
-                                  const float *X, int64_t ldx, float *out, int nthreads)
+/* nm_colgrouped_grad_values_f32 on dY and X each float32 or bfloat16 bits (y16, x16). */
+static int cg_grad_values_driver(const nm_colgrouped *W, int64_t B, const void *dY, int y16, int64_t ldg,
+                                 const void *X, int x16, int64_t ldx, float *out, int nthreads)
 {
     if (cg_check_shape(W) || cg_check_tables(W, 1) || B < 0) return -1;
     const int64_t Kp = (int64_t)W->P * W->L, Nm = W->Nb * W->m;
@@ -160,11 +168,17 @@ int nm_colgrouped_grad_values_f32(const nm_colgrouped *W, int64_t B, const float
     const int64_t bb = nvb * vw;
     const int nth = clamp_threads(nthreads, 2.0 * B * total, W->Nb);
     int64_t nblk, nblk2;
-    float *xp = make_panel(X, ldx, B, W->K, Kp, bb, &nblk, nth);
-    float *gyp = make_panel(dY, ldg, B, W->N, Nm, bb, &nblk2, nth);
+    float *xp = make_panel_x(X, x16, ldx, B, W->K, Kp, bb, &nblk, nth, 0);
+    float *gyp = make_panel_x(dY, y16, ldg, B, W->N, Nm, bb, &nblk2, nth, 0);
     if (!xp || !gyp) { free(xp); free(gyp); return -3; }
     cgb_gv_args a = {W, xp, gyp, Kp, Nm, nblk, bb, out, gv};
     run_parallel(nth, cgb_gv_task, &a);
     free(xp); free(gyp);
     return 0;
+}
+
+int nm_colgrouped_grad_values_f32(const nm_colgrouped *W, int64_t B, const float *dY, int64_t ldg,
+                                  const float *X, int64_t ldx, float *out, int nthreads)
+{
+    return cg_grad_values_driver(W, B, dY, 0, ldg, X, 0, ldx, out, nthreads);
 }

@@ -283,6 +283,16 @@ static void pack_panel(const float *X, int64_t ldx, int64_t B, int64_t C, int64_
 
 #include "nm_bf16_pack.h"
 
+/* Element i of an operand given as float32 (x16 NULL) or as bfloat16 bits (x16), widened exactly. */
+static inline float ld_f32_or_bf16(const float *x, const uint16_t *x16, int64_t i)
+{
+    if (!x16) return x[i];
+    const uint32_t u = (uint32_t)x16[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 static void pack_task(void *p, int tid, int nth)
 {
     pack_args *a = (pack_args *)p;
@@ -390,6 +400,7 @@ static int check_mat(const nm_mat *A)
 typedef struct {
     const nm_mat *A; const float *xp; int64_t Cpad, nbc, B; float *Y; int64_t ldy;
     const float *bias; int64_t kbg, bch; nm_gather_fn fn; int err; int64_t next; int64_t rows;
+    uint16_t *Y16;   /* bf16 output (Y NULL then): each unit rounded while in cache (nm_bf16.h) */
 } gather_args;
 
 static void gather_task(void *p, int tid, int nth)
@@ -447,8 +458,8 @@ static int64_t gather_rows(const nm_mat *A, int64_t Cpad, int64_t bch, int nth)
 /* The exact forward's driver: x (float32, or bf16 when x16) packed into the cached scratch panel,
  * then `task` over units of gather_rows rows on at most `max_threads` threads (gather_task for
  * float32 values, bf16_gather_task for bf16 ones). */
-static int gather_driver(const nm_mat *A, int64_t B, const void *X, int x16, int64_t ldx, float *Y, int64_t ldy,
-                         const float *bias, int nthreads, task_fn task, int64_t max_threads)
+static int gather_driver(const nm_mat *A, int64_t B, const void *X, int x16, int64_t ldx, float *Y, uint16_t *Y16,
+                         int64_t ldy, const float *bias, int nthreads, task_fn task, int64_t max_threads)
 {
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->R == 0) return 0;
@@ -464,7 +475,7 @@ static int gather_driver(const nm_mat *A, int64_t B, const void *X, int x16, int
     float *xp = make_panel_x(X, x16, ldx, B, A->C, Cpad, bch, &nbc, nth, 1);   /* scratch_give */
     if (!xp) return -3;
     gather_args ga = {A, xp, Cpad, nbc, B, Y, ldy, bias, block_groups(A, bch), bch, T->gather[nvi], 0, 0,
-                      gather_rows(A, Cpad, bch, nth)};
+                      gather_rows(A, Cpad, bch, nth), Y16};
     run_parallel(nth, task, &ga);
     scratch_give(xp);
     return ga.err;
@@ -473,13 +484,13 @@ static int gather_driver(const nm_mat *A, int64_t B, const void *X, int x16, int
 int nm_gather_f32(const nm_mat *A, int64_t B, const float *X, int64_t ldx, float *Y, int64_t ldy,
                   const float *bias, int nthreads)
 {
-    return gather_driver(A, B, X, 0, ldx, Y, ldy, bias, nthreads, gather_task, A->R);
+    return gather_driver(A, B, X, 0, ldx, Y, NULL, ldy, bias, nthreads, gather_task, A->R);
 }
 
 int nm_gather_bf16x(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx, float *Y, int64_t ldy,
                     const float *bias, int nthreads)
 {
-    return gather_driver(A, B, X, 1, ldx, Y, ldy, bias, nthreads, gather_task, A->R);
+    return gather_driver(A, B, X, 1, ldx, Y, NULL, ldy, bias, nthreads, gather_task, A->R);
 }
 
 /* ------------------------------------------------- transposed (CSR) gather -- */
@@ -504,8 +515,9 @@ static void cgather_task(void *p, int tid, int nth)
 
 /* X[b][c] = sum_r A[r][c] Y[b][r] (+ bias[c]) through the transpose of A (CSR, built here):
  * register accumulation like the forward, instead of read-modify-write of X. */
-int nm_tgather_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, float *X, int64_t ldx,
-                   const float *bias, int nthreads)
+/* nm_tgather_f32 on Y float32 or bfloat16 bits (y16: widened while packing its panel). */
+static int tgather_driver(const nm_mat *A, int64_t B, const void *Y, int y16, int64_t ldy, float *X, int64_t ldx,
+                          const float *bias, int nthreads)
 {
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->C == 0) return 0;
@@ -542,7 +554,7 @@ int nm_tgather_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, floa
     free(cols);
     int nth = clamp_threads(nthreads, 2.0 * B * R * gn, C);
     int64_t nbc;
-    float *yp = make_panel(Y, ldy, B, R, R, bch, &nbc, nth);
+    float *yp = make_panel_x(Y, y16, ldy, B, R, R, bch, &nbc, nth, 0);
     if (!yp) { free(rowptr); free(toff); free(tv); return -3; }
     int64_t kbr = env_int("STEN_NM_BLOCK_BYTES", 16 * 1024) / (bch * 4);
     if (kbr < 1) kbr = 1;
@@ -550,6 +562,12 @@ int nm_tgather_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, floa
     run_parallel(nth, cgather_task, &ca);
     free(yp); free(rowptr); free(toff); free(tv);
     return ca.err;
+}
+
+int nm_tgather_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, float *X, int64_t ldx,
+                   const float *bias, int nthreads)
+{
+    return tgather_driver(A, B, Y, 0, ldy, X, ldx, bias, nthreads);
 }
 
 /* --------------------------------------------------------------- scatter -- */
@@ -610,8 +628,9 @@ static void sddmm_task(void *p, int tid, int nth)
     free(offs);
 }
 
-int nm_sddmm_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, const float *X,
-                 int64_t ldx, float *out, int nthreads)
+/* nm_sddmm_f32 on Y and X each float32 or bfloat16 bits (y16, x16: widened while packing). */
+static int sddmm_driver(const nm_mat *A, int64_t B, const void *Y, int y16, int64_t ldy, const void *X, int x16,
+                        int64_t ldx, float *out, int nthreads)
 {
     if (check_mat(A) || B < 0) return -1;
     const int64_t gn = A->G * A->n;
@@ -622,13 +641,19 @@ int nm_sddmm_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, const 
     const int64_t Cpad = A->G * A->m;
     int nth = clamp_threads(nthreads, 2.0 * B * A->R * gn, A->R);
     int64_t nbc, nbc2;
-    float *xp = make_panel(X, ldx, B, A->C, Cpad, bch, &nbc, nth);
-    float *yp = make_panel(Y, ldy, B, A->R, A->R, bch, &nbc2, nth);
+    float *xp = make_panel_x(X, x16, ldx, B, A->C, Cpad, bch, &nbc, nth, 0);
+    float *yp = make_panel_x(Y, y16, ldy, B, A->R, A->R, bch, &nbc2, nth, 0);
     if (!xp || !yp) { free(xp); free(yp); return -3; }
     sddmm_args sa = {A, xp, Cpad, yp, nbc, out, block_groups(A, bch), T->sddmm[nvi], 0};
     run_parallel(nth, sddmm_task, &sa);
     free(xp); free(yp);
     return sa.err;
+}
+
+int nm_sddmm_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, const float *X,
+                 int64_t ldx, float *out, int nthreads)
+{
+    return sddmm_driver(A, B, Y, 0, ldy, X, 0, ldx, out, nthreads);
 }
 
 /* --------------------------------------------------------------- grouped -- */
@@ -642,13 +667,51 @@ typedef struct {
     const float *X; int64_t ldx; const float *xp;
     int64_t Kpad, B, npan, kc, mcp; float *Y; int64_t ldy; const float *bias;
     float *T; int64_t ldt; nm_ggather_fn fn; int err;
+    const uint16_t *X16;   /* bf16 x (X is NULL then): widened while packing */
+    uint16_t *Y16;         /* bf16 output (Y is NULL then): rows rounded as they are written */
 } ggather_args;
 
+static void round_span(const float *y, uint16_t *y16, int64_t n);   /* nm_bf16.h */
+
+/* Micro-panel b6 of x (rows b6 * 6 .. + 6), columns [c0, c1) into dst ([c - c0][6]); bf16 x
+ * widened on the way through tile (NM_MB * NM_BF16_PC floats), 64 columns at a time. */
+static void gpack(const ggather_args *a, int64_t b6, int64_t c0, int64_t c1, float *tile, float *dst)
+{
+    if (!a->X16) {
+        pack_panel(a->X, a->ldx, a->B, a->W->K, b6 * NM_MB, NM_MB, c0, c1, dst);
+        return;
+    }
+    for (int64_t c = c0; c < c1; c += NM_BF16_PC) {
+        const int64_t ce = c + NM_BF16_PC < c1 ? c + NM_BF16_PC : c1;
+        pack_panel_bf16(a->X16, a->ldx, a->B, a->W->K, b6 * NM_MB, NM_MB, c, ce, tile, dst + (c - c0) * NM_MB);
+    }
+}
+
+/* The per-thread tile gpack needs (NULL for float32 x; *err = -3 when out of memory). */
+static float *gpack_tile(const ggather_args *a, int *err)
+{
+    if (!a->X16) return NULL;
+    float *t = (float *)alloc64((size_t)(NM_MB * NM_BF16_PC) * sizeof(float));
+    if (!t) *err = -3;
+    return t;
+}
+
 /* Y[b][r] = T[b - b0][inv[r]] (+ bias[r]) for rows b in [b0, b1). */
-static void unpermute(const ggather_args *a, const float *T, int64_t b0, int64_t b1)
+static void unpermute(ggather_args *a, const float *T, int64_t b0, int64_t b1)
 {
     const nm_unperm_fn fn = table()->unperm;
-    for (int64_t b = b0; b < b1; b++) fn(T + (b - b0) * a->ldt, a->inv, a->bias, a->W->N, a->Y + b * a->ldy);
+    if (!a->Y16) {
+        for (int64_t b = b0; b < b1; b++) fn(T + (b - b0) * a->ldt, a->inv, a->bias, a->W->N, a->Y + b * a->ldy);
+        return;
+    }
+    /* bf16 output: each row put in order into an L1 buffer, then rounded into Y16 */
+    float *row = (float *)alloc64((size_t)(a->W->N > 0 ? a->W->N : 1) * sizeof(float));
+    if (!row) { a->err = -3; return; }
+    for (int64_t b = b0; b < b1; b++) {
+        fn(T + (b - b0) * a->ldt, a->inv, a->bias, a->W->N, row);
+        round_span(row, a->Y16 + b * a->ldy, a->W->N);
+    }
+    free(row);
 }
 
 /* Many batch rows: each thread takes a range of micro-panels, block by block (mcp
@@ -665,21 +728,21 @@ static void ggather_rows_task(void *p, int tid, int nth)
     if (pb <= pa) return;
     float *T = (float *)alloc64((size_t)(a->mcp * NM_MB * a->ldt) * sizeof(float));
     float *xb = (float *)alloc64((size_t)(a->mcp * NM_MB * ccols) * sizeof(float));
-    if (!T || !xb) { free(T); free(xb); a->err = -3; return; }
+    int err = 0;
+    float *tile = gpack_tile(a, &err);
+    if (!T || !xb || err) { free(T); free(xb); free(tile); a->err = -3; return; }
     for (int64_t p0 = pa; p0 < pb; p0 += a->mcp) {
         const int64_t np = p0 + a->mcp < pb ? a->mcp : pb - p0;
         for (int64_t e0 = 0; e0 < gn; e0 += a->kc) {
             const int64_t e1 = e0 + a->kc < gn ? e0 + a->kc : gn;
             const int64_t c0 = e0 / W->n * W->m, c1 = e1 / W->n * W->m;
-            for (int64_t i = 0; i < np; i++)
-                pack_panel(a->X, a->ldx, a->B, W->K, (p0 + i) * NM_MB, NM_MB, c0, c1,
-                           xb + i * NM_MB * (c1 - c0));
+            for (int64_t i = 0; i < np; i++) gpack(a, p0 + i, c0, c1, tile, xb + i * NM_MB * (c1 - c0));
             a->fn(W, a->offs, xb, NM_MB * (c1 - c0), c0, np, e0, e1, 0, W->Q, T, a->ldt, e0 == 0);
         }
         const int64_t b1 = (p0 + np) * NM_MB < a->B ? (p0 + np) * NM_MB : a->B;
         unpermute(a, T, p0 * NM_MB, b1);
     }
-    free(T); free(xb);
+    free(T); free(xb); free(tile);
 }
 
 /* Few batch rows: threads split the row groups; x packed whole, one shared T. */
@@ -747,8 +810,8 @@ typedef struct {
     int panel_bytes;
 } grouped_schedule;
 
-static int grouped_drive(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
-                         float *Y, int64_t ldy, const float *bias, int nthreads,
+static int grouped_drive(const nm_grouped *W, int64_t B, const void *X, int x16, int64_t ldx,
+                         float *Y, uint16_t *Y16, int64_t ldy, const float *bias, int nthreads,
                          const grouped_schedule *s)
 {
     if (check_grouped(W) || B < 0) return -1;
@@ -770,8 +833,8 @@ static int grouped_drive(const nm_grouped *W, int64_t B, const float *X, int64_t
         if (inv[r] < 0) { free(offs); free(inv); return -1; }   /* perm is not a permutation */
     const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, Q * B);
     const int64_t npan = (B + NM_MB - 1) / NM_MB;
-    ggather_args a = {W, offs, inv, X, ldx, NULL, Kpad, B, npan, 0, 0, Y, ldy, bias, NULL, 0,
-                      s->fn, 0};
+    ggather_args a = {W, offs, inv, x16 ? NULL : (const float *)X, ldx, NULL, Kpad, B, npan, 0, 0, Y, ldy,
+                      bias, NULL, 0, s->fn, 0, x16 ? (const uint16_t *)X : NULL, Y16};
     /* chunks of kept slots: whole groups of m columns, about STEN_NM_GROUPED_KC slots,
      * equal sizes */
     a.kc = equal_chunk_slots(G, env_int("STEN_NM_GROUPED_KC", 512) / W->n, W->n);
@@ -783,7 +846,7 @@ static int grouped_drive(const nm_grouped *W, int64_t B, const float *X, int64_t
         run_parallel(nth, s->rows_task, &a);
     } else {
         int64_t np;
-        float *xp = make_panel(X, ldx, B, W->K, Kpad, NM_MB, &np, nth);
+        float *xp = make_panel_x(X, x16, ldx, B, W->K, Kpad, NM_MB, &np, nth, 0);
         a.T = (float *)alloc64((size_t)(npan * NM_MB * a.ldt) * sizeof(float));
         a.xp = xp;
         if (!xp || !a.T) { a.err = -3; } else {
@@ -798,18 +861,24 @@ static int grouped_drive(const nm_grouped *W, int64_t B, const float *X, int64_t
 
 /* The float32 grouped forward around a per-slot kernel (table()->ggather, or ggather16 for
  * bf16 values widened in registers). */
-static int grouped_gather_with(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
-                               float *Y, int64_t ldy, const float *bias, int nthreads,
+static int grouped_gather_with(const nm_grouped *W, int64_t B, const void *X, int x16, int64_t ldx,
+                               float *Y, uint16_t *Y16, int64_t ldy, const float *bias, int nthreads,
                                nm_ggather_fn fn)
 {
     const grouped_schedule s = {fn, ggather_rows_task, ggather_groups_task, 128 * 1024};
-    return grouped_drive(W, B, X, ldx, Y, ldy, bias, nthreads, &s);
+    return grouped_drive(W, B, X, x16, ldx, Y, Y16, ldy, bias, nthreads, &s);
 }
 
 int nm_grouped_gather_f32(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                           float *Y, int64_t ldy, const float *bias, int nthreads)
 {
-    return grouped_gather_with(W, B, X, ldx, Y, ldy, bias, nthreads, table()->ggather);
+    return grouped_gather_with(W, B, X, 0, ldx, Y, NULL, ldy, bias, nthreads, table()->ggather);
+}
+
+int nm_grouped_gather_bf16x(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                            float *Y, int64_t ldy, const float *bias, int nthreads)
+{
+    return grouped_gather_with(W, B, X, 1, ldx, Y, NULL, ldy, bias, nthreads, table()->ggather);
 }
 
 /* ------------------------------------------------ grouped weight gradient -- */
@@ -817,6 +886,7 @@ typedef struct {
     const nm_grouped *W; const float *dY; int64_t ldg; const float *X; int64_t ldx;
     int64_t B; const int32_t *cols; float *gq; float *xt; int64_t ldb; float *out;
     int64_t kb, kc; nm_gsddmm_fn fn; int err;
+    const uint16_t *dY16, *X16;   /* bf16 dY / X (dY / X NULL then), widened while packing */
 } gsddmm_args;
 
 /* gq[q][b][j] = dY[b][perm[q*16 + j]] (0 for padding rows), groups split by thread;
@@ -831,8 +901,8 @@ static void gsddmm_pack_task(void *p, int tid, int nth)
         const int32_t *rows = W->perm + q * NM_GR;
         float *g = a->gq + q * a->B * NM_GR;
         for (int64_t b = 0; b < a->B; b++) {
-            const float *dy = a->dY + b * a->ldg;
-            for (int j = 0; j < NM_GR; j++) g[b * NM_GR + j] = rows[j] >= 0 ? dy[rows[j]] : 0.0f;
+            for (int j = 0; j < NM_GR; j++)
+                g[b * NM_GR + j] = rows[j] >= 0 ? ld_f32_or_bf16(a->dY, a->dY16, b * a->ldg + rows[j]) : 0.0f;
         }
     }
     const int64_t Kpad = (W->K + W->m - 1) / W->m * W->m;
@@ -842,8 +912,13 @@ static void gsddmm_pack_task(void *p, int tid, int nth)
         for (int64_t b0 = 0; b0 < a->B; b0 += 16) {
             const int64_t be = b0 + 16 < a->B ? b0 + 16 : a->B;
             for (int64_t b = b0; b < be; b++) {
-                const float *x = a->X + b * a->ldx;
-                for (int64_t c = cb; c < cx; c++) a->xt[c * a->ldb + b] = x[c];
+                if (a->X16) {
+                    const uint16_t *x = a->X16 + b * a->ldx;
+                    for (int64_t c = cb; c < cx; c++) a->xt[c * a->ldb + b] = ld_f32_or_bf16(NULL, x, c);
+                } else {
+                    const float *x = a->X + b * a->ldx;
+                    for (int64_t c = cb; c < cx; c++) a->xt[c * a->ldb + b] = x[c];
+                }
                 for (int64_t c = cx > cb ? cx : cb; c < ce; c++) a->xt[c * a->ldb + b] = 0.0f;
             }
         }
@@ -876,8 +951,9 @@ static void gsddmm_task(void *p, int tid, int nth)
     free(cols);
 }
 
-int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
-                         const float *X, int64_t ldx, float *out, int nthreads)
+/* nm_grouped_sddmm_f32 on dY and X each float32 or bfloat16 bits (y16, x16). */
+static int grouped_sddmm_driver(const nm_grouped *W, int64_t B, const void *dY, int y16, int64_t ldg,
+                                const void *X, int x16, int64_t ldx, float *out, int nthreads)
 {
     if (check_grouped(W) || B < 0) return -1;
     const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n, Q = W->Q;
@@ -889,7 +965,9 @@ int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_
     float *xt = (float *)alloc64((size_t)(G * W->m * ldb) * sizeof(float));
     if (!cols || !gq || !xt) { free(cols); free(gq); free(xt); return -3; }
     const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, Q);
-    gsddmm_args a = {W, dY, ldg, X, ldx, B, cols, gq, xt, ldb, out, 0, 0, table()->gsddmm, 0};
+    gsddmm_args a = {W, y16 ? NULL : (const float *)dY, ldg, x16 ? NULL : (const float *)X, ldx, B, cols, gq, xt,
+                     ldb, out, 0, 0, table()->gsddmm, 0, y16 ? (const uint16_t *)dY : NULL,
+                     x16 ? (const uint16_t *)X : NULL};
     /* blocks of kb batch rows x chunks of kcg groups of m columns (kb x kcg*m floats of x) */
     a.kb = env_int("STEN_NM_GSDDMM_ROWS", 256);
     a.kc = equal_chunk_slots(G, env_int("STEN_NM_GSDDMM_BYTES", 192 * 1024) / (a.kb * 4 * W->m), W->n);
@@ -899,10 +977,17 @@ int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_
     return a.err;
 }
 
+int nm_grouped_sddmm_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
+                         const float *X, int64_t ldx, float *out, int nthreads)
+{
+    return grouped_sddmm_driver(W, B, dY, 0, ldg, X, 0, ldx, out, nthreads);
+}
+
 /* -------------------------------------------------- grouped input gradient -- */
 typedef struct {
     const nm_grouped *W; const float *dY; int64_t ldg; float *dX; int64_t ldx; int64_t B;
     const int32_t *cols; int64_t rows; nm_gtgather_fn fn; int err;
+    const uint16_t *dY16;   /* bf16 dY (dY NULL then), widened while regrouping */
 } gtgather_args;
 
 /* Each thread takes a range of batch rows, block by block (rows, a multiple of the vector
@@ -927,7 +1012,7 @@ static void gtgather_task(void *p, int tid, int nth)
             const int32_t r = W->perm[j];
             float *o = gyt + j * ld;
             for (int64_t bi = 0; bi < nbv; bi++)
-                o[bi] = (r >= 0 && bi < nb) ? a->dY[(b0 + bi) * a->ldg + r] : 0.0f;
+                o[bi] = (r >= 0 && bi < nb) ? ld_f32_or_bf16(a->dY, a->dY16, (b0 + bi) * a->ldg + r) : 0.0f;
         }
         memset(gxt, 0, (size_t)(Kpad * ld) * sizeof(float));
         for (int64_t q = 0; q < W->Q; q++)
@@ -940,8 +1025,9 @@ static void gtgather_task(void *p, int tid, int nth)
     free(gyt); free(gxt);
 }
 
-int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
-                           float *dX, int64_t ldx, int nthreads)
+/* nm_grouped_tgather_f32 on dY float32 or bfloat16 bits (y16). */
+static int grouped_tgather_driver(const nm_grouped *W, int64_t B, const void *dY, int y16, int64_t ldg,
+                                  float *dX, int64_t ldx, int nthreads)
 {
     if (check_grouped(W) || B < 0) return -1;
     const int64_t G = (W->K + W->m - 1) / W->m, gn = G * W->n;
@@ -956,10 +1042,17 @@ int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int6
     int64_t rows = env_int("STEN_NM_GTGATHER_ROWS", 16);
     rows = (rows + vw - 1) / vw * vw;
     const int nth = clamp_threads(nthreads, 2.0 * B * W->N * gn, (B + rows - 1) / rows);
-    gtgather_args a = {W, dY, ldg, dX, ldx, B, cols, rows, table()->gtgather, 0};
+    gtgather_args a = {W, y16 ? NULL : (const float *)dY, ldg, dX, ldx, B, cols, rows, table()->gtgather, 0,
+                       y16 ? (const uint16_t *)dY : NULL};
     run_parallel(nth, gtgather_task, &a);
     free(cols);
     return a.err;
+}
+
+int nm_grouped_tgather_f32(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
+                           float *dX, int64_t ldx, int nthreads)
+{
+    return grouped_tgather_driver(W, B, dY, 0, ldg, dX, ldx, nthreads);
 }
 
 /* -------------------------------------------------------- column-grouped -- */

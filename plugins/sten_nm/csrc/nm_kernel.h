@@ -124,6 +124,22 @@ int nm_gather_bf16wx(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx,
  * row group's chunk of slots widened in the kernel, float32 accumulation. */
 int nm_grouped_gather_bf16w(const nm_grouped *W, int64_t B, const float *X, int64_t ldx,
                             float *Y, int64_t ldy, const float *bias, int nthreads);
+/* nm_gather_bf16x (w16 = 0) / nm_gather_bf16wx (w16 = 1) with a bfloat16 result Y (uint16_t
+ * [B][R], row stride ldy): each unit of rows rounded (nearest even) on the kernels' threads
+ * while in cache; the same bits as the float32 result rounded by nm_f32_to_bf16. */
+int nm_gather_bf16x_out16(const nm_mat *A, int64_t B, const uint16_t *X, int64_t ldx, uint16_t *Y, int64_t ldy,
+                          const float *bias, int nthreads, int w16);
+/* nm_grouped_gather_f32 / nm_grouped_gather_bf16w with X bfloat16 bits (uint16_t [B][K], row
+ * stride ldx, any 2-byte offset): widened while packing the 6-row micro-panels (exact), no
+ * float32 copy of X. */
+int nm_grouped_gather_bf16x(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                            float *Y, int64_t ldy, const float *bias, int nthreads);
+int nm_grouped_gather_bf16wx(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                             float *Y, int64_t ldy, const float *bias, int nthreads);
+/* the same with a bfloat16 result (uint16_t [B][N], ldy; w16: bf16 values), rows rounded as
+ * the driver writes them; the same bits as rounding the float32 result. */
+int nm_grouped_gather_bf16x_out16(const nm_grouped *W, int64_t B, const uint16_t *X, int64_t ldx, uint16_t *Y,
+                                  int64_t ldy, const float *bias, int nthreads, int w16);
 /* nm_colgrouped_gather_f32 with X in bfloat16 bits (uint16_t [B][K], row stride ldx), read by
  * the kernel: on AVX512_BF16 CPUs (ISA avx512) with bf16 values, vdpbf16ps on adjacent-slot
  * pairs; otherwise x widened while packing and the float32 kernel (csrc/nm_cg_bf16x.h). */
@@ -137,6 +153,22 @@ int nm_tgather_bf16w(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, fl
                      const float *bias, int nthreads);
 int nm_grouped_tgather_bf16w(const nm_grouped *W, int64_t B, const float *dY, int64_t ldg,
                              float *dX, int64_t ldx, int nthreads);
+/* The backward products with dY (Y) and, for the values gradients, X each float32 or bfloat16
+ * bits (y16 / x16 = 1: uint16_t rows, any 2-byte offset), widened while packing (exact), float32
+ * results; w16 = 1: the descriptor's values are bfloat16 (csrc/nm_bf16_bwd.h). Same arguments
+ * as the _f32 functions otherwise. */
+int nm_tgather_mixed(const nm_mat *A, int64_t B, const void *Y, int64_t ldy, float *X, int64_t ldx,
+                     const float *bias, int nthreads, int w16, int y16);
+int nm_sddmm_mixed(const nm_mat *A, int64_t B, const void *Y, int64_t ldy, const void *X, int64_t ldx,
+                   float *out, int nthreads, int y16, int x16);
+int nm_grouped_tgather_mixed(const nm_grouped *W, int64_t B, const void *dY, int64_t ldg, float *dX,
+                             int64_t ldx, int nthreads, int w16, int y16);
+int nm_grouped_sddmm_mixed(const nm_grouped *W, int64_t B, const void *dY, int64_t ldg, const void *X,
+                           int64_t ldx, float *out, int nthreads, int y16, int x16);
+int nm_colgrouped_grad_input_mixed(const nm_colgrouped *W, int64_t B, const void *dY, int64_t ldg, float *dX,
+                                   int64_t ldx, int nthreads, int y16);
+int nm_colgrouped_grad_values_mixed(const nm_colgrouped *W, int64_t B, const void *dY, int64_t ldg,
+                                    const void *X, int64_t ldx, float *out, int nthreads, int y16, int x16);
 /* Whether the CPU has AVX512_BF16 (and AVX-512BW); whether the vdpbf16ps switch is on. */
 int nm_bf16_dot_supported(void);
 int nm_bf16_dot_enabled(void);

@@ -45,6 +45,15 @@ def _lib() -> ctypes.CDLL:
         for fn in (lib.nm_gather_bf16x, lib.nm_gather_bf16wx):
             fn.argtypes = [ctypes.POINTER(_kernel.NMMat), i64, vp, i64, vp, i64, vp, ci]
             fn.restype = ci
+        for fn in (lib.nm_grouped_gather_bf16x, lib.nm_grouped_gather_bf16wx):
+            fn.argtypes = [ctypes.POINTER(_kernel.NMGrouped), i64, vp, i64, vp, i64, vp, ci]
+            fn.restype = ci
+        lib.nm_gather_bf16x_out16.argtypes = [ctypes.POINTER(_kernel.NMMat), i64, vp, i64, vp, i64, vp, ci, ci]
+        lib.nm_gather_bf16x_out16.restype = ci
+        lib.nm_grouped_gather_bf16x_out16.argtypes = [ctypes.POINTER(_kernel.NMGrouped), i64, vp, i64, vp, i64, vp,
+                                                      ci, ci]
+        lib.nm_grouped_gather_bf16x_out16.restype = ci
+        _declare_mixed(lib)
         _declared.add(id(lib))
     return lib
 
@@ -99,11 +108,13 @@ def _bf16_rows(X: torch.Tensor) -> torch.Tensor:
 
 
 def gather_bf16x(A: _kernel.NMMat, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 nthreads: Optional[int] = None) -> torch.Tensor:
+                 nthreads: Optional[int] = None, out_bf16: bool = False) -> torch.Tensor:
     """:func:`sten_nm._kernel.gather` (``Y = X A^T (+ bias)``, float32 ``[B, R]``) for bfloat16
     ``X`` ``[B, C]`` read by the kernel: widened while packing its panel (exact), no float32
     copy of X. ``A`` may describe float32 or bfloat16 values (``nm_gather_bf16x`` /
     ``nm_gather_bf16wx``); the result has the same bits as ``gather`` of ``X.float()``.
+    ``out_bf16``: a bfloat16 result, rounded on the kernels' threads unit by unit while in cache
+    (``nm_gather_bf16x_out16``; the same bits as the float32 result ``.to(torch.bfloat16)``).
 
         >>> from sten_nm import NMTensor
         >>> W = NMTensor.from_dense(torch.randn(8, 16), 2, 4)
@@ -123,10 +134,61 @@ def gather_bf16x(A: _kernel.NMMat, X: torch.Tensor, bias: Optional[torch.Tensor]
     else:
         kernel, what = lib.nm_gather_bf16x, "nm_gather_bf16x"
     X = _bf16_rows(X)
-    Y = torch.empty((X.shape[0], A.R), dtype=torch.float32)
     b = bias.contiguous().float() if bias is not None else None
+    if out_bf16:
+        Y = torch.empty((X.shape[0], A.R), dtype=torch.bfloat16)
+        rc = lib.nm_gather_bf16x_out16(ctypes.byref(A), X.shape[0], X.data_ptr(), X.stride(0) if A.C else 1,
+                                       Y.data_ptr(), Y.stride(0) if A.R else 1, b.data_ptr() if b is not None else None,
+                                       _kernel._threads(nthreads), int(vals.dtype == torch.bfloat16))
+        _kernel._check(rc, "nm_gather_bf16x_out16")
+        return Y
+    Y = torch.empty((X.shape[0], A.R), dtype=torch.float32)
     rc = kernel(ctypes.byref(A), X.shape[0], X.data_ptr(), X.stride(0) if A.C else 1, Y.data_ptr(),
                 Y.stride(0) if A.R else 1, b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
+    _kernel._check(rc, what)
+    return Y
+
+
+def grouped_gather_bf16x(W: _kernel.NMGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                         nthreads: Optional[int] = None, out_bf16: bool = False) -> torch.Tensor:
+    """:func:`sten_nm._kernel.grouped_gather` (``Y = X W^T (+ bias)``, float32 ``[B, N]``) for
+    bfloat16 ``X`` ``[B, K]`` read by the kernel: widened while packing its 6-row micro-panels
+    (exact), no float32 copy of X. ``W`` may describe float32 or bfloat16 values
+    (``nm_grouped_gather_bf16x`` / ``nm_grouped_gather_bf16wx``); the result has the same bits
+    as the float32-x kernel on ``X.float()``. ``out_bf16``: a bfloat16 result, each row rounded
+    as the kernel's threads write it (``nm_grouped_gather_bf16x_out16``; the same bits as
+    rounding the float32 result).
+
+        >>> from sten_nm import GroupedNMTensor
+        >>> W = GroupedNMTensor.from_dense(torch.randn(16, 16), 2, 4)
+        >>> grouped_gather_bf16x(W.desc(), torch.randn(3, 16).bfloat16()).shape
+        torch.Size([3, 16])
+    """
+    if X.dtype != torch.bfloat16 or X.dim() != 2:
+        raise ValueError(f"X must be a 2-D bfloat16 tensor, got {X.dtype} of shape {tuple(X.shape)}")
+    if X.shape[1] != W.K:
+        raise ValueError(f"X must have {W.K} columns, got shape {tuple(X.shape)}")
+    vals = getattr(W, "_keep", (None,))[0]
+    if vals is None or vals.dtype not in (torch.float32, torch.bfloat16) or not vals.is_contiguous():
+        raise ValueError("grouped_gather_bf16x needs a descriptor of contiguous float32 or bfloat16 values")
+    lib = _lib()
+    if vals.dtype == torch.bfloat16:
+        kernel, what = lib.nm_grouped_gather_bf16wx, "nm_grouped_gather_bf16wx"
+    else:
+        kernel, what = lib.nm_grouped_gather_bf16x, "nm_grouped_gather_bf16x"
+    X = _bf16_rows(X)
+    b = bias.contiguous().float() if bias is not None else None
+    if out_bf16:
+        Y = torch.empty((X.shape[0], W.N), dtype=torch.bfloat16)
+        rc = lib.nm_grouped_gather_bf16x_out16(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0) if W.K else 1,
+                                               Y.data_ptr(), Y.stride(0) if W.N else 1,
+                                               b.data_ptr() if b is not None else None, _kernel._threads(nthreads),
+                                               int(vals.dtype == torch.bfloat16))
+        _kernel._check(rc, "nm_grouped_gather_bf16x_out16")
+        return Y
+    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
+    rc = kernel(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0) if W.K else 1, Y.data_ptr(),
+                Y.stride(0) if W.N else 1, b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
     _kernel._check(rc, what)
     return Y
 
@@ -149,3 +211,120 @@ def grouped_tgather_bf16w(W: _kernel.NMGrouped, dY: torch.Tensor, nthreads: Opti
                                          dX.stride(0) if W.K else 1, _kernel._threads(nthreads))
     _kernel._check(rc, "nm_grouped_tgather_bf16w")
     return dX
+
+
+# -- the backward kernels with bf16 grad_output (and x) read in C ------------------------
+def _operand(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` as a kernel reads it and whether it is bf16 (1: read as bf16 bits, widened while
+    the kernel packs it; 0: float32, other dtypes converted)."""
+    if t.dtype == torch.bfloat16:
+        return _bf16_rows(t), 1
+    return _kernel._rowmajor(t), 0
+
+
+def _values_bf16(desc: ctypes.Structure) -> int:
+    vals = getattr(desc, "_keep", (None,))[0]
+    if vals is None or vals.dtype not in (torch.float32, torch.bfloat16) or not vals.is_contiguous():
+        raise ValueError("the descriptor must hold contiguous float32 or bfloat16 values")
+    return int(vals.dtype == torch.bfloat16)
+
+
+def _declare_mixed(lib: ctypes.CDLL) -> None:
+    i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    M, G, C = (ctypes.POINTER(t) for t in (_kernel.NMMat, _kernel.NMGrouped, _kernel.NMColGrouped))
+    lib.nm_tgather_mixed.argtypes = [M, i64, vp, i64, vp, i64, vp, ci, ci, ci]
+    lib.nm_sddmm_mixed.argtypes = [M, i64, vp, i64, vp, i64, vp, ci, ci, ci]
+    lib.nm_grouped_tgather_mixed.argtypes = [G, i64, vp, i64, vp, i64, ci, ci, ci]
+    lib.nm_grouped_sddmm_mixed.argtypes = [G, i64, vp, i64, vp, i64, vp, ci, ci, ci]
+    lib.nm_colgrouped_grad_input_mixed.argtypes = [C, i64, vp, i64, vp, i64, ci, ci]
+    lib.nm_colgrouped_grad_values_mixed.argtypes = [C, i64, vp, i64, vp, i64, vp, ci, ci, ci]
+    for name in ("nm_tgather_mixed", "nm_sddmm_mixed", "nm_grouped_tgather_mixed", "nm_grouped_sddmm_mixed",
+                 "nm_colgrouped_grad_input_mixed", "nm_colgrouped_grad_values_mixed"):
+        getattr(lib, name).restype = ci
+
+
+def tgather_mixed(A: _kernel.NMMat, Y: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`sten_nm._kernel.tgather` (``X = Y A``, float32 ``[B, C]``) with ``Y`` float32 or
+    bfloat16 (read by the kernel, widened while packing) and ``A``'s values float32 or bfloat16.
+
+        >>> from sten_nm import NMTensor
+        >>> W = NMTensor.from_dense(torch.randn(8, 16), 2, 4)
+        >>> tgather_mixed(W.fp32().mat(), torch.randn(3, 8).bfloat16()).shape
+        torch.Size([3, 16])
+    """
+    w16 = _values_bf16(A)
+    Y, y16 = _operand(Y)
+    X = torch.empty((Y.shape[0], A.C), dtype=torch.float32)
+    b = bias.contiguous().float() if bias is not None else None
+    rc = _lib().nm_tgather_mixed(ctypes.byref(A), Y.shape[0], Y.data_ptr(), Y.stride(0) if A.R else 1, X.data_ptr(),
+                                   X.stride(0) if A.C else 1, b.data_ptr() if b is not None else None,
+                                   _kernel._threads(nthreads), w16, y16)
+    _kernel._check(rc, "nm_tgather_mixed")
+    return X
+
+
+def sddmm_mixed(A: _kernel.NMMat, Y: torch.Tensor, X: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`sten_nm._kernel.sddmm` (``[R, G*n]`` float32) with ``Y`` and ``X`` each float32 or
+    bfloat16, read by the kernel (no float32 copies)."""
+    Y, y16 = _operand(Y)
+    X, x16 = _operand(X)
+    out = torch.empty((A.R, A.G * A.n), dtype=torch.float32)
+    rc = _lib().nm_sddmm_mixed(ctypes.byref(A), Y.shape[0], Y.data_ptr(), Y.stride(0) if A.R else 1, X.data_ptr(),
+                                 X.stride(0) if A.C else 1, out.data_ptr(), _kernel._threads(nthreads), y16, x16)
+    _kernel._check(rc, "nm_sddmm_mixed")
+    return out
+
+
+def grouped_tgather_mixed(W: _kernel.NMGrouped, dY: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`sten_nm._kernel.grouped_tgather` (``dX = dY W``, float32) with ``dY`` float32 or
+    bfloat16 (read by the kernel) and ``W``'s values float32 or bfloat16."""
+    w16 = _values_bf16(W)
+    dY, y16 = _operand(dY)
+    dX = torch.empty((dY.shape[0], W.K), dtype=torch.float32)
+    rc = _lib().nm_grouped_tgather_mixed(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0) if W.N else 1,
+                                           dX.data_ptr(), dX.stride(0) if W.K else 1, _kernel._threads(nthreads),
+                                           w16, y16)
+    _kernel._check(rc, "nm_grouped_tgather_mixed")
+    return dX
+
+
+def grouped_sddmm_mixed(W: _kernel.NMGrouped, dY: torch.Tensor, X: torch.Tensor,
+                        nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`sten_nm._kernel.grouped_sddmm` (``[Q, G*n, 16]`` float32) with ``dY`` and ``X``
+    each float32 or bfloat16, read by the kernel."""
+    dY, y16 = _operand(dY)
+    X, x16 = _operand(X)
+    out = torch.empty((W.Q, -(-W.K // W.m) * W.n, _kernel.GROUP_ROWS), dtype=torch.float32)
+    rc = _lib().nm_grouped_sddmm_mixed(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0) if W.N else 1,
+                                         X.data_ptr(), X.stride(0) if W.K else 1, out.data_ptr(),
+                                         _kernel._threads(nthreads), y16, x16)
+    _kernel._check(rc, "nm_grouped_sddmm_mixed")
+    return out
+
+
+def colgrouped_grad_input_mixed(W: _kernel.NMColGrouped, dY: torch.Tensor,
+                                nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`sten_nm._kernel.colgrouped_grad_input` with ``dY`` float32 or bfloat16 (read by the
+    kernel, widened while packing)."""
+    dY, y16 = _operand(dY)
+    dX = torch.empty((dY.shape[0], W.K), dtype=torch.float32)
+    rc = _lib().nm_colgrouped_grad_input_mixed(ctypes.byref(W), dY.shape[0], dY.data_ptr(),
+                                                 dY.stride(0) if W.N else 1, dX.data_ptr(), dX.stride(0) if W.K else 1,
+                                                 _kernel._threads(nthreads), y16)
+    _kernel._check(rc, "nm_colgrouped_grad_input_mixed")
+    return dX
+
+
+def colgrouped_grad_values_mixed(W: _kernel.NMColGrouped, dY: torch.Tensor, X: torch.Tensor,
+                                 nthreads: Optional[int] = None) -> torch.Tensor:
+    """:func:`sten_nm._kernel.colgrouped_grad_values` with ``dY`` and ``X`` each float32 or
+    bfloat16, read by the kernel."""
+    dY, y16 = _operand(dY)
+    X, x16 = _operand(X)
+    out = torch.empty((W.Nb, W.P, W.n, W.L), dtype=torch.float32)
+    rc = _lib().nm_colgrouped_grad_values_mixed(ctypes.byref(W), dY.shape[0], dY.data_ptr(),
+                                                  dY.stride(0) if W.N else 1, X.data_ptr(), X.stride(0) if W.K else 1,
+                                                  out.data_ptr(), _kernel._threads(nthreads), y16, x16)
+    _kernel._check(rc, "nm_colgrouped_grad_values_mixed")
+    return out

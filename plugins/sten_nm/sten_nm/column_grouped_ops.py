@@ -194,21 +194,28 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     x, w, bias = ctx.saved_tensors
     W = _layout(w)
     c = _compute_dtype(_out_dtype(x, W._values))
-    gy2 = _rows(grad_outputs[0]).to(c)
-    x2 = _rows(x).to(c)
+    gy_in, x_in = _rows(grad_outputs[0]), _rows(x)
     gx = gw = gb = None
     need_x, need_w = needs_grad(ctx, 0), needs_grad(ctx, 1)
 
     def kernels() -> tuple:
         # the layout's own C kernels (csrc/nm_colgrouped_bwd.h): per (row block, pattern),
         # gx[:, owned columns] += gy[:, pattern rows] @ values, and the values' gradient
-        # gy[:, pattern rows]ᵀ x[:, owned columns] at the kept positions only
+        # gy[:, pattern rows]ᵀ x[:, owned columns] at the kept positions only; bf16 gy / x
+        # read by the kernels (widened while packing), no float32 copies
         desc = W.desc()
-        gx = _kernel.colgrouped_grad_input(desc, gy2) if need_x else None
-        gv = _kernel.colgrouped_grad_values(desc, gy2, x2) if need_w and sparse_grad else None
+        bf16 = torch.bfloat16 in (gy_in.dtype, x_in.dtype)
+        gx = gv = None
+        if need_x:
+            gx = (_bf16x.colgrouped_grad_input_mixed(desc, gy_in) if gy_in.dtype == torch.bfloat16
+                  else _kernel.colgrouped_grad_input(desc, gy_in))
+        if need_w and sparse_grad:
+            gv = (_bf16x.colgrouped_grad_values_mixed(desc, gy_in, x_in) if bf16
+                  else _kernel.colgrouped_grad_values(desc, gy_in, x_in))
         return gx, gv
 
     def dense() -> tuple:
+        gy2, x2 = gy_in.to(c), x_in.to(c)
         # decompress + dense GEMMs (in torch much faster than the per-pattern products,
         # input_grad / values_grad, the reference the tests hold both paths to)
         with torch.autocast("cpu", enabled=False):
@@ -217,7 +224,7 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
         return gx, gv
 
     if c == torch.float32 and _kernel.available()[0]:
-        g, gv = _tuned_backward(W, gy2.shape[0], kernels, dense)
+        g, gv = _tuned_backward(W, gy_in.shape[0], kernels, dense, bf16=torch.bfloat16 in (gy_in.dtype, x_in.dtype))
     else:
         g, gv = dense()
     if need_x:
@@ -227,17 +234,19 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
             gw = SparseTensorWrapper(W.with_values(gv.to(W.dtype)))
         else:
             with torch.autocast("cpu", enabled=False):
-                gw = (gy2.t() @ x2).to(W.dtype)
+                gw = (gy_in.to(c).t() @ x_in.to(c)).to(W.dtype)
     if bias is not None and needs_grad(ctx, 2):
-        gb = gy2.sum(0).to(bias.dtype)
+        gb = gy_in.to(c).sum(0).to(bias.dtype)
     return gx, gw, gb
 
 
-def _tuned_backward(W: ColumnGroupedNMTensor, B: int, kernels: Any, dense: Any) -> tuple:
+def _tuned_backward(W: ColumnGroupedNMTensor, B: int, kernels: Any, dense: Any, bf16: bool = False) -> tuple:
     """The faster of the two backward paths on this machine (timed once, cached on disk,
-    ``STEN_NM_TUNE=0``: always the kernels); see :mod:`sten_nm.tuning`."""
+    ``STEN_NM_TUNE=0``: always the kernels); see :mod:`sten_nm.tuning`. bf16 gy / x (read as
+    bf16 by the kernels, widened by dense) have their own entry."""
     N, K = W.shape
-    k = tuning.key("cg_bwd", N, K, W.n, W.m, True, B, "float32", torch.get_num_threads(), _kernel.isa())
+    dt = "float32 gy=bfloat16" if bf16 else "float32"
+    k = tuning.key("cg_bwd", N, K, W.n, W.m, True, B, dt, torch.get_num_threads(), _kernel.isa())
     choice = tuning.pick(k, {tuning.KERNEL: kernels, tuning.DENSE: dense}, empty=B == 0)
     return kernels() if choice == tuning.KERNEL else dense()
 

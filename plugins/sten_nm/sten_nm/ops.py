@@ -71,9 +71,11 @@ def _bf16_weight(W: NMTensor, a_is_w: bool, round_to: Optional[torch.dtype] = No
 
 
 def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: bool,
-          round_to: Optional[torch.dtype] = None) -> torch.Tensor:
+          round_to: Optional[torch.dtype] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``x2 @ Weff^T (+ bias)`` in float32 (bf16 values widened in the kernel, fp32 accumulation;
-    bf16 ``x2`` widened while the kernel packs it, no float32 copy)."""
+    bf16 ``x2`` widened while the kernel packs it, no float32 copy); with bf16 ``x2`` and
+    ``out_dtype`` bf16 the result is bf16, rounded by the kernel's threads while in cache."""
+    out16 = out_dtype == torch.bfloat16 and x2.dtype == torch.bfloat16
     if _bf16_weight(W, a_is_w, round_to):
         from ._fp32 import kernel_values
 
@@ -82,7 +84,7 @@ def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: b
         if x2.dtype == torch.bfloat16:
             from ._bf16x import gather_bf16x
 
-            return gather_bf16x(_kernel.mat(v, W.indices, R, C, W.n, W.m), x2, bias)
+            return gather_bf16x(_kernel.mat(v, W.indices, R, C, W.n, W.m), x2, bias, out_bf16=out16)
         return _kernel.gather_bf16w(_kernel.mat(v, W.indices, R, C, W.n, W.m), x2, bias)
     if (round_to if round_to is not None else W._values.dtype) == torch.bfloat16:   # transposed product
         from ._bf16x import tgather_bf16w
@@ -96,7 +98,7 @@ def _x_at(W: NMTensor, x2: torch.Tensor, bias: Optional[torch.Tensor], a_is_w: b
     if a_is_w and x2.dtype == torch.bfloat16:
         from ._bf16x import gather_bf16x
 
-        return gather_bf16x(mat, x2, bias)
+        return gather_bf16x(mat, x2, bias, out_bf16=out16)
     return _kernel.gather(mat, x2, bias) if a_is_w else _kernel.tgather(mat, x2, bias)
 
 
@@ -111,21 +113,27 @@ def _bf16_mat(W: NMTensor) -> Optional[Any]:
 
 
 def _gy_w(W: NMTensor, gy2: torch.Tensor, a_is_w: bool) -> torch.Tensor:
-    """``gy2 @ Weff`` in float32 (gradient wrt the input; bf16 values widened in the kernel call)."""
-    m16 = _bf16_mat(W)
-    if m16 is not None:
-        from ._bf16x import tgather_bf16w
+    """``gy2 @ Weff`` in float32 (gradient wrt the input; bf16 values widened in the kernel call,
+    bf16 ``gy2`` widened while the kernel packs it: no float32 copy of either)."""
+    from ._bf16x import gather_bf16x, tgather_mixed
 
-        return tgather_bf16w(m16, gy2) if a_is_w else _kernel.gather_bf16w(m16, gy2)
-    mat = W.fp32().mat()
-    return _kernel.tgather(mat, gy2) if a_is_w else _kernel.gather(mat, gy2)
+    m16 = _bf16_mat(W)
+    mat = m16 if m16 is not None else W.fp32().mat()
+    if a_is_w:
+        return tgather_mixed(mat, gy2)
+    if gy2.dtype == torch.bfloat16:
+        return gather_bf16x(mat, gy2)
+    return _kernel.gather_bf16w(mat, gy2) if m16 is not None else _kernel.gather(mat, gy2)
 
 
 def _grad_values(W: NMTensor, x2: torch.Tensor, gy2: torch.Tensor, a_is_w: bool) -> torch.Tensor:
-    """Gradient of the stored values (``gy2^T x2`` at the kept positions only; reads no values)."""
+    """Gradient of the stored values (``gy2^T x2`` at the kept positions only; reads no values;
+    bf16 ``gy2`` / ``x2`` widened while the kernel packs them)."""
+    from ._bf16x import sddmm_mixed
+
     mat = _bf16_mat(W)
     mat = mat if mat is not None else W.fp32().mat()
-    return _kernel.sddmm(mat, gy2, x2) if a_is_w else _kernel.sddmm(mat, x2, gy2)
+    return sddmm_mixed(mat, gy2, x2) if a_is_w else sddmm_mixed(mat, x2, gy2)
 
 
 def _autocast_dtype(*ts: Optional[torch.Tensor]) -> Optional[torch.dtype]:
@@ -160,8 +168,9 @@ def _apply(x: torch.Tensor, W: NMTensor, bias: Optional[torch.Tensor], a_is_w: b
                 y = x2.float() @ (D.t() if a_is_w == (W.dim == 1) else D)
                 return y if bias is None else y + bias.float()
 
-        y2 = _tuned("fwd", W, x2.shape[0], a_is_w, lambda: _x_at(W, x2, bias, a_is_w, amp), dense,
-                    "bfloat16" if bf16 else "float32")
+        # bf16 x has its own tuning entry (the kernel reads it as bf16, dense widens it first)
+        y2 = _tuned("fwd", W, x2.shape[0], a_is_w, lambda: _x_at(W, x2, bias, a_is_w, amp, dtype), dense,
+                    ("bfloat16" if bf16 else "float32") + (" x=bfloat16" if x2.dtype == torch.bfloat16 else ""))
     return _result(y2, dtype).reshape(*x.shape[:-1], n_out)
 
 
@@ -254,7 +263,9 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, sa
                 D = W.fp32().to_dense()
                 return gy2.float() @ (D if linear else D.t())
 
-            g = _tuned("bwd_x", W, gy2.shape[0], a_is_w, lambda: _gy_w(W, gy2, a_is_w), dense)
+            dt = ("bfloat16" if W._values.dtype == torch.bfloat16 else "float32") + (
+                " gy=bfloat16" if gy2.dtype == torch.bfloat16 else "")
+            g = _tuned("bwd_x", W, gy2.shape[0], a_is_w, lambda: _gy_w(W, gy2, a_is_w), dense, dt)
         gx = g.to(x.dtype).reshape(x.shape)
     if needs_grad(ctx, 1):
         if sparse_grad:
@@ -329,10 +340,17 @@ def grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = 
         if bf16:   # bf16 values read in the kernel (no float32 copy of the weight)
             from ._fp32 import kernel_values
 
-            v = kernel_values(W, W._vals, amp)
-            y2 = _kernel.grouped_gather_bf16w(_kernel.grouped(v, W.indices, W.perm, N, K, W.n, W.m), x2, bias)
+            desc = _kernel.grouped(kernel_values(W, W._vals, amp), W.indices, W.perm, N, K, W.n, W.m)
         else:
-            y2 = _kernel.grouped_gather(W.desc(amp), x2, bias)
+            desc = W.desc(amp)
+        if x2.dtype == torch.bfloat16:   # bf16 x widened while the kernel packs it (no float32 copy)
+            from ._bf16x import grouped_gather_bf16x
+
+            y2 = grouped_gather_bf16x(desc, x2, bias, out_bf16=dtype == torch.bfloat16)
+        elif bf16:
+            y2 = _kernel.grouped_gather_bf16w(desc, x2, bias)
+        else:
+            y2 = _kernel.grouped_gather(desc, x2, bias)
     return _result(y2, dtype).reshape(*x.shape[:-1], N)
 
 
@@ -367,17 +385,17 @@ def _grouped_backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple
     x2 = _rows(x)
     gx = gw = gb = None
     if needs_grad(ctx, 0):
-        if G._vals.dtype == torch.bfloat16:   # bf16 values widened in the kernel call
-            from ._bf16x import grouped_tgather_bf16w
+        # bf16 values widened in the kernel call, bf16 gy2 while the kernel regroups it
+        from ._bf16x import grouped_tgather_mixed
 
-            gx2 = grouped_tgather_bf16w(_grouped_bf16_desc(G), gy2)
-        else:
-            gx2 = _kernel.grouped_tgather(G.desc(), gy2)
+        gx2 = grouped_tgather_mixed(_grouped_bf16_desc(G) if G._vals.dtype == torch.bfloat16 else G.desc(), gy2)
         gx = gx2.to(x.dtype).reshape(x.shape)
     if needs_grad(ctx, 1):
         if sparse_grad:   # reads no values: the bf16 descriptor as is
+            from ._bf16x import grouped_sddmm_mixed
+
             d = _grouped_bf16_desc(G) if G._vals.dtype == torch.bfloat16 else G.desc()
-            vals = _kernel.grouped_sddmm(d, gy2, x2)
+            vals = grouped_sddmm_mixed(d, gy2, x2)   # bf16 gy2 / x2 read by the kernel
             gw = SparseTensorWrapper(G.with_values(vals.to(G.dtype)))
         else:
             gw = (gy2.t() @ x2.to(gy2.dtype)).to(G.dtype)
