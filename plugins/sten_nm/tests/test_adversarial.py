@@ -244,6 +244,18 @@ def test_aliasing_operands(name):
     _close(torch.matmul(W, W.t()), d @ d.t())
 
 
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("sparse_grad", [True, False])
+def test_one_weight_in_several_products(name, sparse_grad):
+    """One trainable weight in three products, twice in one (``W @ W.t()``): its gradients add up."""
+    t = _layout(name, torch.randn(19, 41))
+    P, dr = _param(t, sparse_grad), t.to_dense().requires_grad_()
+    x1, x2 = torch.randn(5, 41), torch.randn(3, 2, 41)
+    for w in (P, dr):
+        (F.linear(x1, w).square().sum() + (x2 @ w.t()).sin().sum() + torch.matmul(w, w.t()).sum()).backward()
+    _close(_weight_grad(P), dr.grad * t.mask() if sparse_grad else dr.grad)
+
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
