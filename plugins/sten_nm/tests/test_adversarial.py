@@ -328,3 +328,31 @@ def test_sparse_weight_gradient_keeps_the_pattern_without_the_kernel():
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "STEN_NM_LIBRARY": "/nonexistent/libstennm.so"}, cwd=os.path.dirname(HERE))
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+@requires_kernel
+@pytest.mark.parametrize("name", ["nm", "paper"])   # the tuned layouts (the 16-row one has no choice)
+def test_tuning_fresh_cache_then_foreign_choices(name, monkeypatch, tmp_path):
+    """Tuning on with a fresh cache file: forward and backward equal dense; a cache whose
+    choices name no candidate of this version (hand-edited, another version's names) is
+    re-tuned, not a crash (was: ``KeyError`` in the paper format's forward)."""
+    import json
+
+    from sten_nm import tuning
+
+    path = tmp_path / "fresh" / "tuning.json"
+    monkeypatch.setenv("STEN_NM_TUNE", "1")
+    monkeypatch.setenv("STEN_NM_TUNE_CACHE", str(path))
+    tuning.forget()
+    try:
+        t = _layout(name, torch.randn(40, 64))
+        _check_fwd_bwd(t, torch.randn(20, 64))
+        table = json.loads(path.read_text())
+        assert table
+        tuning.forget()
+        path.write_text(json.dumps({k: {**v, "choice": "bogus"} for k, v in table.items()}))
+        monkeypatch.setattr(tuning, "_loaded_from", None)   # read the file again
+        _check_fwd_bwd(t, torch.randn(20, 64))
+        assert all(v["choice"] != "bogus" for v in tuning.choices().values())
+    finally:
+        tuning.forget()
