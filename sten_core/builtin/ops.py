@@ -29,11 +29,13 @@ T = torch.Tensor
 
 
 def _amp(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """Cast float tensors to the autocast dtype when CPU autocast is on."""
+    """Cast float tensors to the autocast dtype when CPU autocast is on (float64 ones stay, as
+    autocast leaves them)."""
     if not torch.is_autocast_enabled("cpu"):
         return list(tensors)
     dtype = torch.get_autocast_dtype("cpu")
-    return [t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors]
+    return [t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+            for t in tensors]
 
 
 def _sparse(w: SparseTensorWrapper, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -55,10 +57,15 @@ def _sparse_times(w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     return torch.sparse.mm(w, dense)
 
 
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a matrix of its last dimension's rows (``reshape(-1, k)`` fails on 0 elements)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
     x, w, bias = (list(inputs) + [None])[:3]
     x, bias = _amp(x, bias)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = _as_rows(x)
     y = _sparse_times(_sparse(w, x2.dtype), x2.t()).t()
     if bias is not None:
         y = y + bias
@@ -92,8 +99,8 @@ def linear_bwd(sparse_weight_grad: bool) -> Callable:
     def impl(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
         x, w = ctx.saved_tensors
         (g,) = grad_outputs
-        g2 = g.reshape(-1, g.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1]).to(g2.dtype)
+        g2 = _as_rows(g)
+        x2 = _as_rows(x).to(g2.dtype)
         needs = ctx.needs_input_grad + (True,) * 3
         grad_x = _sparse_times(_sparse(w, g2.dtype).t(), g2.t()).t().reshape(x.shape) if needs[0] else None
         grad_w = _weight_grad(w, g2, x2, sparse_weight_grad) if needs[1] else None
@@ -163,12 +170,12 @@ def linear_sparse_sparse_bwd(sparse_weight_grad: bool) -> Callable:
         x, w = ctx.saved_tensors
         (g,) = grad_outputs
         g = densify_any(g)
-        g2 = g.reshape(-1, g.shape[-1])
+        g2 = _as_rows(g)
         needs = ctx.needs_input_grad + (True,) * 3
         grad_x = torch.sparse.mm(_coo(w, g.dtype).t().coalesce(), g2.t()).t().reshape(x.shape) if needs[0] else None
         grad_w = None
         if needs[1]:
-            x_dense = densify_any(x).to(g.dtype).reshape(-1, x.shape[-1])
+            x_dense = _as_rows(densify_any(x).to(g.dtype))
             grad_w = _weight_grad(w, g2, x_dense, sparse_weight_grad)
         grad_b = g2.sum(0) if len(ctx.inputs) > 2 and ctx.inputs[2] is not None and needs[2] else None
         return grad_x, grad_w, grad_b
@@ -205,7 +212,7 @@ def mm_dense_sparse_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> tor
     _check_mm(ctx, a, b)
     (a,) = _amp(a)
     ctx.save_for_backward(a, b)
-    a2 = a.reshape(-1, a.shape[-1])
+    a2 = _as_rows(a)
     y = _sparse_times(_sparse(b, a.dtype).t(), a2.t()).t()
     return y.reshape(*a.shape[:-1], b.shape[1])
 
@@ -213,8 +220,8 @@ def mm_dense_sparse_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> tor
 def mm_dense_sparse_bwd(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
     a, b = ctx.saved_tensors
     (g,) = grad_outputs
-    g2 = g.reshape(-1, b.shape[1])
-    a2 = a.reshape(-1, a.shape[-1]).to(g.dtype)
+    g2 = _as_rows(g)
+    a2 = _as_rows(a).to(g.dtype)
     grad_a = _sparse_times(_sparse(b, g.dtype), g2.t()).t().reshape(a.shape)
     grad_b = a2.t() @ g2
     return grad_a, grad_b

@@ -17,7 +17,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from sten_core.dispatch.call import _Call, grad_spec
-from sten_core.dispatch.sparsifier_dispatch import apply_spec
+from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
 from sten_core.model.layouts import to_dense_tensor
 from sten_core.model.spec import DENSE, OutputSpec
 from sten_core.model.tensor import WRAPPER_TYPES, SparseTensorWrapper, densify
@@ -54,12 +54,12 @@ class _Densify(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx: Any, wrapper: SparseTensorWrapper) -> torch.Tensor:
-        fctx.spec = grad_spec(wrapper)
+        fctx.spec, fctx.wrapper = grad_spec(wrapper), wrapper
         return to_dense_tensor(wrapper.wrapped_tensor).detach()
 
     @staticmethod
     def backward(fctx: Any, grad: torch.Tensor) -> Any:
-        return apply_spec(grad, fctx.spec)
+        return apply_grad_spec(grad, fctx.spec, fctx.wrapper)
 
 
 class _Sparsify(torch.autograd.Function):

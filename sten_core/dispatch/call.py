@@ -20,7 +20,7 @@ from sten_core.dispatch.conversions import wrap
 from sten_core.dispatch.errors import report_missing
 from sten_core.dispatch.observers import active, notify
 from sten_core.dispatch.plan import Plan, PlanKind, is_inplace, plan_for
-from sten_core.dispatch.sparsifier_dispatch import apply_spec
+from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
 from sten_core.model.registry import OpKey, trim
 from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.spec import DENSE, OutputSpec
@@ -293,7 +293,7 @@ class _Call:
             out = []
             for k, g in enumerate(by_slot):
                 pos = next(p for p, s in slot_of.items() if s == k)
-                out.append(None if g is None else apply_spec(g, grad_specs[pos]))
+                out.append(None if g is None else apply_grad_spec(g, grad_specs[pos], self.bound[pos]))
             return tuple(out)
         ctx = self.ctx or OpContext(self.op, detach_at(self.bound, self.positions))
         ctx.needs_input_grad = tuple(i in slot_of and needs[slot_of[i]] for i in range(len(self.bound)))

@@ -151,6 +151,30 @@ def apply_spec(value: Any, spec: OutputSpec, inline_done: bool = False) -> Any:
     return apply_sparsifier(spec.external_sparsifier, value, spec.out_format, None, layout)
 
 
+def apply_grad_spec(grad: Any, spec: OutputSpec, value: Any) -> Any:
+    """A dense gradient of ``value`` through its ``grad_fmt`` ``spec``; for a sparse ``value``
+    whose ``grad_fmt`` keeps its layout (``(KeepAll(), L, KeepAll(), L)`` for its own layout
+    ``L``: the values' gradient at its pattern, as a registered sparse-gradient backward gives
+    it) the gradient at ``value``'s positions, not re-sparsified into a new pattern of ``L``
+    (which for n:m layouts picks the gradient's largest entries). Used where a backward ran
+    densely (the dense fallback, ``SparseTensorWrapper`` densified for a dense operator).
+
+    >>> import torch, sten_core as sten
+    >>> w = sten.SparseTensorWrapper(sten.sparsify(sten.KeepAll(), torch.eye(2), sten.CsrTensor).wrapped_tensor,
+    ...                              grad_fmt=(sten.KeepAll(), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor))
+    >>> g = apply_grad_spec(torch.ones(2, 2), OutputSpec.coerce(w.grad_fmt, "grad_fmt"), w)
+    >>> g.to_dense()
+    tensor([[1., 0.],
+            [0., 1.]])
+    """
+    if isinstance(value, SparseTensorWrapper) and type(grad) in DENSE_TYPES:
+        layout = type(value.wrapped_tensor)
+        if (spec.out_format is layout and spec.tmp_format is layout and isinstance(spec.inline_sparsifier, KeepAll)
+                and isinstance(spec.external_sparsifier, KeepAll)):
+            return apply_sparsifier(SameFormatSparsifier(value), grad, layout)
+    return apply_spec(grad, spec)
+
+
 _plans: dict[OpKey, tuple] = {}
 _sparsifier_plans: dict[tuple, tuple] = {}  # (sparsifier class, layout, out format) → (kind, impl)
 registry.on_change(_plans.clear)

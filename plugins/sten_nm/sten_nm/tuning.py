@@ -142,9 +142,11 @@ def _clear(best_times: dict[str, float]) -> bool:
 
 
 def choose(k: str, candidates: dict[str, Callable[[], object]], reps: int = 3) -> str:
-    """The cached choice for ``k``, else time the candidates (interleaved) and cache the fastest."""
+    """The cached choice for ``k`` (when it names one of ``candidates``: a hand-edited file or
+    another version's names are re-tuned), else time the candidates (interleaved) and cache
+    the fastest."""
     table = _load()
-    if k in table:
+    if k in table and table[k]["choice"] in candidates:
         return table[k]["choice"]
     times: dict[str, list[float]] = {name: [] for name in candidates}
     rounds = 0
@@ -201,7 +203,7 @@ def pick(k: str, candidates: dict[str, Callable[[], object]], empty: bool = Fals
         if observing():
             note(f"sten_nm {k}: " + (f"empty batch: {default}" if empty else status(k)))
         return default
-    was_cached = k in _load()
+    was_cached = _load().get(k, {}).get("choice") in candidates
     choice = choose(k, candidates, reps=reps)
     if observing():
         entry = _load().get(k, {})
