@@ -347,10 +347,11 @@ def test_tuning_fresh_cache_then_foreign_choices(name, monkeypatch, tmp_path):
     try:
         t = _layout(name, torch.randn(40, 64))
         _check_fwd_bwd(t, torch.randn(20, 64))
-        table = json.loads(path.read_text())
-        assert table
+        saved = json.loads(path.read_text())
+        assert saved["choices"] and saved["build"] == tuning.build()
         tuning.forget()
-        path.write_text(json.dumps({k: {**v, "choice": "bogus"} for k, v in table.items()}))
+        saved["choices"] = {k: {**v, "choice": "bogus"} for k, v in saved["choices"].items()}
+        path.write_text(json.dumps(saved))
         monkeypatch.setattr(tuning, "_loaded_from", None)   # read the file again
         _check_fwd_bwd(t, torch.randn(20, 64))
         assert all(v["choice"] != "bogus" for v in tuning.choices().values())
