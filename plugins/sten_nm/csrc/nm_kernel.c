@@ -1057,7 +1057,13 @@ static void cg_variant(const nm_colgrouped *W, int variant, int64_t bch, int64_t
 {
     if (variant == NM_CG_TILED) {
         *kt = cg_tile_bytes() / ((int64_t)W->P * bch * 4);
-        if (*kt < 8) *kt = 8;   /* the accumulators' flush amortised over >= 8 slots */
+        /* whole blocks of NM_CG_KT_BLOCK slots: the unrolled pass kernel, and with g = 16 (the
+         * default) tiles of whole chunks (a tile that splits a chunk touches every x column of
+         * the chunk across the row blocks anyway); nearest multiple, ties down, at least one
+         * (768x3072, 1 thread, AVX-512: 2:4 26 -> 32 slots, 1:4 40 -> 32, 2:8 5 -> 16: 3-14 %
+         * faster) */
+        *kt = (*kt + NM_CG_KT_BLOCK / 2 - 1) / NM_CG_KT_BLOCK * NM_CG_KT_BLOCK;
+        if (*kt < NM_CG_KT_BLOCK) *kt = NM_CG_KT_BLOCK;
         *qb = env_int("STEN_NM_CG_ACC_BYTES", 256 * 1024) / ((int64_t)W->m * bch * 4);
         if (*qb < 1) *qb = 1;
         /* enough units for the threads (small batches: a single batch chunk) */
@@ -1079,10 +1085,19 @@ static void cg_variant(const nm_colgrouped *W, int variant, int64_t bch, int64_t
  * 4.7x -> 5.2x at 2); with n >= 2 every x vector already feeds n rows and 2:4 was slower; a
  * larger panel (K = 3072: 1.5 MiB) streams from L3 and was slower.
  * STEN_NM_CG_NVI = 1..4 forces 2^(nvi-1) vectors (experiments, tests). */
-static int cg_choose_nv(int64_t B, int64_t Kp, int n, int vw, int *nvi)
+static int cg_choose_nv(const nm_colgrouped *W, int64_t B, int variant, int vw, int *nvi)
 {
     int nv = choose_nv(B, vw, nvi);
-    if (vw >= 16 && n == 1 && nv == 4 && B >= 128 && Kp * 8 * vw * 4 <= l2_bytes() / 2) { nv = 8; *nvi = 3; }
+    const int64_t Kp = (int64_t)W->P * W->L;
+    /* tiled: only where a block of NM_CG_KT_BLOCK slots of 8-vector x columns fits the L1 tile
+     * (3072x768 1:10, 1 thread: 8 vectors with 16-slot tiles of 80 KiB 5.4-5.8 ms, 4 vectors
+     * 5.05 ms; 1:4, 32 KiB, stays at 8: 8.85 vs 9.0 ms) */
+    const int fits = variant != NM_CG_TILED ||
+                     (int64_t)W->P * NM_CG_KT_BLOCK * 8 * vw * 4 <= cg_tile_bytes();
+    if (vw >= 16 && W->n == 1 && nv == 4 && B >= 128 && Kp * 8 * vw * 4 <= l2_bytes() / 2 && fits) {
+        nv = 8;
+        *nvi = 3;
+    }
     if (getenv("STEN_NM_CG_NVI")) {
         const int64_t e = env_int("STEN_NM_CG_NVI", 1) - 1;
         *nvi = e > 3 ? 3 : (int)e;
@@ -1124,13 +1139,13 @@ int nm_colgrouped_gather_variant_f32(const nm_colgrouped *W, int64_t B, const fl
     if (cg_check_tables(W, 0)) return -1;
     const nm_isa_table *T = table();
     const int64_t Kp = (int64_t)W->P * W->L;
-    int nvi; const int64_t bch = (int64_t)cg_choose_nv(B, Kp, W->n, T->vw, &nvi) * T->vw;
+    if (variant == NM_CG_AUTO) variant = (int)env_int("STEN_NM_CG_VARIANT", NM_CG_STREAM);
+    int nvi; const int64_t bch = (int64_t)cg_choose_nv(W, B, variant, T->vw, &nvi) * T->vw;
     const int nth = clamp_threads(nthreads, 2.0 * B * W->Nb * W->n * Kp, W->Nb);
     const int64_t nbc = (B + bch - 1) / bch;
     float *xp = (float *)scratch_take((size_t)(nbc * Kp * bch) * sizeof(float));
     int *packed = (int *)calloc((size_t)nbc, sizeof(int));
     if (!xp || !packed) { scratch_give(xp); free(packed); return -3; }
-    if (variant == NM_CG_AUTO) variant = (int)env_int("STEN_NM_CG_VARIANT", NM_CG_STREAM);
     int64_t kt, qb; int in_l1;
     cg_variant(W, variant, bch, nbc, nth, &kt, &qb, &in_l1);
     cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, qb, in_l1, T->cgg[nvi], 0, 0, X, ldx, packed,
@@ -1200,10 +1215,10 @@ int64_t nm_colgrouped_tile_kt(const nm_colgrouped *W, int64_t B, int nthreads, i
     if (W->N == 0 || W->K == 0 || W->L == 0) return -1;
     const nm_isa_table *T = table();
     const int64_t Kp = (int64_t)W->P * W->L;
-    int nvi; const int64_t bch = (int64_t)cg_choose_nv(B, Kp, W->n, T->vw, &nvi) * T->vw;
+    if (variant == NM_CG_AUTO) variant = (int)env_int("STEN_NM_CG_VARIANT", NM_CG_STREAM);
+    int nvi; const int64_t bch = (int64_t)cg_choose_nv(W, B, variant, T->vw, &nvi) * T->vw;
     const int nth = clamp_threads(nthreads, 2.0 * B * W->Nb * W->n * Kp, W->Nb);
     const int64_t nbc = (B + bch - 1) / bch;
-    if (variant == NM_CG_AUTO) variant = (int)env_int("STEN_NM_CG_VARIANT", NM_CG_STREAM);
     int64_t kt, qb; int in_l1;
     cg_variant(W, variant, bch, nbc, nth, &kt, &qb, &in_l1);
     return kt;
