@@ -68,6 +68,8 @@ typedef void (*nm_gtgather_fn)(const float *wv, const int32_t *cols, int64_t gn,
 /* W->tiles holds this pass's tile (t0 a multiple of W->tile_kt): int16 columns relative to
  * the tile's base, values and columns streamed contiguously */
 #define NM_CG_TILES 4
+/* slots per block of the unrolled pass kernel (nm_colgrouped.h); tiled passes are multiples */
+#define NM_CG_KT_BLOCK 16
 
 /* tile-major packed form: header bytes (one int32 per tile, 64-byte multiple) and record
  * bytes for w slots (n*w floats, w int16 padded to 4 bytes) */

@@ -17,11 +17,14 @@ from sten_nm._cg_tiles import with_tiles
 from conftest import requires_kernel
 
 PATTERNS = [(1, 2), (2, 4), (1, 4), (3, 4), (2, 8), (1, 10)]
-# (variant, environment): default tiles, 1-slot tiles, 8-slot tiles with single-row-block units,
-# 8 vectors per batch chunk, and the stream order (one tile of every slot)
+# (variant, environment): default tiles (multiples of 16 slots: the unrolled pass kernel),
+# 1-slot tiles, the smallest default tile (16 slots) with single-row-block units, 8 vectors
+# per batch chunk, 48-slot tiles (three unrolled blocks per pass), full tiles through the
+# general slot loop (STEN_NM_CG_KFIX=0), and the stream order (one tile of every slot)
 VARIANTS = [("tiled", {}), ("tiled", {"STEN_NM_CG_KT": "1", "STEN_NM_CG_QB": "3"}),
             ("tiled", {"STEN_NM_CG_TILE_BYTES": "1", "STEN_NM_CG_ACC_BYTES": "1"}),
-            ("tiled", {"STEN_NM_CG_NVI": "4"}), ("stream", {})]
+            ("tiled", {"STEN_NM_CG_NVI": "4"}), ("tiled", {"STEN_NM_CG_KT": "48"}),
+            ("tiled", {"STEN_NM_CG_KFIX": "0"}), ("stream", {})]
 
 
 @functools.lru_cache(maxsize=None)
