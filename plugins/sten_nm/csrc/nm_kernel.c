@@ -242,6 +242,28 @@ static inline void transpose4(const float *x, int64_t ldx, float *d, int64_t ldd
 
 #ifdef STEN_NM_X86
 #include <immintrin.h>
+/* d[j * ldd + i] = r[i][j] for i, j < 8: an AVX 8 x 8 transpose (three shuffle stages). */
+__attribute__((target("avx2"), always_inline)) static inline void store_transposed8(const __m256 r[8], float *d,
+                                                                                    int64_t ldd)
+{
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(d, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(d + ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(d + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(d + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(d + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(d + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(d + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(d + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
 /* pack_panel's whole-chunk case with AVX 8 x 8 transposes (bch % 8 == 0; only where the
  * AVX2 or AVX-512 table runs): blocks of 16 columns from c0 while they fit below cend;
  * returns the first column left (for the 4 x 4 / scalar code). Three shuffle stages per 64
@@ -259,28 +281,35 @@ __attribute__((target("avx2"))) static int64_t pack_panel_avx8(const float *X, i
             if (c + 48 <= cend)
                 for (int r = 0; r < 8; r++) __builtin_prefetch(x + r * ldx + 32);
             for (int h = 0; h < 16; h += 8) {
-                const float *xh = x + h;
-                const __m256 r0 = _mm256_loadu_ps(xh), r1 = _mm256_loadu_ps(xh + ldx);
-                const __m256 r2 = _mm256_loadu_ps(xh + 2 * ldx), r3 = _mm256_loadu_ps(xh + 3 * ldx);
-                const __m256 r4 = _mm256_loadu_ps(xh + 4 * ldx), r5 = _mm256_loadu_ps(xh + 5 * ldx);
-                const __m256 r6 = _mm256_loadu_ps(xh + 6 * ldx), r7 = _mm256_loadu_ps(xh + 7 * ldx);
-                const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-                const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-                const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-                const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-                const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-                const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-                const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-                const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-                float *d = dst + (c + h - c0) * bch + bi;
-                _mm256_storeu_ps(d, _mm256_permute2f128_ps(u0, u4, 0x20));
-                _mm256_storeu_ps(d + bch, _mm256_permute2f128_ps(u1, u5, 0x20));
-                _mm256_storeu_ps(d + 2 * bch, _mm256_permute2f128_ps(u2, u6, 0x20));
-                _mm256_storeu_ps(d + 3 * bch, _mm256_permute2f128_ps(u3, u7, 0x20));
-                _mm256_storeu_ps(d + 4 * bch, _mm256_permute2f128_ps(u0, u4, 0x31));
-                _mm256_storeu_ps(d + 5 * bch, _mm256_permute2f128_ps(u1, u5, 0x31));
-                _mm256_storeu_ps(d + 6 * bch, _mm256_permute2f128_ps(u2, u6, 0x31));
-                _mm256_storeu_ps(d + 7 * bch, _mm256_permute2f128_ps(u3, u7, 0x31));
+                __m256 r[8];
+                for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(x + i * ldx + h);
+                store_transposed8(r, dst + (c + h - c0) * bch + bi, bch);
+            }
+        }
+    return c;
+}
+
+/* pack_panel_avx8 on bfloat16 bits (nm_bf16_pack.h), each row's 8 columns widened in
+ * registers (zero-extend, shift into the high half: exact) on their way into the transpose:
+ * one pass that reads half the bytes, instead of widening into a tile and transposing that
+ * (the exact forward with bf16 x at 768x3072 1:10 ran 0.90x its float32 time with the tile). */
+__attribute__((target("avx2"))) static int64_t pack_panel_bf16_avx8(const uint16_t *X, int64_t ldx, int64_t b0,
+                                                                     int64_t bch, int64_t c0, int64_t cend,
+                                                                     float *dst)
+{
+    int64_t c = c0;
+    for (; c + 16 <= cend; c += 16)
+        for (int64_t bi = 0; bi < bch; bi += 8) {
+            const uint16_t *x = X + (b0 + bi) * ldx + c;
+            if (c + 80 <= cend)
+                for (int r = 0; r < 8; r++) __builtin_prefetch(x + r * ldx + 64);
+            for (int h = 0; h < 16; h += 8) {
+                __m256 r[8];
+                for (int i = 0; i < 8; i++) {
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(x + i * ldx + h));
+                    r[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+                }
+                store_transposed8(r, dst + (c + h - c0) * bch + bi, bch);
             }
         }
     return c;

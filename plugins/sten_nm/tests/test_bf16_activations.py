@@ -76,9 +76,9 @@ def test_float32_values_with_bf16_x(path):
 
 def test_strided_and_offset_x(path):
     """x a view (row stride > K, odd element offset): read as given."""
-    t = ColumnGroupedNMTensor.from_dense(torch.randn(16, 30).bfloat16(), 1, 4)
-    big = torch.randn(70, 41).bfloat16()
-    x = big[3:68, 7:37]
+    t = ColumnGroupedNMTensor.from_dense(torch.randn(16, 60).bfloat16(), 1, 4)
+    big = torch.randn(150, 71).bfloat16()
+    x = big[3:143, 7:67]   # whole batch chunks too (packed widened in registers)
     torch.testing.assert_close(_bf16x.colgrouped_gather_bf16x(t.desc(), x), _ref(x, t), rtol=1e-5, atol=1e-4)
 
 

@@ -47,9 +47,9 @@ def test_kernel_same_bits_as_widened_x(isa, vdtype, n, m, B):
 def test_strided_and_odd_offset_views(isa, vdtype):
     N, K = 29, 67
     t = NMTensor.from_dense(torch.randn(N, K).to(vdtype), 2, 4)
-    big = torch.randn(41, K + 9).bfloat16()
+    big = torch.randn(141, K + 9).bfloat16()   # whole batch chunks too (packed widened in registers)
     views = [big[:, 1:K + 1],                 # odd 2-byte offset, row stride K + 9
-             big[3:40:2, 5:K + 5],            # every other row
+             big[3:140:2, 5:K + 5],           # every other row
              torch.randn(K, 23).bfloat16().t()]  # column stride != 1: copied
     for xv in views:
         assert torch.equal(_bf16x.gather_bf16x(_desc(t), xv), _old_path(xv.contiguous(), t))
