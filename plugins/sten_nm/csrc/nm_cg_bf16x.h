@@ -12,12 +12,13 @@
  *    and half the x bytes of the float32 kernel. The unpacks work within 128-bit lanes: the
  *    accumulators hold the batch rows in their order, put back with one permute per 16 rows
  *    when a pattern's rows are written (once per L slots).
- *  - widen (every ISA, and fp32 values): x widened to float32 while packing the panel (no
- *    float32 copy of x in torch), then the ISA's float32 column-grouped kernel.
+ *    The loop order is the stream one (units of 8 row blocks x one batch chunk, every slot
+ *    per pass, x columns prefetched ahead).
+ *  - widen (every ISA, and fp32 values): the float32 driver (cg_gather_driver) in either
+ *    loop order, x widened to float32 while each batch chunk's panel is packed (no float32
+ *    copy of x in torch), on the tile-major packed weight where it has one.
  *
- * The loop order is the stream one (units of 8 row blocks x one batch chunk, every slot per
- * pass, x columns prefetched ahead). STEN_NM_BF16_DOT=0 (or nm_set_bf16_dot(0)) turns the
- * dot path off. */
+ * STEN_NM_BF16_DOT=0 (or nm_set_bf16_dot(0)) turns the dot path off. */
 #ifdef STEN_NM_X86
 #include <immintrin.h>
 #endif
@@ -61,27 +62,22 @@ int nm_bf16_dot(void)
 }
 
 typedef struct {
-    const nm_colgrouped *W; const uint16_t *X; int64_t ldx, B, Kp, bch, nbc; int dot;
-    void *xp; float *Y; int64_t ldy; const float *bias; nm_cgg_fn fn; int err; int64_t next;
+    const nm_colgrouped *W; const uint16_t *X; int64_t ldx, B, Kp, bch, nbc;
+    void *xp; float *Y; int64_t ldy; const float *bias; int err; int64_t next;
 } cgx_args;
 
 #define CGX_PC NM_BF16_PC   /* panel columns per packing unit (the rows' segments stay in L1) */
 
-/* Panel of batch chunk bc, columns [c0, c0 + CGX_PC) (fewer at Kp): float32 or bf16 bits
- * [c][bch], zero past B or K. The float32 panel is pack_panel_bf16's (nm_bf16_pack.h: the
- * rows' segments widened into tile, then transposed into f, or straight into the panel);
- * for the dot panel the high halves of f are kept. */
+/* bf16 panel of batch chunk bc, columns [c0, c0 + CGX_PC) (fewer at Kp): bits [c][bch], zero
+ * past B or K: pack_panel_bf16's float32 panel (nm_bf16_pack.h) in f, its high halves kept. */
 static void cgx_pack(const cgx_args *a, int64_t bc, int64_t c0, float *tile, float *f)
 {
     const int64_t bch = a->bch;
     const int64_t c1 = c0 + CGX_PC < a->Kp ? c0 + CGX_PC : a->Kp;
-    float *dst = a->dot ? f : (float *)a->xp + (bc * a->Kp + c0) * bch;
-    pack_panel_bf16(a->X, a->ldx, a->B, a->W->K, bc * bch, bch, c0, c1, tile, dst);
-    if (a->dot) {
-        uint16_t *restrict d = (uint16_t *)a->xp + (bc * a->Kp + c0) * bch;
-        const uint32_t *restrict s = (const uint32_t *)f;
-        for (int64_t i = 0; i < (c1 - c0) * bch; i++) d[i] = (uint16_t)(s[i] >> 16);
-    }
+    pack_panel_bf16(a->X, a->ldx, a->B, a->W->K, bc * bch, bch, c0, c1, tile, f);
+    uint16_t *restrict d = (uint16_t *)a->xp + (bc * a->Kp + c0) * bch;
+    const uint32_t *restrict s = (const uint32_t *)f;
+    for (int64_t i = 0; i < (c1 - c0) * bch; i++) d[i] = (uint16_t)(s[i] >> 16);
 }
 
 static void cgx_pack_task(void *p, int tid, int nth)
@@ -234,49 +230,57 @@ static void cgx_task(void *p, int tid, int nth)
     const nm_colgrouped *W = a->W;
     (void)tid; (void)nth;
     const int64_t nq = (W->Nb + CGX_QB - 1) / CGX_QB;
-    float *ytmp = NULL, *wbuf = NULL;
+    float *ytmp = NULL;
     for (int64_t u; (u = next_unit(&a->next)) < a->nbc * nq;) {
-        if (!ytmp) {
-            ytmp = (float *)alloc64((size_t)(CGX_QB * W->m * a->bch) * sizeof(float));
-            wbuf = (float *)alloc64((size_t)(W->n * W->L) * sizeof(float));
-            if (!ytmp || !wbuf) { free(ytmp); free(wbuf); a->err = -3; return; }
+        if (!ytmp && !(ytmp = (float *)alloc64((size_t)(CGX_QB * W->m * a->bch) * sizeof(float)))) {
+            a->err = -3;
+            return;
         }
         const int64_t bc = u / nq, qa = (u % nq) * CGX_QB, qe = qa + CGX_QB < W->Nb ? qa + CGX_QB : W->Nb;
-        if (a->dot) {
-#ifdef STEN_NM_X86
-            cgx_dot_blocks(W, (const uint16_t *)a->xp + bc * a->Kp * a->bch, a->bch, qa, qe, ytmp);
+#ifdef STEN_NM_X86   /* the dot path runs only there (nm_bf16_dot) */
+        cgx_dot_blocks(W, (const uint16_t *)a->xp + bc * a->Kp * a->bch, a->bch, qa, qe, ytmp);
 #endif
-        } else {
-            a->fn(W, (const float *)a->xp + bc * a->Kp * a->bch, qa, qe, 0, W->L, ytmp, NM_CG_FIRST, wbuf);
-        }
         cg_store_unit(W, ytmp, a->B, a->bch, bc, qa, qe, a->Y, a->ldy, a->bias);
     }
     free(ytmp);
-    free(wbuf);
 }
 
-int nm_colgrouped_gather_bf16x(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx,
-                               float *Y, int64_t ldy, const float *bias, int nthreads)
+/* The dot path's driver: the bf16 panel packed in one parallel region, then the units. */
+static int cgx_dot_driver(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx, float *Y, int64_t ldy,
+                          const float *bias, int nthreads)
 {
-    if (cg_check_shape(W) || B < 0) return -1;
-    if (B == 0 || W->N == 0) return 0;
-    if (W->K == 0 || W->L == 0) {
-        fill_with_bias(Y, B, W->N, ldy, bias);
-        return 0;
-    }
-    if (cg_check_tables(W, 1)) return -1;
-    const nm_isa_table *T = table();
-    const int dot = W->vtype == NM_BF16 && nm_bf16_dot();
-    int nvi; int64_t bch = (int64_t)choose_nv(B, T->vw, &nvi) * T->vw;
-    if (dot) bch = B > 32 ? 64 : 32;
+    const int64_t bch = B > 32 ? 64 : 32;
     const int64_t Kp = (int64_t)W->P * W->L, nbc = (B + bch - 1) / bch;
     const int nth = clamp_threads(nthreads, 2.0 * B * W->Nb * W->n * Kp, W->Nb);
-    void *xp = alloc64((size_t)(nbc * Kp * bch) * (dot ? 2 : 4));
+    void *xp = alloc64((size_t)(nbc * Kp * bch) * 2);
     if (!xp) return -3;
-    cgx_args a = {W, X, ldx, B, Kp, bch, nbc, dot, xp, Y, ldy, bias, T->cgg[nvi], 0, 0};
+    cgx_args a = {W, X, ldx, B, Kp, bch, nbc, xp, Y, ldy, bias, 0, 0};
     run_parallel(nth, cgx_pack_task, &a);
     a.next = 0;
     run_parallel(nth, cgx_task, &a);
     free(xp);
     return a.err;
+}
+
+/* bf16 x: the dot path where it runs (bf16 values, nm_bf16_dot; its own stream order, the
+ * variant ignored), else x widened into the float32 driver's panel in the variant's loop
+ * order (NM_CG_AUTO: STEN_NM_CG_VARIANT, else stream). */
+int nm_colgrouped_gather_bf16x_variant(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                                       float *Y, int64_t ldy, const float *bias, int nthreads, int variant)
+{
+    if (cg_check_shape(W) || B < 0 || variant < NM_CG_AUTO || variant > NM_CG_TILED) return -1;
+    if (B == 0 || W->N == 0) return 0;
+    if (W->K == 0 || W->L == 0) {
+        fill_with_bias(Y, B, W->N, ldy, bias);
+        return 0;
+    }
+    if (W->vtype == NM_BF16 && nm_bf16_dot())
+        return cg_check_tables(W, 1) ? -1 : cgx_dot_driver(W, B, X, ldx, Y, ldy, bias, nthreads);
+    return cg_gather_driver(W, B, X, 1, ldx, Y, ldy, bias, nthreads, variant, 1);
+}
+
+int nm_colgrouped_gather_bf16x(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                               float *Y, int64_t ldy, const float *bias, int nthreads)
+{
+    return nm_colgrouped_gather_bf16x_variant(W, B, X, ldx, Y, ldy, bias, nthreads, NM_CG_AUTO);
 }

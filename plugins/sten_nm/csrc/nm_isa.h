@@ -72,9 +72,14 @@ typedef void (*nm_gtgather_fn)(const float *wv, const int32_t *cols, int64_t gn,
 #define NM_CG_KT_BLOCK 16
 
 /* tile-major packed form: header bytes (one int32 per tile, 64-byte multiple) and record
- * bytes for w slots (n*w floats, w int16 padded to 4 bytes) */
+ * bytes for w slots (n*w values of vb bytes, 4 for float32 and 2 for bf16, then w int16; each
+ * part padded to 4 bytes) */
 static inline int64_t nm_cg_tiles_header(int64_t ntiles) { return (ntiles * 4 + 63) / 64 * 64; }
-static inline int64_t nm_cg_tile_record(int n, int64_t w) { return (int64_t)n * w * 4 + (2 * w + 3) / 4 * 4; }
+static inline int64_t nm_cg_tile_values(int n, int64_t w, int vb) { return ((int64_t)n * w * vb + 3) / 4 * 4; }
+static inline int64_t nm_cg_tile_record(int n, int64_t w, int vb)
+{
+    return nm_cg_tile_values(n, w, vb) + (2 * w + 3) / 4 * 4;
+}
 typedef void (*nm_cgg_fn)(const nm_colgrouped *W, const float *panel, int64_t q0, int64_t q1,
                           int64_t t0, int64_t t1, float *ytmp, int flags, float *wbuf);
 

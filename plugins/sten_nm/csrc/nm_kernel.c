@@ -295,13 +295,13 @@ __attribute__((target("avx2"))) static int64_t pack_panel_avx8(const float *X, i
  * (the exact forward with bf16 x at 768x3072 1:10 ran 0.90x its float32 time with the tile). */
 __attribute__((target("avx2"))) static int64_t pack_panel_bf16_avx8(const uint16_t *X, int64_t ldx, int64_t b0,
                                                                      int64_t bch, int64_t c0, int64_t cend,
-                                                                     float *dst)
+                                                                     int64_t C, float *dst)
 {
     int64_t c = c0;
     for (; c + 16 <= cend; c += 16)
         for (int64_t bi = 0; bi < bch; bi += 8) {
             const uint16_t *x = X + (b0 + bi) * ldx + c;
-            if (c + 80 <= cend)
+            if (c + 80 <= C)   /* two lines ahead in the row (past a caller's column range too) */
                 for (int r = 0; r < 8; r++) __builtin_prefetch(x + r * ldx + 64);
             for (int h = 0; h < 16; h += 8) {
                 __m256 r[8];
@@ -753,17 +753,14 @@ typedef struct {
 static void round_span(const float *y, uint16_t *y16, int64_t n);   /* nm_bf16.h */
 
 /* Micro-panel b6 of x (rows b6 * 6 .. + 6), columns [c0, c1) into dst ([c - c0][6]); bf16 x
- * widened on the way through tile (NM_MB * NM_BF16_PC floats), 64 columns at a time. */
+ * widened on the way through tile (NM_MB * NM_BF16_PC floats), NM_BF16_PC columns at a time. */
 static void gpack(const ggather_args *a, int64_t b6, int64_t c0, int64_t c1, float *tile, float *dst)
 {
     if (!a->X16) {
         pack_panel(a->X, a->ldx, a->B, a->W->K, b6 * NM_MB, NM_MB, c0, c1, dst);
         return;
     }
-    for (int64_t c = c0; c < c1; c += NM_BF16_PC) {
-        const int64_t ce = c + NM_BF16_PC < c1 ? c + NM_BF16_PC : c1;
-        pack_panel_bf16(a->X16, a->ldx, a->B, a->W->K, b6 * NM_MB, NM_MB, c, ce, tile, dst + (c - c0) * NM_MB);
-    }
+    pack_panel_bf16(a->X16, a->ldx, a->B, a->W->K, b6 * NM_MB, NM_MB, c0, c1, tile, dst);
 }
 
 /* The per-thread tile gpack needs (NULL for float32 x; *err = -3 when out of memory). */
@@ -1140,6 +1137,7 @@ typedef struct {
     const float *bias; int64_t bch, kt, qb; int in_l1; nm_cgg_fn fn; int err; int64_t next;
     const float *X; int64_t ldx; int *packed;   /* per batch chunk: 0 to pack, 1 packing, 2 packed */
     int tiles;   /* W->tiles is packed for this kt: passes stream it (NM_CG_TILES) */
+    const uint16_t *X16;   /* bf16 x (X NULL then): widened while packing (pack_panel_bf16) */
 } cgg_args;
 
 /* The panel of batch chunk bc, packed by the first unit that needs it (one parallel region
@@ -1150,8 +1148,15 @@ static void cgg_panel_ready(cgg_args *a, int64_t bc)
     int expect = 0;
     if (__atomic_load_n(&a->packed[bc], __ATOMIC_ACQUIRE) == 2) return;
     if (__atomic_compare_exchange_n(&a->packed[bc], &expect, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-        pack_panel(a->X, a->ldx, a->B, a->W->K, bc * a->bch, a->bch, 0, a->Kp,
-                   (float *)a->xp + bc * a->Kp * a->bch);
+        float *dst = (float *)a->xp + bc * a->Kp * a->bch;
+        if (a->X16) {   /* the tile: scratch for the edges (nm_bf16_pack.h) */
+            float *tile = (float *)alloc64((size_t)(NM_BF16_PC * a->bch) * sizeof(float));
+            if (tile) pack_panel_bf16(a->X16, a->ldx, a->B, a->W->K, bc * a->bch, a->bch, 0, a->Kp, tile, dst);
+            else a->err = -3;
+            free(tile);
+        } else {
+            pack_panel(a->X, a->ldx, a->B, a->W->K, bc * a->bch, a->bch, 0, a->Kp, dst);
+        }
         __atomic_store_n(&a->packed[bc], 2, __ATOMIC_RELEASE);
         return;
     }
@@ -1299,8 +1304,12 @@ static int cg_check_tables(const nm_colgrouped *W, int cols)
     return 0;
 }
 
-int nm_colgrouped_gather_variant_f32(const nm_colgrouped *W, int64_t B, const float *X, int64_t ldx,
-                                     float *Y, int64_t ldy, const float *bias, int nthreads, int variant)
+/* The paper-format forward in a loop order (variant) on float32 x, or bf16 x (x16: widened
+ * while each batch chunk's panel is packed). check_cols: refuse stored columns past the
+ * panel where the passes read them (not where they read the tile-major copy, whose columns
+ * nm_colgrouped_pack_tiles checked): a scan of every column, 2-5 % of a 2:4 forward. */
+static int cg_gather_driver(const nm_colgrouped *W, int64_t B, const void *X, int x16, int64_t ldx,
+                            float *Y, int64_t ldy, const float *bias, int nthreads, int variant, int check_cols)
 {
     if (cg_check_shape(W) || B < 0 || variant < NM_CG_AUTO || variant > NM_CG_TILED) return -1;
     if (B == 0 || W->N == 0) return 0;
@@ -1315,17 +1324,25 @@ int nm_colgrouped_gather_variant_f32(const nm_colgrouped *W, int64_t B, const fl
     int nvi; const int64_t bch = (int64_t)cg_choose_nv(W, B, variant, T->vw, &nvi) * T->vw;
     const int nth = clamp_threads(nthreads, 2.0 * B * W->Nb * W->n * Kp, W->Nb);
     const int64_t nbc = (B + bch - 1) / bch;
+    int64_t kt, qb; int in_l1;
+    cg_variant(W, variant, bch, nbc, nth, &kt, &qb, &in_l1);
+    const int tiles = W->tiles && W->tile_kt == kt && env_int("STEN_NM_CG_TILES", 1) != 0;
+    if (check_cols && !tiles && cg_check_tables(W, 1)) return -1;
     float *xp = (float *)scratch_take((size_t)(nbc * Kp * bch) * sizeof(float));
     int *packed = (int *)calloc((size_t)nbc, sizeof(int));
     if (!xp || !packed) { scratch_give(xp); free(packed); return -3; }
-    int64_t kt, qb; int in_l1;
-    cg_variant(W, variant, bch, nbc, nth, &kt, &qb, &in_l1);
-    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, qb, in_l1, T->cgg[nvi], 0, 0, X, ldx, packed,
-                  W->tiles && W->tile_kt == kt && W->vtype == NM_F32 && env_int("STEN_NM_CG_TILES", 1) != 0};
+    cgg_args a = {W, xp, Kp, nbc, B, Y, ldy, bias, bch, kt, qb, in_l1, T->cgg[nvi], 0, 0,
+                  x16 ? NULL : (const float *)X, ldx, packed, tiles, x16 ? (const uint16_t *)X : NULL};
     run_parallel(nth, cgg_task, &a);
     scratch_give(xp);
     free(packed);
     return a.err;
+}
+
+int nm_colgrouped_gather_variant_f32(const nm_colgrouped *W, int64_t B, const float *X, int64_t ldx,
+                                     float *Y, int64_t ldy, const float *bias, int nthreads, int variant)
+{
+    return cg_gather_driver(W, B, X, 0, ldx, Y, ldy, bias, nthreads, variant, 0);
 }
 
 /* The tile-major packed form (nm_kernel.h): header of per-tile base columns, then per tile
@@ -1346,34 +1363,34 @@ static int64_t cg_tile_span(const nm_colgrouped *W, int64_t t0, int64_t t1, int3
 
 int64_t nm_colgrouped_tiles_bytes(const nm_colgrouped *W, int64_t kt)
 {
-    if (cg_check_shape(W) || W->vtype != NM_F32 || kt < 1 || W->L < 1) return -1;
+    if (cg_check_shape(W) || kt < 1 || W->L < 1) return -1;
     const int64_t nt = (W->L + kt - 1) / kt, last = W->L - (nt - 1) * kt;
-    return nm_cg_tiles_header(nt) + W->Nb * W->P * ((nt - 1) * nm_cg_tile_record(W->n, kt) +
-                                                   nm_cg_tile_record(W->n, last));
+    const int vb = W->vtype == NM_BF16 ? 2 : 4;
+    return nm_cg_tiles_header(nt) + W->Nb * W->P * ((nt - 1) * nm_cg_tile_record(W->n, kt, vb) +
+                                                   nm_cg_tile_record(W->n, last, vb));
 }
 
 int nm_colgrouped_pack_tiles(const nm_colgrouped *W, int64_t kt, void *out, int64_t bytes)
 {
     const int64_t need = nm_colgrouped_tiles_bytes(W, kt);
     if (need < 0 || bytes < need || !out || cg_check_tables(W, 1)) return -1;
-    const int n = W->n;
+    const int n = W->n, vb = W->vtype == NM_BF16 ? 2 : 4;
     const int64_t L = W->L, nt = (L + kt - 1) / kt, QP = W->Nb * W->P;
     int32_t *hdr = (int32_t *)out;
     char *blk = (char *)out + nm_cg_tiles_header(nt);
     memset(out, 0, (size_t)need);
     for (int64_t tau = 0; tau < nt; tau++) {
         const int64_t t0 = tau * kt, t1 = t0 + kt < L ? t0 + kt : L, w = t1 - t0;
-        const int64_t rec = nm_cg_tile_record(n, w);
+        const int64_t rec = nm_cg_tile_record(n, w, vb);
         int32_t base;
         if (cg_tile_span(W, t0, t1, &base) > 32768) return -2;   /* int16 columns */
         hdr[tau] = base;
         for (int64_t qp = 0; qp < QP; qp++) {
             char *r = blk + qp * rec;
-            float *v = (float *)r;
-            int16_t *c = (int16_t *)(r + (int64_t)n * w * 4);
-            const float *sv = (const float *)W->vals + qp * n * L;
+            int16_t *c = (int16_t *)(r + nm_cg_tile_values(n, w, vb));
+            const char *sv = (const char *)W->vals + qp * n * L * vb;
             for (int j = 0; j < n; j++)
-                memcpy(v + (int64_t)j * w, sv + (int64_t)j * L + t0, (size_t)w * sizeof(float));
+                memcpy(r + (int64_t)j * w * vb, sv + ((int64_t)j * L + t0) * vb, (size_t)(w * vb));
             for (int64_t t = 0; t < w; t++) c[t] = (int16_t)(W->cols[qp * L + t0 + t] - base);
         }
         blk += QP * rec;

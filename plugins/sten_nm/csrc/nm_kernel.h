@@ -72,13 +72,14 @@ typedef struct {
     int64_t tile_kt;
 } nm_colgrouped;
 
-/* Tile-major copy of a float32 column-grouped matrix for the forward (internal packed form):
- * per tile of kt slots (the last may be narrower) and per (row block, pattern) one record of
- * the tile's values [n][w] (float) then its columns [w] as int16 relative to the tile's
- * first column (padded to 4 bytes), records contiguous in (row block, pattern) order, after a
- * header of one int32 base column per tile; a tiled pass then streams one contiguous block.
- * nm_colgrouped_tiles_bytes: the size for kt, or -1 where not applicable (not float32, kt < 1,
- * or a tile spans 32768 columns or more). nm_colgrouped_pack_tiles: writes it (0, or < 0). */
+/* Tile-major copy of a column-grouped matrix for the forward (internal packed form): per tile
+ * of kt slots (the last may be narrower) and per (row block, pattern) one record of the tile's
+ * values [n][w] (as stored: float32, or bf16 widened by the pass) then its columns [w] as
+ * int16 relative to the tile's first column (each part padded to 4 bytes), records contiguous
+ * in (row block, pattern) order, after a header of one int32 base column per tile; a tiled
+ * pass then streams one contiguous block. nm_colgrouped_tiles_bytes: the size for kt, or -1
+ * where not applicable (kt < 1, or a tile spans 32768 columns or more: pack_tiles says so).
+ * nm_colgrouped_pack_tiles: writes it (0, or < 0). */
 int64_t nm_colgrouped_tiles_bytes(const nm_colgrouped *W, int64_t kt);
 int nm_colgrouped_pack_tiles(const nm_colgrouped *W, int64_t kt, void *out, int64_t bytes);
 /* The slots per pass the forward uses for a batch of B rows in this variant (what
@@ -145,6 +146,10 @@ int nm_grouped_gather_bf16x_out16(const nm_grouped *W, int64_t B, const uint16_t
  * pairs; otherwise x widened while packing and the float32 kernel (csrc/nm_cg_bf16x.h). */
 int nm_colgrouped_gather_bf16x(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx,
                                float *Y, int64_t ldy, const float *bias, int nthreads);
+/* nm_colgrouped_gather_bf16x in a loop order (nm_colgrouped_gather_variant_f32's variant) where
+ * x is widened; the vdpbf16ps path keeps its own order. */
+int nm_colgrouped_gather_bf16x_variant(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                                       float *Y, int64_t ldy, const float *bias, int nthreads, int variant);
 /* Whether bf16 x with bf16 values runs on vdpbf16ps now (CPU has it, ISA avx512, not off). */
 int nm_bf16_dot(void);
 /* nm_tgather_f32 / nm_grouped_tgather_f32 (input gradients) for values in bfloat16 bits:

@@ -32,6 +32,8 @@ def _lib() -> ctypes.CDLL:
                                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         lib.nm_colgrouped_gather_bf16x.restype = ctypes.c_int
+        lib.nm_colgrouped_gather_bf16x_variant.argtypes = lib.nm_colgrouped_gather_bf16x.argtypes + [ctypes.c_int]
+        lib.nm_colgrouped_gather_bf16x_variant.restype = ctypes.c_int
         lib.nm_bf16_dot.restype = ctypes.c_int
         lib.nm_bf16_dot_enabled.restype = ctypes.c_int
         lib.nm_bf16_dot_supported.restype = ctypes.c_int
@@ -82,9 +84,13 @@ def set_bf16_dot(on: bool) -> None:
 
 
 def colgrouped_gather_bf16x(W: _kernel.NMColGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                            nthreads: Optional[int] = None) -> torch.Tensor:
+                            nthreads: Optional[int] = None, variant: str = "auto") -> torch.Tensor:
     """``Y = X W^T (+ bias)`` (float32 ``[B, N]``) for bfloat16 ``X`` ``[B, K]`` read by the
-    kernel, ``W`` a column-grouped descriptor (:func:`sten_nm._kernel.colgrouped`)."""
+    kernel, ``W`` a column-grouped descriptor (:func:`sten_nm._kernel.colgrouped`).
+    ``variant``: the loop order where x is widened (:func:`sten_nm._kernel.colgrouped_gather`);
+    the ``vdpbf16ps`` path (:func:`bf16_dot`, bf16 values) keeps its own."""
+    if variant not in _kernel.CG_VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(_kernel.CG_VARIANTS)}, got {variant!r}")
     if X.dtype != torch.bfloat16 or X.dim() != 2:
         raise ValueError(f"X must be a 2-D bfloat16 tensor, got {X.dtype} of shape {tuple(X.shape)}")
     if X.shape[1] != W.K:
@@ -92,9 +98,9 @@ def colgrouped_gather_bf16x(W: _kernel.NMColGrouped, X: torch.Tensor, bias: Opti
     X = _bf16_rows(X)
     Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
     b = bias.contiguous().float() if bias is not None else None
-    rc = _lib().nm_colgrouped_gather_bf16x(
+    rc = _lib().nm_colgrouped_gather_bf16x_variant(
         ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0) if W.K else 1, Y.data_ptr(), Y.stride(0) if W.N else 1,
-        b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
+        b.data_ptr() if b is not None else None, _kernel._threads(nthreads), _kernel.CG_VARIANTS[variant])
     _kernel._check(rc, "nm_colgrouped_gather_bf16x")
     return Y
 

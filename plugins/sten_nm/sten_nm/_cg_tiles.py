@@ -41,11 +41,11 @@ def enabled() -> bool:
 def with_tiles(desc: _kernel.NMColGrouped, B: int, variant: str = "auto",
                nthreads: Optional[int] = None) -> _kernel.NMColGrouped:
     """``desc``, or a copy of it that points at its weight's packed tiles for the tile length
-    the forward uses at batch ``B`` in ``variant`` (float32 values, passes of fewer slots than
-    a pattern has, i.e. the tiled order; ``desc`` unchanged otherwise: bf16 values, the stream
-    order, whose per-pattern rows are already contiguous and measured no faster packed, or a
-    tile spanning 32768 columns or more)."""
-    if desc.vtype != _kernel.VTYPES[torch.float32] or B < 1 or not enabled():
+    the forward uses at batch ``B`` in ``variant`` (float32 or bf16 values, kept as stored;
+    passes of fewer slots than a pattern has, i.e. the tiled order; ``desc`` unchanged
+    otherwise: the stream order, whose per-pattern rows are already contiguous and measured no
+    faster packed, or a tile spanning 32768 columns or more)."""
+    if desc.vtype not in (_kernel.VTYPES[torch.float32], _kernel.VTYPES[torch.bfloat16]) or B < 1 or not enabled():
         return desc
     lib = _kernel._load()
     kt = lib.nm_colgrouped_tile_kt(ctypes.byref(desc), B, _kernel._threads(nthreads), _kernel.CG_VARIANTS[variant])

@@ -146,15 +146,13 @@ def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Ten
     c = _compute_dtype(dtype)
     if c == torch.float32 and _kernel.available()[0]:   # the C kernel (float32 accumulation)
         x2 = _rows(x)
-        if x2.dtype == torch.bfloat16:   # bf16 x read by the kernel (vdpbf16ps where the CPU has it)
-            desc = W.desc(amp)
-            if observing():
-                dot = _bf16x.bf16_dot() and desc.vtype == _kernel.VTYPES[torch.bfloat16]
-                note(f"sten_nm: nm_colgrouped_gather_bf16x ({_kernel.isa()}, "
-                     f"{'vdpbf16ps' if dot else 'x widened in the panel'}, not tuned)")
+        desc = W.desc(amp)
+        if x2.dtype == torch.bfloat16 and _bf16x.bf16_dot() and desc.vtype == _kernel.VTYPES[torch.bfloat16]:
+            if observing():   # bf16 x and values on vdpbf16ps: its own loop order
+                note(f"sten_nm: nm_colgrouped_gather_bf16x ({_kernel.isa()}, vdpbf16ps, not tuned)")
             y2 = _bf16x.colgrouped_gather_bf16x(desc, x2, bias)
-        else:
-            y2 = _tuned_forward(W, W.desc(amp), x2, bias)
+        else:   # float32 x, or bf16 x widened while the kernel packs it
+            y2 = _tuned_forward(W, desc, x2, bias)
     else:
         if observing():
             note(f"sten_nm: per-pattern torch products in {c} (no C kernel for this dtype)")
@@ -174,12 +172,14 @@ def _tuned_forward(W: ColumnGroupedNMTensor, desc: Any, x2: torch.Tensor,
     ``STEN_NM_TUNE=0``: ``STEN_NM_CG_VARIANT`` or stream."""
     B, (N, K) = x2.shape[0], W.shape
     dt = "bfloat16" if desc.vtype == _kernel.VTYPES[torch.bfloat16] else "float32"
+    gather = _kernel.colgrouped_gather
+    if x2.dtype == torch.bfloat16:   # x widened in the kernel's pack
+        dt, gather = f"{dt} x=bfloat16", _bf16x.colgrouped_gather_bf16x
     k = tuning.key("cg_fwd", N, K, W.n, W.m, True, B, dt, torch.get_num_threads(), _kernel.isa())
     # each order on the weight's tile-major packed copy for its slot tile (sten_nm._cg_tiles)
-    run = {v: (lambda v=v: _kernel.colgrouped_gather(with_tiles(desc, B, v), x2, bias, variant=v))
-           for v in ("stream", "tiled")}
+    run = {v: (lambda v=v: gather(with_tiles(desc, B, v), x2, bias, variant=v)) for v in ("stream", "tiled")}
     choice = tuning.pick(k, run, empty=B == 0, default=None, reps=5)
-    return _kernel.colgrouped_gather(with_tiles(desc, B), x2, bias) if choice is None else run[choice]()
+    return gather(with_tiles(desc, B), x2, bias) if choice is None else run[choice]()
 
 
 def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:

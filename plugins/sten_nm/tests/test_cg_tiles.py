@@ -37,21 +37,24 @@ def _layout(N: int, K: int, n: int, m: int, g) -> ColumnGroupedNMTensor:
 def _unpack(W: ColumnGroupedNMTensor, buf: torch.Tensor, kt: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Values [Nb, P, n, L] and absolute columns [Nb, P, L] read back from the packed bytes."""
     Nb, P, n, L = W.values().shape
+    dtype = W.values().dtype
+    vb = dtype.itemsize   # float32 or bf16, kept as stored
     nt = -(-L // kt)
     hdr = -(-nt * 4 // 64) * 64
     base = buf[:nt * 4].view(torch.int32)
-    vals = torch.empty(Nb, P, n, L)
+    vals = torch.empty(Nb, P, n, L, dtype=dtype)
     cols = torch.empty(Nb, P, L, dtype=torch.int64)
     off = hdr
     for tau in range(nt):
         t0, t1 = tau * kt, min(L, tau * kt + kt)
         w = t1 - t0
-        rec = n * w * 4 + (2 * w + 3) // 4 * 4
+        vbytes = (n * w * vb + 3) // 4 * 4
+        rec = vbytes + (2 * w + 3) // 4 * 4
         for qp in range(Nb * P):
             r = buf[off + qp * rec: off + (qp + 1) * rec]
             q, p = divmod(qp, P)
-            vals[q, p, :, t0:t1] = r[:n * w * 4].view(torch.float32).reshape(n, w)
-            cols[q, p, t0:t1] = r[n * w * 4: n * w * 4 + 2 * w].view(torch.int16).long() + int(base[tau])
+            vals[q, p, :, t0:t1] = r[:n * w * vb].view(dtype).reshape(n, w)
+            cols[q, p, t0:t1] = r[vbytes: vbytes + 2 * w].view(torch.int16).long() + int(base[tau])
         off += Nb * P * rec
     assert off == buf.numel()
     return vals, cols
@@ -60,12 +63,14 @@ def _unpack(W: ColumnGroupedNMTensor, buf: torch.Tensor, kt: int) -> tuple[torch
 @requires_kernel
 @pytest.mark.parametrize("n,m", [(2, 4), (1, 10), (3, 4)])
 @pytest.mark.parametrize("kt", [1, 3, 16, 1000])
-def test_packed_layout_holds_values_and_columns(n, m, kt):
-    """Every (tile, row block, pattern) record holds the stored values and columns (int16
-    relative to the tile's base column), the last tile narrower when kt does not divide L."""
+@pytest.mark.parametrize("vdtype", [torch.float32, torch.bfloat16])
+def test_packed_layout_holds_values_and_columns(n, m, kt, vdtype):
+    """Every (tile, row block, pattern) record holds the stored values (float32 or bf16, as
+    stored: an odd n * w of bf16 values is padded to 4 bytes) and columns (int16 relative to
+    the tile's base column), the last tile narrower when kt does not divide L."""
     from sten_nm import _kernel
 
-    W = ColumnGroupedNMTensor.from_dense(torch.randn(21, 203), n, m, g=3)
+    W = ColumnGroupedNMTensor.from_dense(torch.randn(21, 203).to(vdtype), n, m, g=3)
     d = W.desc()
     lib = _kernel._load()
     size = lib.nm_colgrouped_tiles_bytes(d, kt)
@@ -98,6 +103,29 @@ def test_forward_on_tiles_every_isa(isa, n, m, B, variant, env, monkeypatch):
         torch.testing.assert_close(y, F.linear(x, t.to_dense(), b), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(_kernel.colgrouped_gather(d, x, nthreads=3, variant=variant),
                                    F.linear(x, t.to_dense()), rtol=1e-4, atol=1e-4)
+
+
+@requires_kernel
+@pytest.mark.parametrize("n,m", PATTERNS)
+@pytest.mark.parametrize("B", [7, 130])
+@pytest.mark.parametrize("variant,env", VARIANTS)
+def test_forward_on_bf16_tiles_every_isa(isa, n, m, B, variant, env, monkeypatch):
+    """bf16 stored values: the tiles keep them bf16 and the pass widens each record; the
+    forward equals the float32 product of the same values (x float32) in each loop order."""
+    from sten_nm import _kernel
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for N, K, g in ((13, 5, None), (40, 203, 3), (23, 1000, None)):
+        t = _layout(N, K, n, m, g)
+        t = t.with_values(t.values().bfloat16())
+        x, b = torch.randn(B, K), torch.randn(N)
+        d = with_tiles(t.desc(), B, variant)
+        assert bool(d.tiles) == (variant == "tiled" and 1 <= d.tile_kt < d.L)
+        ref = F.linear(x.double(), t.to_dense().double(), b.double()).float()
+        torch.testing.assert_close(_kernel.colgrouped_gather(d, x, b, variant=variant), ref, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(_kernel.colgrouped_gather(d, x, b, nthreads=3, variant=variant), ref,
+                                   rtol=1e-5, atol=1e-4)
 
 
 @requires_kernel
@@ -139,14 +167,11 @@ def test_tiles_follow_value_and_column_changes(monkeypatch):
 
 
 @requires_kernel
-def test_no_tiles_for_bf16_wide_tiles_or_when_off(monkeypatch):
-    """bf16 values, a tile spanning 32768 columns or more (int16 columns) and
-    STEN_NM_CG_TILES=0 leave the descriptor as it was; the forward is exact either way."""
+def test_no_tiles_for_wide_tiles_or_when_off(monkeypatch):
+    """A tile spanning 32768 columns or more (int16 columns) and STEN_NM_CG_TILES=0 leave the
+    descriptor as it was; the forward is exact either way."""
     from sten_nm import _kernel
 
-    tb = ColumnGroupedNMTensor.from_dense(torch.randn(8, 64).bfloat16(), 2, 4)
-    d = tb.desc()
-    assert with_tiles(d, 16, "tiled") is d
     wide = ColumnGroupedNMTensor.from_dense(torch.randn(4, 40000), 1, 4)
     x = torch.randn(3, 40000)
     d = wide.desc()

@@ -202,3 +202,25 @@ def test_default_cache_file_is_per_cpu_model(monkeypatch, tmp_path):
     assert "family-23-model-1" in zen1
     monkeypatch.setenv("STEN_NM_TUNE_CACHE", str(tmp_path / "mine.json"))
     assert tuning.cache_path() == str(tmp_path / "mine.json")
+
+
+@pytest.mark.parametrize("vdtype", [torch.float32, torch.bfloat16])
+def test_paper_format_bf16_x_widened_is_tuned_over_loop_orders(tune, vdtype):
+    """bf16 x read by the widening path (fp32 values, or the vdpbf16ps path off) picks its loop
+    order like float32 x, under its own key, and equals the product of the widened operands."""
+    from sten_nm import ColumnGroupedNMTensor, _bf16x
+    from sten_nm.column_grouped_ops import column_grouped_linear
+
+    t = ColumnGroupedNMTensor.from_dense(torch.randn(26, 300).to(vdtype), 1, 4)
+    x = torch.randn(40, 300).bfloat16()
+    before = _bf16x.bf16_dot_enabled()
+    _bf16x.set_bf16_dot(False)
+    try:
+        y = column_grouped_linear(x, t)
+    finally:
+        _bf16x.set_bf16_dot(before)
+    ref = F.linear(x.double(), t.to_dense().double())
+    torch.testing.assert_close(y.double(), ref, rtol=1e-2 if y.dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+    keys = [k for k in tuning.choices() if k.startswith("cg_fwd R=26 C=300 1:4")]
+    assert len(keys) == 1 and "x=bfloat16" in keys[0]
+    assert tuning.choices()[keys[0]]["choice"] in ("stream", "tiled")
