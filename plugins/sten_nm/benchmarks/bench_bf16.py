@@ -7,8 +7,10 @@ widened while packing elsewhere), exact n:m widens it while packing its panel (`
 result rounded per unit of rows on the kernel's threads, ``nm_gather_bf16x_out16``), the 16-row grouped layout
 while packing its 6-row micro-panels (``nm_grouped_gather_bf16wx``); the "x.float() first" column is that widening done by torch for every
 layout (the previous path of the paper format and of exact n:m). ``--layout NMTensor`` times one layout. ``STEN_NM_ISA=avx2`` measures the AVX2 kernels.
+``--tuned``: tuning on (as users run it), with a fresh cache in a temporary file, so each path runs in the loop order /
+kernel the tuner picks for it (the paper format's tiled order, its tile-major packed weight for bf16 values too).
 
-    python benchmarks/bench_bf16.py [--threads 2] [--batch 1024] [--reps 7] [--cpu-time] [--layout NMTensor]
+    python benchmarks/bench_bf16.py [--threads 2] [--batch 1024] [--reps 7] [--cpu-time] [--layout NMTensor] [--tuned]
 """
 
 from __future__ import annotations
@@ -16,9 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
+import tempfile
 import time
 
-os.environ["STEN_NM_TUNE"] = "0"
+if "--tuned" in sys.argv:   # before sten_nm is imported: a fresh tuning cache of this run's own
+    os.environ["STEN_NM_TUNE"] = "1"
+    os.environ["STEN_NM_TUNE_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="bench_bf16_"), "tuning.json")
+else:
+    os.environ["STEN_NM_TUNE"] = "0"
 
 import torch  # noqa: E402
 
@@ -50,13 +58,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--layout", action="append", help="only these layouts (class names; repeatable)")
     ap.add_argument("--cpu-time", action="store_true", help="CPU time of the process (less sensitive to load)")
+    ap.add_argument("--tuned", action="store_true", help="tuning on, fresh cache (default: off, the kernels' defaults)")
     a = ap.parse_args()
     global CLOCK
     if a.cpu_time:
         CLOCK = time.process_time
     torch.set_num_threads(a.threads)
     print(f"CPU {cpu_model()}, ISA {_kernel.isa()}{' + AVX512_BF16 (vdpbf16ps)' if _bf16x.bf16_dot() else ''}, {a.threads} threads, B={a.batch}, load {load_average()}, "
-          f"{'CPU' if a.cpu_time else 'wall'} time")
+          f"{'CPU' if a.cpu_time else 'wall'} time, tuning {'on (fresh cache)' if a.tuned else 'off'}")
     print("| layout | W [N,K] | n:m | fp32 values ms | bf16 values ms | bf16 x and values (bf16 out) ms | "
           "bf16 x, x.float() first ms | bf16 vs fp32 | bf16 x vs fp32 | bf16 x vs x.float() first |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
