@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -34,21 +33,7 @@ from sten_core.machine import cpu_model, load_average  # noqa: E402
 from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor, _bf16x, _kernel, grouped_linear, nm_linear  # noqa: E402
 from sten_nm.column_grouped_ops import column_grouped_linear  # noqa: E402
 
-
-CLOCK = time.perf_counter
-
-
-def interleaved(fns, reps: int) -> list[float]:
-    """Median ms of each function, timed in turns (load changes hit all alike)."""
-    for fn in fns:
-        fn()
-    ts = [[] for _ in fns]
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            t = CLOCK()
-            fn()
-            ts[i].append(CLOCK() - t)
-    return [statistics.median(t) * 1e3 for t in ts]
+from _timing import in_turns  # noqa: E402
 
 
 def main() -> None:
@@ -60,9 +45,7 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true", help="CPU time of the process (less sensitive to load)")
     ap.add_argument("--tuned", action="store_true", help="tuning on, fresh cache (default: off, the kernels' defaults)")
     a = ap.parse_args()
-    global CLOCK
-    if a.cpu_time:
-        CLOCK = time.process_time
+    clock = time.process_time if a.cpu_time else time.perf_counter
     torch.set_num_threads(a.threads)
     print(f"CPU {cpu_model()}, ISA {_kernel.isa()}{' + AVX512_BF16 (vdpbf16ps)' if _bf16x.bf16_dot() else ''}, {a.threads} threads, B={a.batch}, load {load_average()}, "
           f"{'CPU' if a.cpu_time else 'wall'} time, tuning {'on (fresh cache)' if a.tuned else 'off'}")
@@ -81,8 +64,8 @@ def main() -> None:
                     continue
                 t32 = cls.from_dense(w, n, m)
                 t16 = cls.from_dense(w.bfloat16(), n, m)
-                f32, b16, bb, bw = interleaved([lambda: fn(x, t32), lambda: fn(x, t16), lambda: fn(xb, t16),
-                                                lambda: fn(xb.float(), t16).bfloat16()], a.reps)
+                f32, b16, bb, bw = in_turns([lambda: fn(x, t32), lambda: fn(x, t16), lambda: fn(xb, t16),
+                                             lambda: fn(xb.float(), t16).bfloat16()], a.reps, clock)
                 print(f"| {name} | {N}x{K} | {n}:{m} | {f32:.1f} | {b16:.1f} | {bb:.1f} | {bw:.1f} | {f32 / b16:.2f}x | "
                       f"{f32 / bb:.2f}x | {bw / bb:.2f}x |")
 

@@ -10,7 +10,6 @@ medians. The two results are bit-identical (tests/test_bf16_grad_output.py).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -18,17 +17,7 @@ import torch
 from sten_core.machine import cpu_model, load_average
 from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor, _bf16x, _kernel
 
-
-def _turns(fns, reps, clock):
-    for fn in fns:
-        fn()
-    ts = [[] for _ in fns]
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            t = clock()
-            fn()
-            ts[i].append(clock() - t)
-    return [statistics.median(t) * 1e3 for t in ts]
+from _timing import in_turns
 
 
 def main() -> None:
@@ -69,7 +58,7 @@ def main() -> None:
                                                    _kernel.colgrouped_grad_values(cd, gy.float(), x.float()))),
             }
             for name, (new, old) in cases.items():
-                tn, to = _turns([new, old], a.reps, clock)
+                tn, to = in_turns([new, old], a.reps, clock)
                 print(f"| {name} | {N}x{K} | {n}:{m} | {tn:.1f} | {to:.1f} | {to / tn:.2f}x |")
 
 

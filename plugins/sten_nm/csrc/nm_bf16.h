@@ -23,9 +23,7 @@ static void bf16_gather_task(void *p, int tid, int nth)
             if (!ytmp || !offs || !wv) { free(ytmp); free(offs); free(wv); a->err = -3; return; }
         }
         const int64_t r0 = u * rows, r1 = r0 + rows < A->R ? r0 + rows : A->R;
-        const uint16_t *h = (const uint16_t *)(const void *)A->vals + r0 * gn;
-        uint32_t *w = (uint32_t *)wv;
-        for (int64_t i = 0; i < (r1 - r0) * gn; i++) w[i] = (uint32_t)h[i] << 16;
+        nm_widen_bf16((const uint16_t *)(const void *)A->vals + r0 * gn, wv, (r1 - r0) * gn);
         nm_mat blk = *A;            /* rows [r0, r1) as a float32 matrix of their own */
         blk.R = r1 - r0;
         blk.vals = wv;
@@ -108,9 +106,7 @@ static void gbf16_group(const ggather_args *a, int64_t q, int64_t e0, int64_t e1
 {
     const nm_grouped *W = a->W;
     const int64_t gn = (W->K + W->m - 1) / W->m * W->n, ne = e1 - e0;
-    const uint16_t *h = (const uint16_t *)(const void *)W->vals + (q * gn + e0) * NM_GR;
-    uint32_t *w = (uint32_t *)wv;
-    for (int64_t i = 0; i < ne * NM_GR; i++) w[i] = (uint32_t)h[i] << 16;
+    nm_widen_bf16((const uint16_t *)(const void *)W->vals + (q * gn + e0) * NM_GR, wv, ne * NM_GR);
     memcpy(ob, a->offs + q * gn + e0, (size_t)ne * sizeof(int32_t));
     nm_grouped sub = *W;
     sub.K = ne / W->n * W->m;   /* chunks are whole groups of m columns: G*n = ne */
@@ -224,6 +220,18 @@ static void round_span(const float *y, uint16_t *y16, int64_t n)
     to_bf16_span((const uint32_t *)(const void *)y, y16, n);
 }
 
+/* An empty contraction's bf16 result: every output row the bias (or 0), rounded. */
+static void fill_with_bias_bf16(uint16_t *Y, int64_t B, int64_t R, int64_t ldy, const float *bias)
+{
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t r = 0; r < R; r++) {
+            const float v = bias ? bias[r] : 0.0f;
+            uint32_t u;
+            memcpy(&u, &v, sizeof u);
+            Y[b * ldy + r] = f32_to_bf16_rne(u);
+        }
+}
+
 static void gather_out16(gather_args *a, int w16)
 {
     const nm_mat *A = a->A;
@@ -247,9 +255,7 @@ static void gather_out16(gather_args *a, int w16)
         blk.R = nr;
         blk.idx = A->idx + r0 * A->iw;
         if (w16) {
-            const uint16_t *h = (const uint16_t *)(const void *)A->vals + r0 * gn;
-            uint32_t *w = (uint32_t *)wv;
-            for (int64_t i = 0; i < nr * gn; i++) w[i] = (uint32_t)h[i] << 16;
+            nm_widen_bf16((const uint16_t *)(const void *)A->vals + r0 * gn, wv, nr * gn);
             blk.vals = wv;
         } else {
             blk.vals = A->vals + r0 * gn;
@@ -278,14 +284,8 @@ int nm_gather_bf16x_out16(const nm_mat *A, int64_t B, const uint16_t *X, int64_t
 {
     if (check_mat(A) || B < 0) return -1;
     if (B == 0 || A->R == 0) return 0;
-    if (A->C == 0) {   /* empty contraction: the bias (or 0), rounded */
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t r = 0; r < A->R; r++) {
-                const float v = bias ? bias[r] : 0.0f;
-                uint32_t u;
-                memcpy(&u, &v, sizeof u);
-                Y[b * ldy + r] = f32_to_bf16_rne(u);
-            }
+    if (A->C == 0) {
+        fill_with_bias_bf16(Y, B, A->R, ldy, bias);
         return 0;
     }
     if (w16)
@@ -301,14 +301,8 @@ int nm_grouped_gather_bf16x_out16(const nm_grouped *W, int64_t B, const uint16_t
 {
     if (check_grouped(W) || B < 0) return -1;
     if (B == 0 || W->N == 0) return 0;
-    if (W->K == 0) {   /* empty contraction: the bias (or 0), rounded */
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t r = 0; r < W->N; r++) {
-                const float v = bias ? bias[r] : 0.0f;
-                uint32_t u;
-                memcpy(&u, &v, sizeof u);
-                Y[b * ldy + r] = f32_to_bf16_rne(u);
-            }
+    if (W->K == 0) {
+        fill_with_bias_bf16(Y, B, W->N, ldy, bias);
         return 0;
     }
     if (w16) return grouped_gather_bf16w_x(W, B, X, 1, ldx, NULL, Y, ldy, bias, nthreads);

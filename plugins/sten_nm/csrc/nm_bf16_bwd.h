@@ -6,16 +6,14 @@
  * copy of the weight is kept between calls. (The values gradients read no values: their
  * kernels take the bf16 descriptor as is.) */
 
-typedef struct { const uint16_t *h; uint32_t *w; int64_t n; } widen_args;
+typedef struct { const uint16_t *h; float *w; int64_t n; } widen_args;
 
 static void widen_task(void *p, int tid, int nth)
 {
     widen_args *a = (widen_args *)p;
     int64_t i0, i1;
     split(a->n, tid, nth, &i0, &i1);
-    const uint16_t *restrict h = a->h;
-    uint32_t *restrict w = a->w;
-    for (int64_t i = i0; i < i1; i++) w[i] = (uint32_t)h[i] << 16;
+    if (i1 > i0) nm_widen_bf16(a->h + i0, a->w + i0, i1 - i0);
 }
 
 /* n bf16 values widened into a fresh 64-byte aligned float32 buffer (NULL: out of memory). */
@@ -23,7 +21,7 @@ static float *widen_bf16(const void *h, int64_t n, int nthreads)
 {
     float *w = (float *)alloc64((size_t)(n > 0 ? n : 1) * sizeof(float));
     if (!w) return NULL;
-    widen_args a = {(const uint16_t *)h, (uint32_t *)w, n};
+    widen_args a = {(const uint16_t *)h, w, n};
     run_parallel(clamp_threads(nthreads, 4.0 * n, (n + 4095) / 4096), widen_task, &a);
     return w;
 }

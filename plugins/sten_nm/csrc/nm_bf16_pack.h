@@ -27,11 +27,7 @@ static void pack_panel_bf16(const uint16_t *X, int64_t ldx, int64_t B, int64_t C
     for (; c0 < c1; c0 += NM_BF16_PC, dst += NM_BF16_PC * bch) {
         const int64_t cu = c0 + NM_BF16_PC < c1 ? c0 + NM_BF16_PC : c1;
         const int64_t ce = cu < C ? cu : C, nc = ce > c0 ? ce - c0 : 0;
-        for (int64_t bi = 0; bi < nb; bi++) {
-            const uint16_t *restrict x = X + (b0 + bi) * ldx + c0;
-            uint32_t *restrict t = (uint32_t *)(tile + bi * NM_BF16_PC);
-            for (int64_t c = 0; c < nc; c++) t[c] = (uint32_t)x[c] << 16;
-        }
+        for (int64_t bi = 0; bi < nb; bi++) nm_widen_bf16(X + (b0 + bi) * ldx + c0, tile + bi * NM_BF16_PC, nc);
         pack_panel(tile, NM_BF16_PC, nb, nc, 0, bch, 0, cu - c0, dst);
     }
 }

@@ -236,9 +236,7 @@ static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, in
                 if (vb == 2 && kfix && n == 1) {
                     h16 = (const uint16_t *)(const void *)r;
                 } else if (vb == 2) {
-                    const uint16_t *h = (const uint16_t *)(const void *)r;
-                    uint32_t *wb = (uint32_t *)wbuf;
-                    for (int64_t i = 0; i < n * w; i++) wb[i] = (uint32_t)h[i] << 16;
+                    nm_widen_bf16((const uint16_t *)(const void *)r, wbuf, n * w);
                     v = wbuf - t0;
                 } else {
                     v = (const float *)r - t0;
@@ -251,10 +249,8 @@ static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, in
                 const int64_t vo = (q * P + p) * (int64_t)n * L;
                 if (W->vtype == NM_BF16) {
                     const uint16_t *h = (const uint16_t *)W->vals + vo;
-                    uint32_t *wb = (uint32_t *)wbuf;
                     for (int j = 0; j < n; j++)
-                        for (int64_t t = t0; t < t1; t++)
-                            wb[(int64_t)j * L + t] = (uint32_t)h[(int64_t)j * L + t] << 16;
+                        nm_widen_bf16(h + (int64_t)j * L + t0, wbuf + (int64_t)j * L + t0, t1 - t0);
                     v = wbuf;
                 } else {
                     v = (const float *)W->vals + vo;

@@ -10,9 +10,7 @@ static inline const float *cgb_values(const nm_colgrouped *W, int64_t q, int p, 
 {
     const int64_t nl = (int64_t)W->n * W->L, vo = (q * W->P + p) * nl;
     if (W->vtype != NM_BF16) return (const float *)W->vals + vo;
-    const uint16_t *h = (const uint16_t *)W->vals + vo;
-    uint32_t *wb = (uint32_t *)wbuf;
-    for (int64_t i = 0; i < nl; i++) wb[i] = (uint32_t)h[i] << 16;
+    nm_widen_bf16((const uint16_t *)W->vals + vo, wbuf, nl);
     return wbuf;
 }
 

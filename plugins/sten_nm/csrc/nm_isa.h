@@ -71,6 +71,13 @@ typedef void (*nm_gtgather_fn)(const float *wv, const int32_t *cols, int64_t gn,
 /* slots per block of the unrolled pass kernel (nm_colgrouped.h); tiled passes are multiples */
 #define NM_CG_KT_BLOCK 16
 
+/* w[i] = float(h[i]) for i < n: bf16 bits widened (shifted into the high half: exact) */
+static inline void nm_widen_bf16(const uint16_t *restrict h, float *restrict w, int64_t n)
+{
+    uint32_t *restrict u = (uint32_t *)(void *)w;
+    for (int64_t i = 0; i < n; i++) u[i] = (uint32_t)h[i] << 16;
+}
+
 /* tile-major packed form: header bytes (one int32 per tile, 64-byte multiple) and record
  * bytes for w slots (n*w values of vb bytes, 4 for float32 and 2 for bf16, then w int16; each
  * part padded to 4 bytes) */

@@ -91,11 +91,7 @@ def colgrouped_gather_bf16x(W: _kernel.NMColGrouped, X: torch.Tensor, bias: Opti
     the ``vdpbf16ps`` path (:func:`bf16_dot`, bf16 values) keeps its own."""
     if variant not in _kernel.CG_VARIANTS:
         raise ValueError(f"variant must be one of {sorted(_kernel.CG_VARIANTS)}, got {variant!r}")
-    if X.dtype != torch.bfloat16 or X.dim() != 2:
-        raise ValueError(f"X must be a 2-D bfloat16 tensor, got {X.dtype} of shape {tuple(X.shape)}")
-    if X.shape[1] != W.K:
-        raise ValueError(f"X must have {W.K} columns, got shape {tuple(X.shape)}")
-    X = _bf16_rows(X)
+    X = _bf16_x(X, W.K)
     Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
     b = bias.contiguous().float() if bias is not None else None
     rc = _lib().nm_colgrouped_gather_bf16x_variant(
@@ -113,6 +109,38 @@ def _bf16_rows(X: torch.Tensor) -> torch.Tensor:
     return X
 
 
+def _bf16_x(X: torch.Tensor, cols: int) -> torch.Tensor:
+    """``X`` checked (2-D bfloat16 with ``cols`` columns, else a ValueError naming it) and made
+    readable by the kernels (:func:`_bf16_rows`)."""
+    if X.dtype != torch.bfloat16 or X.dim() != 2:
+        raise ValueError(f"X must be a 2-D bfloat16 tensor, got {X.dtype} of shape {tuple(X.shape)}")
+    if X.shape[1] != cols:
+        raise ValueError(f"X must have {cols} columns, got shape {tuple(X.shape)}")
+    return _bf16_rows(X)
+
+
+def _gather_x16(base: str, desc: ctypes.Structure, X: torch.Tensor, cols: int, rows: int,
+                bias: Optional[torch.Tensor], nthreads: Optional[int], out_bf16: bool) -> torch.Tensor:
+    """The body of :func:`gather_bf16x` and :func:`grouped_gather_bf16x`: ``X`` checked, then the
+    C kernel ``nm_<base>_bf16x`` (float32 values) or ``nm_<base>_bf16wx`` (bf16 values) into a
+    float32 ``[B, rows]``, or ``nm_<base>_bf16x_out16`` into a bfloat16 one."""
+    X = _bf16_x(X, cols)
+    vals = getattr(desc, "_keep", (None,))[0]
+    if vals is None or vals.dtype not in (torch.float32, torch.bfloat16) or not vals.is_contiguous():
+        raise ValueError(f"{base}_bf16x needs a descriptor of contiguous float32 or bfloat16 values")
+    w16 = vals.dtype == torch.bfloat16
+    b = bias.contiguous().float() if bias is not None else None
+    args = (ctypes.byref(desc), X.shape[0], X.data_ptr(), X.stride(0) if cols else 1)
+    tail = (b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
+    Y = torch.empty((X.shape[0], rows), dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    out = (Y.data_ptr(), Y.stride(0) if rows else 1)
+    what = f"nm_{base}_bf16x_out16" if out_bf16 else f"nm_{base}_bf16{'w' if w16 else ''}x"
+    kernel = getattr(_lib(), what)
+    rc = kernel(*args, *out, *tail, int(w16)) if out_bf16 else kernel(*args, *out, *tail)
+    _kernel._check(rc, what)
+    return Y
+
+
 def gather_bf16x(A: _kernel.NMMat, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  nthreads: Optional[int] = None, out_bf16: bool = False) -> torch.Tensor:
     """:func:`sten_nm._kernel.gather` (``Y = X A^T (+ bias)``, float32 ``[B, R]``) for bfloat16
@@ -127,32 +155,7 @@ def gather_bf16x(A: _kernel.NMMat, X: torch.Tensor, bias: Optional[torch.Tensor]
         >>> gather_bf16x(W.fp32().mat(), torch.randn(3, 16).bfloat16()).shape
         torch.Size([3, 8])
     """
-    if X.dtype != torch.bfloat16 or X.dim() != 2:
-        raise ValueError(f"X must be a 2-D bfloat16 tensor, got {X.dtype} of shape {tuple(X.shape)}")
-    if X.shape[1] != A.C:
-        raise ValueError(f"X must have {A.C} columns, got shape {tuple(X.shape)}")
-    vals = getattr(A, "_keep", (None,))[0]
-    if vals is None or vals.dtype not in (torch.float32, torch.bfloat16) or not vals.is_contiguous():
-        raise ValueError("gather_bf16x needs a descriptor of contiguous float32 or bfloat16 values")
-    lib = _lib()
-    if vals.dtype == torch.bfloat16:
-        kernel, what = lib.nm_gather_bf16wx, "nm_gather_bf16wx"
-    else:
-        kernel, what = lib.nm_gather_bf16x, "nm_gather_bf16x"
-    X = _bf16_rows(X)
-    b = bias.contiguous().float() if bias is not None else None
-    if out_bf16:
-        Y = torch.empty((X.shape[0], A.R), dtype=torch.bfloat16)
-        rc = lib.nm_gather_bf16x_out16(ctypes.byref(A), X.shape[0], X.data_ptr(), X.stride(0) if A.C else 1,
-                                       Y.data_ptr(), Y.stride(0) if A.R else 1, b.data_ptr() if b is not None else None,
-                                       _kernel._threads(nthreads), int(vals.dtype == torch.bfloat16))
-        _kernel._check(rc, "nm_gather_bf16x_out16")
-        return Y
-    Y = torch.empty((X.shape[0], A.R), dtype=torch.float32)
-    rc = kernel(ctypes.byref(A), X.shape[0], X.data_ptr(), X.stride(0) if A.C else 1, Y.data_ptr(),
-                Y.stride(0) if A.R else 1, b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
-    _kernel._check(rc, what)
-    return Y
+    return _gather_x16("gather", A, X, A.C, A.R, bias, nthreads, out_bf16)
 
 
 def grouped_gather_bf16x(W: _kernel.NMGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -170,33 +173,7 @@ def grouped_gather_bf16x(W: _kernel.NMGrouped, X: torch.Tensor, bias: Optional[t
         >>> grouped_gather_bf16x(W.desc(), torch.randn(3, 16).bfloat16()).shape
         torch.Size([3, 16])
     """
-    if X.dtype != torch.bfloat16 or X.dim() != 2:
-        raise ValueError(f"X must be a 2-D bfloat16 tensor, got {X.dtype} of shape {tuple(X.shape)}")
-    if X.shape[1] != W.K:
-        raise ValueError(f"X must have {W.K} columns, got shape {tuple(X.shape)}")
-    vals = getattr(W, "_keep", (None,))[0]
-    if vals is None or vals.dtype not in (torch.float32, torch.bfloat16) or not vals.is_contiguous():
-        raise ValueError("grouped_gather_bf16x needs a descriptor of contiguous float32 or bfloat16 values")
-    lib = _lib()
-    if vals.dtype == torch.bfloat16:
-        kernel, what = lib.nm_grouped_gather_bf16wx, "nm_grouped_gather_bf16wx"
-    else:
-        kernel, what = lib.nm_grouped_gather_bf16x, "nm_grouped_gather_bf16x"
-    X = _bf16_rows(X)
-    b = bias.contiguous().float() if bias is not None else None
-    if out_bf16:
-        Y = torch.empty((X.shape[0], W.N), dtype=torch.bfloat16)
-        rc = lib.nm_grouped_gather_bf16x_out16(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0) if W.K else 1,
-                                               Y.data_ptr(), Y.stride(0) if W.N else 1,
-                                               b.data_ptr() if b is not None else None, _kernel._threads(nthreads),
-                                               int(vals.dtype == torch.bfloat16))
-        _kernel._check(rc, "nm_grouped_gather_bf16x_out16")
-        return Y
-    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
-    rc = kernel(ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0) if W.K else 1, Y.data_ptr(),
-                Y.stride(0) if W.N else 1, b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
-    _kernel._check(rc, what)
-    return Y
+    return _gather_x16("grouped_gather", W, X, W.K, W.N, bias, nthreads, out_bf16)
 
 
 def tgather_bf16w(A: _kernel.NMMat, Y: torch.Tensor, bias: Optional[torch.Tensor] = None,
