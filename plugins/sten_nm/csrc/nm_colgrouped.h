@@ -164,8 +164,7 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows_kt, SUF, NV)(
         }
 }
 
-#define NMC_CALLK(NJ_) do { if (hj) NMC_CAT(cgg_rows_kt, SUF, NV)(pan, c16, hj, t1 - t0, out, NJ_, 1); \
-    else NMC_CAT(cgg_rows_kt, SUF, NV)(pan, c16, vj, t1 - t0, out, NJ_, 0); } while (0)
+#define NMC_CALLK(NJ_) NMC_CAT(cgg_rows_kt, SUF, NV)(pan, c16, vj, t1 - t0, out, NJ_, 0)
 #if NMC_NJ >= 4
 #define NMC_DISPATCHK { switch (nj) { case 1: NMC_CALLK(1); break; case 2: NMC_CALLK(2); break; \
     case 3: NMC_CALLK(3); break; default: NMC_CALLK(4); break; } }
@@ -194,6 +193,37 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows_kt, SUF, NV)(
 #define NMC_DISPATCH(PF_) { NMC_CALL(1, PF_); }
 #endif
 
+/* A tiled pass over full packed tiles (w slots, a multiple of NMC_KT) of row blocks [q0, q1):
+ * records (q, p) in order, NJ = n rows each (a compile-time constant). BF: bf16 values,
+ * widened as each is broadcast at n = 1, else per record into wbuf (NJ * w floats, in L1):
+ * bf16 values / float32 values, fp32 x, tiled, 2 threads: 1:10 0.94-0.96x in wbuf,
+ * 0.97-0.99x inline; 2:4 0.93x in wbuf, 0.90x inline. */
+static inline __attribute__((always_inline)) void NMC_CAT(cgg_pass_kt, SUF, NV)(
+    const nm_colgrouped *W, const float *pan, const char *tblk, int64_t rec, int64_t q0, int64_t q1,
+    int64_t w, float *ytmp, int first, float *wbuf, const int NJ, const int BF)
+{
+    const int P = W->P, m = W->m;
+    const int64_t vo = nm_cg_tile_values(NJ, w, BF ? 2 : 4);
+    const char *r = tblk + q0 * P * rec;
+    for (int64_t q = q0; q < q1; q++) {
+        float *yt = ytmp + (q - q0) * m * BCHN;
+        if (first)
+            for (int64_t i = 0; i < m * BCHN; i++) yt[i] = 0.0f;
+        const int32_t *rows = W->pats;
+        for (int p = 0; p < P; p++, r += rec, rows += NJ) {
+            float *out[4] = {yt, yt, yt, yt};
+            for (int j = 0; j < NJ; j++) out[j] = yt + (int64_t)rows[j] * BCHN;
+            const int16_t *cols = (const int16_t *)(const void *)(r + vo);
+            if (BF && NJ > 1) {
+                nm_widen_bf16((const uint16_t *)(const void *)r, wbuf, NJ * w);
+                NMC_CAT(cgg_rows_kt, SUF, NV)(pan, cols, wbuf, w, out, NJ, 0);
+            } else {
+                NMC_CAT(cgg_rows_kt, SUF, NV)(pan, cols, r, w, out, NJ, BF);
+            }
+        }
+    }
+}
+
 /* Slots [t0, t1) of every pattern (a range of whole chunks: its x columns, a block of the
  * panel, stay in L1 while the row blocks [q0, q1) sweep it); first: start ytmp at zero. */
 /* wbuf: n * L floats of scratch (the widened values of one pattern when vtype is NM_BF16;
@@ -217,25 +247,44 @@ static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, in
         rec = nm_cg_tile_record(n, t1 - t0, vb);
         pan = panel + (int64_t)((const int32_t *)W->tiles)[tau] * BCHN;
     }
+    /* full tiles, one call per record with the row count a compile-time constant: records
+     * (q, p) are contiguous, so no per-pattern set-up beyond the output rows (768x3072, 1
+     * thread, AVX-512, passes only: 1:10 4.47 -> 3.71 ms, 2:8 8.0 -> 7.6, 1:4 8.2 -> 7.3) */
+    if (kfix && n <= NMC_NJ) {
+#define NMC_PASS_(NJ_, BF_) NMC_CAT(cgg_pass_kt, SUF, NV)(W, pan, tblk, rec, q0, q1, t1 - t0, ytmp, first, wbuf, NJ_, BF_)
+#define NMC_PASS(NJ_) do { if (vb == 2) NMC_PASS_(NJ_, 1); else NMC_PASS_(NJ_, 0); } while (0)
+        switch (n) {
+        case 1: NMC_PASS(1); break;
+#if NMC_NJ >= 2
+        case 2: NMC_PASS(2); break;
+#endif
+#if NMC_NJ >= 3
+        case 3: NMC_PASS(3); break;
+#endif
+#if NMC_NJ >= 4
+        default: NMC_PASS(4); break;
+#endif
+        }
+#undef NMC_PASS
+#undef NMC_PASS_
+        return;
+    }
+    /* partial tiles, more rows per pattern than a register block holds, the stream order or
+     * the stored tables: per (row block, pattern) */
     for (int64_t q = q0; q < q1; q++) {
         float *yt = ytmp + (q - q0) * m * BCHN;
         if (first)
             for (int64_t i = 0; i < m * BCHN; i++) yt[i] = 0.0f;
         for (int p = 0; p < P; p++) {
             const void *cp;
-            const float *v = NULL;
-            const uint16_t *h16 = NULL;   /* a record's bf16 values (the unrolled kernel widens them) */
+            const float *v;
             int64_t ls;   /* stride between a pattern's value rows */
             if (i16) {
                 /* record: [n][w] values then [w] int16, indexed from t0 like the table; bf16
-                 * values widened as the unrolled kernel broadcasts them at n = 1, else into
-                 * wbuf (n * w floats, in L1). bf16 / float32 values, fp32 x, tiled, 2 threads:
-                 * 1:10 0.94-0.96x in wbuf, 0.97-0.99x inline; 2:4 0.93x in wbuf, 0.90x inline */
+                 * values widened into wbuf (n * w floats, in L1) */
                 const char *r = tblk + (q * P + p) * rec;
                 const int64_t w = t1 - t0;
-                if (vb == 2 && kfix && n == 1) {
-                    h16 = (const uint16_t *)(const void *)r;
-                } else if (vb == 2) {
+                if (vb == 2) {
                     nm_widen_bf16((const uint16_t *)(const void *)r, wbuf, n * w);
                     v = wbuf - t0;
                 } else {
@@ -264,8 +313,7 @@ static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, in
                 /* pf a constant in each call: no per-slot branch */
                 if (kfix) {
                     const int16_t *c16 = (const int16_t *)cp + t0;
-                    const float *vj = h16 ? NULL : v + (int64_t)j0 * ls + t0;
-                    const uint16_t *hj = h16 ? h16 + (int64_t)j0 * ls : NULL;
+                    const float *vj = v + (int64_t)j0 * ls + t0;
                     NMC_DISPATCHK
                 } else {
                     const float *vj = v + (int64_t)j0 * ls;

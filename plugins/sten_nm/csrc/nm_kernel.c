@@ -242,28 +242,6 @@ static inline void transpose4(const float *x, int64_t ldx, float *d, int64_t ldd
 
 #ifdef STEN_NM_X86
 #include <immintrin.h>
-/* d[j * ldd + i] = r[i][j] for i, j < 8: an AVX 8 x 8 transpose (three shuffle stages). */
-__attribute__((target("avx2"), always_inline)) static inline void store_transposed8(const __m256 r[8], float *d,
-                                                                                    int64_t ldd)
-{
-    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    _mm256_storeu_ps(d, _mm256_permute2f128_ps(u0, u4, 0x20));
-    _mm256_storeu_ps(d + ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
-    _mm256_storeu_ps(d + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
-    _mm256_storeu_ps(d + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
-    _mm256_storeu_ps(d + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
-    _mm256_storeu_ps(d + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
-    _mm256_storeu_ps(d + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
-    _mm256_storeu_ps(d + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
-}
-
 /* pack_panel's whole-chunk case with AVX 8 x 8 transposes (bch % 8 == 0; only where the
  * AVX2 or AVX-512 table runs): blocks of 16 columns from c0 while they fit below cend;
  * returns the first column left (for the 4 x 4 / scalar code). Three shuffle stages per 64
@@ -283,7 +261,7 @@ __attribute__((target("avx2"))) static int64_t pack_panel_avx8(const float *X, i
             for (int h = 0; h < 16; h += 8) {
                 __m256 r[8];
                 for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(x + i * ldx + h);
-                store_transposed8(r, dst + (c + h - c0) * bch + bi, bch);
+                store_transposed8(r, dst + (c + h - c0) * bch + bi, bch, NULL);
             }
         }
     return c;
@@ -309,11 +287,12 @@ __attribute__((target("avx2"))) static int64_t pack_panel_bf16_avx8(const uint16
                     const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(x + i * ldx + h));
                     r[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
                 }
-                store_transposed8(r, dst + (c + h - c0) * bch + bi, bch);
+                store_transposed8(r, dst + (c + h - c0) * bch + bi, bch, NULL);
             }
         }
     return c;
 }
+
 #endif
 
 /* dst[c - c0][bi] = X[b0 + bi][c] for bi < bch, c in [c0, c1) (0 past B or C). */
@@ -1172,6 +1151,12 @@ static void cg_store_unit(const nm_colgrouped *W, const float *ytmp, int64_t B, 
 {
     const int64_t bmax = B - bc * bch < bch ? B - bc * bch : bch;
     const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N;
+#ifdef STEN_NM_X86
+    if (table()->vw >= 8) {
+        nm_store_transposed_avx8(ytmp, bch, r1 - r0, bmax, Y + bc * bch * ldy + r0, ldy, bias ? bias + r0 : NULL);
+        return;
+    }
+#endif
     nm_store_transposed(ytmp, bch, r1 - r0, bmax, Y + bc * bch * ldy + r0, ldy, bias ? bias + r0 : NULL);
 }
 

@@ -87,8 +87,9 @@ def colgrouped_gather_bf16x(W: _kernel.NMColGrouped, X: torch.Tensor, bias: Opti
                             nthreads: Optional[int] = None, variant: str = "auto") -> torch.Tensor:
     """``Y = X W^T (+ bias)`` (float32 ``[B, N]``) for bfloat16 ``X`` ``[B, K]`` read by the
     kernel, ``W`` a column-grouped descriptor (:func:`sten_nm._kernel.colgrouped`).
-    ``variant``: the loop order where x is widened (:func:`sten_nm._kernel.colgrouped_gather`);
-    the ``vdpbf16ps`` path (:func:`bf16_dot`, bf16 values) keeps its own."""
+    ``variant``: the loop order (:func:`sten_nm._kernel.colgrouped_gather`); with bf16 values
+    where :func:`bf16_dot` is on, ``"stream"`` (and ``"auto"`` resolving to it) runs the
+    ``vdpbf16ps`` path and ``"tiled"`` widens x into the float32 kernel's tiled order."""
     if variant not in _kernel.CG_VARIANTS:
         raise ValueError(f"variant must be one of {sorted(_kernel.CG_VARIANTS)}, got {variant!r}")
     X = _bf16_x(X, W.K)

@@ -160,22 +160,24 @@ def test_out_of_range_columns_are_refused():
 @pytest.mark.parametrize("vdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["stream", "tiled"])
 def test_widened_x_in_each_loop_order_on_tiles(isa, vdtype, variant, monkeypatch):
-    """The widening path (fp32 values, or the dot path off) runs the float32 driver's loop
-    orders, on the tile-major packed weight too (bf16 values kept bf16 there): equal to the
-    product of the widened operands, whole batch chunks and a partial one."""
+    """The widening path (fp32 values, the dot path off, or the tiled order) runs the float32
+    driver's loop orders, on the tile-major packed weight too (bf16 values kept bf16 there):
+    equal to the product of the widened operands, whole batch chunks and a partial one."""
     from sten_nm._cg_tiles import with_tiles
 
     before = _bf16x.bf16_dot_enabled()
-    _bf16x.set_bf16_dot(False)
-    try:
-        for n, m in ((2, 4), (1, 10)):
-            t = ColumnGroupedNMTensor.from_dense(torch.randn(37, 450).to(vdtype), n, m)
-            x, b = torch.randn(150, 450).bfloat16(), torch.randn(37)
-            for d in (t.desc(), with_tiles(t.desc(), 150, variant)):
-                y = _bf16x.colgrouped_gather_bf16x(d, x, b, variant=variant)
-                torch.testing.assert_close(y, _ref(x, t, b), rtol=1e-5, atol=1e-4)
-    finally:
-        _bf16x.set_bf16_dot(before)
+    # dot off; and with the dot path on where the CPU has it, the tiled order still widens
+    for dot in (False, True) if _bf16x.bf16_dot_supported() else (False,):
+        _bf16x.set_bf16_dot(dot)
+        try:
+            for n, m in ((2, 4), (1, 10)):
+                t = ColumnGroupedNMTensor.from_dense(torch.randn(37, 450).to(vdtype), n, m)
+                x, b = torch.randn(150, 450).bfloat16(), torch.randn(37)
+                for d in (t.desc(), with_tiles(t.desc(), 150, variant)):
+                    y = _bf16x.colgrouped_gather_bf16x(d, x, b, variant=variant)
+                    torch.testing.assert_close(y, _ref(x, t, b), rtol=1e-5, atol=1e-4)
+        finally:
+            _bf16x.set_bf16_dot(before)
     with pytest.raises(ValueError, match="variant"):
         _bf16x.colgrouped_gather_bf16x(t.desc(), x, variant="fast")
 

@@ -16,7 +16,7 @@ from sten_nm._cg_tiles import with_tiles
 
 from conftest import requires_kernel
 
-PATTERNS = [(1, 2), (2, 4), (1, 4), (3, 4), (2, 8), (1, 10)]
+PATTERNS = [(1, 2), (2, 4), (1, 4), (3, 4), (4, 5), (2, 8), (1, 10)]
 # (variant, environment): default tiles (multiples of 16 slots: the unrolled pass kernel),
 # 1-slot tiles, the smallest default tile (16 slots) with single-row-block units, 8 vectors
 # per batch chunk, 48-slot tiles (three unrolled blocks per pass), full tiles through the
