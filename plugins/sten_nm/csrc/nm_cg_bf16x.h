@@ -65,7 +65,7 @@ int nm_bf16_dot(void)
 
 typedef struct {
     const nm_colgrouped *W; const uint16_t *X; int64_t ldx, B, Kp, bch, nbc;
-    void *xp; float *Y; int64_t ldy; const float *bias; int err; int64_t next;
+    void *xp; float *Y; uint16_t *Y16; int64_t ldy; const float *bias; int err; int64_t next;
 } cgx_args;
 
 #define CGX_PC NM_BF16_PC   /* panel columns per packing unit (the rows' segments stay in L1) */
@@ -242,21 +242,21 @@ static void cgx_task(void *p, int tid, int nth)
 #ifdef STEN_NM_X86   /* the dot path runs only there (nm_bf16_dot) */
         cgx_dot_blocks(W, (const uint16_t *)a->xp + bc * a->Kp * a->bch, a->bch, qa, qe, ytmp);
 #endif
-        cg_store_unit(W, ytmp, a->B, a->bch, bc, qa, qe, a->Y, a->ldy, a->bias);
+        cg_store_unit(W, ytmp, a->B, a->bch, bc, qa, qe, a->Y, a->Y16, a->ldy, a->bias);
     }
     free(ytmp);
 }
 
 /* The dot path's driver: the bf16 panel packed in one parallel region, then the units. */
-static int cgx_dot_driver(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx, float *Y, int64_t ldy,
-                          const float *bias, int nthreads)
+static int cgx_dot_driver(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx, float *Y,
+                          uint16_t *Y16, int64_t ldy, const float *bias, int nthreads)
 {
     const int64_t bch = B > 32 ? 64 : 32;
     const int64_t Kp = (int64_t)W->P * W->L, nbc = (B + bch - 1) / bch;
     const int nth = clamp_threads(nthreads, 2.0 * B * W->Nb * W->n * Kp, W->Nb);
     void *xp = alloc64((size_t)(nbc * Kp * bch) * 2);
     if (!xp) return -3;
-    cgx_args a = {W, X, ldx, B, Kp, bch, nbc, xp, Y, ldy, bias, 0, 0};
+    cgx_args a = {W, X, ldx, B, Kp, bch, nbc, xp, Y, Y16, ldy, bias, 0, 0};
     run_parallel(nth, cgx_pack_task, &a);
     a.next = 0;
     run_parallel(nth, cgx_task, &a);
@@ -266,21 +266,34 @@ static int cgx_dot_driver(const nm_colgrouped *W, int64_t B, const uint16_t *X, 
 
 /* bf16 x: the dot path where it runs (bf16 values, nm_bf16_dot; its own stream order, the
  * variant ignored), else x widened into the float32 driver's panel in the variant's loop
- * order (NM_CG_AUTO: STEN_NM_CG_VARIANT, else stream). */
-int nm_colgrouped_gather_bf16x_variant(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx,
-                                       float *Y, int64_t ldy, const float *bias, int nthreads, int variant)
+ * order (NM_CG_AUTO: STEN_NM_CG_VARIANT, else stream); into float32 Y, or bf16 Y16 (Y NULL). */
+static int cgx_gather(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx, float *Y, uint16_t *Y16,
+                      int64_t ldy, const float *bias, int nthreads, int variant)
 {
     if (cg_check_shape(W) || B < 0 || variant < NM_CG_AUTO || variant > NM_CG_TILED) return -1;
     if (B == 0 || W->N == 0) return 0;
     if (W->K == 0 || W->L == 0) {
-        fill_with_bias(Y, B, W->N, ldy, bias);
+        if (Y16) fill_with_bias_bf16(Y16, B, W->N, ldy, bias);
+        else fill_with_bias(Y, B, W->N, ldy, bias);
         return 0;
     }
     if (variant == NM_CG_AUTO) variant = (int)env_int("STEN_NM_CG_VARIANT", NM_CG_STREAM);
     /* the dot path runs in the stream order; the tiled order widens x (the tuner picks) */
     if (W->vtype == NM_BF16 && nm_bf16_dot() && variant != NM_CG_TILED)
-        return cg_check_tables(W, 1) ? -1 : cgx_dot_driver(W, B, X, ldx, Y, ldy, bias, nthreads);
-    return cg_gather_driver(W, B, X, 1, ldx, Y, ldy, bias, nthreads, variant, 1);
+        return cg_check_tables(W, 1) ? -1 : cgx_dot_driver(W, B, X, ldx, Y, Y16, ldy, bias, nthreads);
+    return cg_gather_driver(W, B, X, 1, ldx, Y, Y16, ldy, bias, nthreads, variant, 1);
+}
+
+int nm_colgrouped_gather_bf16x_variant(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                                       float *Y, int64_t ldy, const float *bias, int nthreads, int variant)
+{
+    return cgx_gather(W, B, X, ldx, Y, NULL, ldy, bias, nthreads, variant);
+}
+
+int nm_colgrouped_gather_bf16x_out16(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                                     uint16_t *Y, int64_t ldy, const float *bias, int nthreads, int variant)
+{
+    return cgx_gather(W, B, X, ldx, NULL, Y, ldy, bias, nthreads, variant);
 }
 
 int nm_colgrouped_gather_bf16x(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx,

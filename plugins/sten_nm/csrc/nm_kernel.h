@@ -146,10 +146,14 @@ int nm_grouped_gather_bf16x_out16(const nm_grouped *W, int64_t B, const uint16_t
  * pairs; otherwise x widened while packing and the float32 kernel (csrc/nm_cg_bf16x.h). */
 int nm_colgrouped_gather_bf16x(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx,
                                float *Y, int64_t ldy, const float *bias, int nthreads);
-/* nm_colgrouped_gather_bf16x in a loop order (nm_colgrouped_gather_variant_f32's variant) where
- * x is widened; the vdpbf16ps path keeps its own order. */
+/* nm_colgrouped_gather_bf16x in a loop order (nm_colgrouped_gather_variant_f32's variant): with
+ * bf16 values where vdpbf16ps runs, NM_CG_STREAM (or AUTO resolving to it) on it, NM_CG_TILED
+ * with x widened. _out16: a bfloat16 result (uint16_t [B][N], ldy), each unit rounded as it
+ * is written; the same bits as rounding the float32 result. */
 int nm_colgrouped_gather_bf16x_variant(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx,
                                        float *Y, int64_t ldy, const float *bias, int nthreads, int variant);
+int nm_colgrouped_gather_bf16x_out16(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx,
+                                     uint16_t *Y, int64_t ldy, const float *bias, int nthreads, int variant);
 /* Whether bf16 x with bf16 values runs on vdpbf16ps now (CPU has it, ISA avx512, not off). */
 int nm_bf16_dot(void);
 /* nm_tgather_f32 / nm_grouped_tgather_f32 (input gradients) for values in bfloat16 bits:

@@ -34,6 +34,8 @@ def _lib() -> ctypes.CDLL:
         lib.nm_colgrouped_gather_bf16x.restype = ctypes.c_int
         lib.nm_colgrouped_gather_bf16x_variant.argtypes = lib.nm_colgrouped_gather_bf16x.argtypes + [ctypes.c_int]
         lib.nm_colgrouped_gather_bf16x_variant.restype = ctypes.c_int
+        lib.nm_colgrouped_gather_bf16x_out16.argtypes = lib.nm_colgrouped_gather_bf16x_variant.argtypes
+        lib.nm_colgrouped_gather_bf16x_out16.restype = ctypes.c_int
         lib.nm_bf16_dot.restype = ctypes.c_int
         lib.nm_bf16_dot_enabled.restype = ctypes.c_int
         lib.nm_bf16_dot_supported.restype = ctypes.c_int
@@ -84,18 +86,22 @@ def set_bf16_dot(on: bool) -> None:
 
 
 def colgrouped_gather_bf16x(W: _kernel.NMColGrouped, X: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                            nthreads: Optional[int] = None, variant: str = "auto") -> torch.Tensor:
-    """``Y = X W^T (+ bias)`` (float32 ``[B, N]``) for bfloat16 ``X`` ``[B, K]`` read by the
-    kernel, ``W`` a column-grouped descriptor (:func:`sten_nm._kernel.colgrouped`).
+                            nthreads: Optional[int] = None, variant: str = "auto",
+                            out_bf16: bool = False) -> torch.Tensor:
+    """``Y = X W^T (+ bias)`` (float32 ``[B, N]``, or with ``out_bf16`` bfloat16, rounded as the
+    kernel writes it: the same bits as ``.bfloat16()`` of the float32 result) for bfloat16
+    ``X`` ``[B, K]`` read by the kernel, ``W`` a column-grouped descriptor
+    (:func:`sten_nm._kernel.colgrouped`).
     ``variant``: the loop order (:func:`sten_nm._kernel.colgrouped_gather`); with bf16 values
     where :func:`bf16_dot` is on, ``"stream"`` (and ``"auto"`` resolving to it) runs the
     ``vdpbf16ps`` path and ``"tiled"`` widens x into the float32 kernel's tiled order."""
     if variant not in _kernel.CG_VARIANTS:
         raise ValueError(f"variant must be one of {sorted(_kernel.CG_VARIANTS)}, got {variant!r}")
     X = _bf16_x(X, W.K)
-    Y = torch.empty((X.shape[0], W.N), dtype=torch.float32)
+    Y = torch.empty((X.shape[0], W.N), dtype=torch.bfloat16 if out_bf16 else torch.float32)
     b = bias.contiguous().float() if bias is not None else None
-    rc = _lib().nm_colgrouped_gather_bf16x_variant(
+    lib = _lib()
+    rc = (lib.nm_colgrouped_gather_bf16x_out16 if out_bf16 else lib.nm_colgrouped_gather_bf16x_variant)(
         ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0) if W.K else 1, Y.data_ptr(), Y.stride(0) if W.N else 1,
         b.data_ptr() if b is not None else None, _kernel._threads(nthreads), _kernel.CG_VARIANTS[variant])
     _kernel._check(rc, "nm_colgrouped_gather_bf16x")

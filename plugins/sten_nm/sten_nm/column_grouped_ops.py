@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -146,13 +147,8 @@ def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Ten
     c = _compute_dtype(dtype)
     if c == torch.float32 and _kernel.available()[0]:   # the C kernel (float32 accumulation)
         x2 = _rows(x)
-        desc = W.desc(amp)
-        if x2.dtype == torch.bfloat16 and _bf16x.bf16_dot() and desc.vtype == _kernel.VTYPES[torch.bfloat16]:
-            if observing():   # bf16 x and values on vdpbf16ps: its own loop order
-                note(f"sten_nm: nm_colgrouped_gather_bf16x ({_kernel.isa()}, vdpbf16ps, not tuned)")
-            y2 = _bf16x.colgrouped_gather_bf16x(desc, x2, bias)
-        else:   # float32 x, or bf16 x widened while the kernel packs it
-            y2 = _tuned_forward(W, desc, x2, bias)
+        # a bf16 result rounded by the kernel as it writes each block (no float32 pass)
+        y2 = _tuned_forward(W, W.desc(amp), x2, bias, out_bf16=dtype == torch.bfloat16 and x2.dtype == dtype)
     else:
         if observing():
             note(f"sten_nm: per-pattern torch products in {c} (no C kernel for this dtype)")
@@ -165,16 +161,20 @@ def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Ten
 
 
 def _tuned_forward(W: ColumnGroupedNMTensor, desc: Any, x2: torch.Tensor,
-                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+                   bias: Optional[torch.Tensor], out_bf16: bool = False) -> torch.Tensor:
     """The C forward in the faster of its loop orders (``"stream"``: all slots per pass over
     few row blocks; ``"tiled"``: an L1 tile of x swept by many row blocks), timed once per
     (shape, pattern, batch bucket, dtype, threads, ISA) and cached (:mod:`sten_nm.tuning`);
-    ``STEN_NM_TUNE=0``: ``STEN_NM_CG_VARIANT`` or stream."""
+    ``STEN_NM_TUNE=0``: ``STEN_NM_CG_VARIANT`` or stream. bf16 x: widened while the kernel
+    packs it, or (bf16 values, the stream order, :func:`sten_nm._bf16x.bf16_dot` on) read
+    by ``vdpbf16ps``: 3072x768 1:10 ran 0.93x the float32 forward there, the tiled order
+    with x widened 1.0x."""
     B, (N, K) = x2.shape[0], W.shape
     dt = "bfloat16" if desc.vtype == _kernel.VTYPES[torch.bfloat16] else "float32"
     gather = _kernel.colgrouped_gather
-    if x2.dtype == torch.bfloat16:   # x widened in the kernel's pack
-        dt, gather = f"{dt} x=bfloat16", _bf16x.colgrouped_gather_bf16x
+    if x2.dtype == torch.bfloat16:   # x widened in the kernel's pack, or read by vdpbf16ps
+        dt = f"{dt} x=bfloat16" + (" out=bfloat16" if out_bf16 else "")
+        gather = functools.partial(_bf16x.colgrouped_gather_bf16x, out_bf16=out_bf16)
     k = tuning.key("cg_fwd", N, K, W.n, W.m, True, B, dt, torch.get_num_threads(), _kernel.isa())
     # each order on the weight's tile-major packed copy for its slot tile (sten_nm._cg_tiles)
     run = {v: (lambda v=v: gather(with_tiles(desc, B, v), x2, bias, variant=v)) for v in ("stream", "tiled")}

@@ -114,6 +114,28 @@ def test_f_linear_bf16_in_bf16_out(path):
     torch.testing.assert_close(y.float(), exact, rtol=2 ** -8, atol=1e-3)
 
 
+@pytest.mark.parametrize("variant", ["stream", "tiled"])
+@pytest.mark.parametrize("vdtype", [torch.float32, torch.bfloat16])
+def test_bf16_result_is_the_rounded_float32_result(path, variant, vdtype):
+    """out_bf16: the kernel rounds each block as it writes it: bit for bit the float32 result
+    rounded (round to nearest even), with bias, on the tile-major packed weight too, for N and B
+    off the 8 x 8 write-out blocks and a row stride past N; the empty contraction is the bias."""
+    from sten_nm._cg_tiles import with_tiles
+
+    for (N, K, B), nm in (((37, 450, 150), (2, 4)), ((203, 300, 70), (1, 10)), ((8, 64, 1), (1, 4))):
+        t = ColumnGroupedNMTensor.from_dense(torch.randn(N, K).to(vdtype), *nm)
+        x, b = torch.randn(B, K).bfloat16(), torch.randn(N)
+        for d in (t.desc(), with_tiles(t.desc(), B, variant)):
+            y32 = _bf16x.colgrouped_gather_bf16x(d, x, b, variant=variant)
+            y16 = _bf16x.colgrouped_gather_bf16x(d, x, b, variant=variant, out_bf16=True)
+            assert y16.dtype == torch.bfloat16 and y16.shape == (B, N)
+            assert torch.equal(y16.view(torch.int16), y32.bfloat16().view(torch.int16))
+    e = ColumnGroupedNMTensor.from_dense(torch.randn(5, 0).to(vdtype), 1, 4)
+    b = torch.randn(5)
+    y = _bf16x.colgrouped_gather_bf16x(e.desc(), torch.randn(3, 0).bfloat16(), b, out_bf16=True)
+    assert torch.equal(y, b.bfloat16().expand(3, 5))
+
+
 @pytest.mark.parametrize("sparse_grad", [False, True])
 def test_autocast_values_and_gradients(path, sparse_grad):
     """fp32 weight under bf16 autocast: x and the weight rounded to bf16 (the dot path's
