@@ -264,9 +264,9 @@ static int cgx_dot_driver(const nm_colgrouped *W, int64_t B, const uint16_t *X, 
     return a.err;
 }
 
-/* bf16 x: the dot path where it runs (bf16 values, nm_bf16_dot; its own stream order, the
- * variant ignored), else x widened into the float32 driver's panel in the variant's loop
- * order (NM_CG_AUTO: STEN_NM_CG_VARIANT, else stream); into float32 Y, or bf16 Y16 (Y NULL). */
+/* bf16 x: the dot path where it runs (bf16 values, nm_bf16_dot) in the stream order, else x
+ * widened into the float32 driver's panel in the variant's loop order (NM_CG_AUTO:
+ * STEN_NM_CG_VARIANT, else stream); into float32 Y, or bf16 Y16 (Y NULL). */
 static int cgx_gather(const nm_colgrouped *W, int64_t B, const uint16_t *X, int64_t ldx, float *Y, uint16_t *Y16,
                       int64_t ldy, const float *bias, int nthreads, int variant)
 {

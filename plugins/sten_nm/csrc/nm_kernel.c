@@ -292,7 +292,6 @@ __attribute__((target("avx2"))) static int64_t pack_panel_bf16_avx8(const uint16
         }
     return c;
 }
-
 #endif
 
 /* dst[c - c0][bi] = X[b0 + bi][c] for bi < bch, c in [c0, c1) (0 past B or C). */
@@ -1143,8 +1142,6 @@ static void cgg_panel_ready(cgg_args *a, int64_t bc)
     while (__atomic_load_n(&a->packed[bc], __ATOMIC_ACQUIRE) != 2) sched_yield();
 }
 
-/* Units (batch chunk, qb row blocks); per unit the blocks' rows are accumulated in ytmp,
- * slot range after slot range (kt slots of every pattern per pass), then written. */
 static void round_span(const float *y, uint16_t *y16, int64_t n);   /* nm_bf16.h */
 
 /* Y[b * ldy + r] = src[r * lds + b] (+ bias[r]) for r < nr, b < nb (nm_transpose.h) */
@@ -1185,6 +1182,8 @@ static void cg_store_unit(const nm_colgrouped *W, const float *ytmp, int64_t B, 
     }
 }
 
+/* Units (batch chunk, qb row blocks); per unit the blocks' rows are accumulated in ytmp,
+ * slot range after slot range (kt slots of every pattern per pass), then written. */
 static void cgg_task(void *p, int tid, int nth)
 {
     cgg_args *a = (cgg_args *)p;
