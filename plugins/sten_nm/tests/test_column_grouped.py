@@ -252,6 +252,29 @@ def test_c_forward_variants_bf16_and_larger(isa, variant, monkeypatch):
     with pytest.raises(ValueError, match="variant must be one of"):
         _kernel.colgrouped_gather(t.desc(), x, variant="fast")
 
+@requires_kernel
+@pytest.mark.parametrize("variant", ["stream", "tiled"])
+@pytest.mark.parametrize("B,threads", [(64, 3), (200, 3), (256, 3), (400, 2), (256, 2)])
+def test_c_forward_whole_and_shared_batch_chunks(isa, variant, B, threads, monkeypatch):
+    """Units of the forward: batch chunks packed into each thread's own panel, and chunks
+    split in row-block groups over a shared panel (fewer chunks than threads: B = 64; one
+    or more left over: 4 chunks on 3 threads, 7 on 2), bf16 x included, against dense."""
+    from sten_nm import _kernel
+    from sten_nm._bf16x import colgrouped_gather_bf16x
+
+    monkeypatch.setenv("STEN_NM_CG_QB", "3")   # several row-block groups per chunk
+    monkeypatch.setenv("STEN_NM_CG_NVI", "3")  # 64-row batch chunks on every ISA with 16-float vectors
+    for n, m in ((2, 4), (1, 10)):
+        t = ColumnGroupedNMTensor.from_dense(torch.randn(200, 1000), n, m)
+        x, b = torch.randn(B, 1000), torch.randn(200)
+        ref = F.linear(x, t.to_dense(), b)
+        torch.testing.assert_close(_kernel.colgrouped_gather(t.desc(), x, b, nthreads=threads, variant=variant),
+                                   ref, rtol=1e-4, atol=1e-4)
+        xh = x.bfloat16()
+        torch.testing.assert_close(colgrouped_gather_bf16x(t.desc(), xh, b, nthreads=threads, variant=variant),
+                                   F.linear(xh.float(), t.to_dense(), b), rtol=1e-4, atol=1e-4)
+
+
 
 def test_forward_variant_is_tuned_and_cached(tmp_path, monkeypatch):
     """F.linear's C forward times both loop orders once per shape and caches the choice."""
