@@ -196,13 +196,13 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_rows_kt, SUF, NV)(
 #endif
 
 /* A tiled pass over full packed tiles (w slots, a multiple of NMC_KT) of row blocks [q0, q1):
- * records (q, p) in order, NJ = n rows each (a compile-time constant). BF: bf16 values,
- * widened as each is broadcast at n = 1, else per record into wbuf (NJ * w floats, in L1):
- * bf16 values / float32 values, fp32 x, tiled, 2 threads: 1:10 0.94-0.96x in wbuf,
- * 0.97-0.99x inline; 2:4 0.93x in wbuf, 0.90x inline. */
+ * records (q, p) in order, NJ = n rows each (a compile-time constant). BF: bf16 values in
+ * the records (n = 1 only, nm_cg_tile_vb), widened as each is broadcast: bf16 values /
+ * float32 values, fp32 x, tiled, 2 threads: 1:10 0.97-0.99x, against 0.94-0.96x widened per
+ * record into a buffer first. */
 static inline __attribute__((always_inline)) void NMC_CAT(cgg_pass_kt, SUF, NV)(
     const nm_colgrouped *W, const float *pan, const char *tblk, int64_t rec, int64_t q0, int64_t q1,
-    int64_t w, float *ytmp, int first, float *wbuf, const int NJ, const int BF)
+    int64_t w, float *ytmp, int first, const int NJ, const int BF)
 {
     const int P = W->P, m = W->m;
     const int64_t vo = nm_cg_tile_values(NJ, w, BF ? 2 : 4);
@@ -216,12 +216,7 @@ static inline __attribute__((always_inline)) void NMC_CAT(cgg_pass_kt, SUF, NV)(
             float *out[4] = {yt, yt, yt, yt};
             for (int j = 0; j < NJ; j++) out[j] = yt + (int64_t)rows[j] * BCHN;
             const int16_t *cols = (const int16_t *)(const void *)(r + vo);
-            if (BF && NJ > 1) {
-                nm_widen_bf16((const uint16_t *)(const void *)r, wbuf, NJ * w);
-                NMC_CAT(cgg_rows_kt, SUF, NV)(pan, cols, wbuf, w, out, NJ, 0);
-            } else {
-                NMC_CAT(cgg_rows_kt, SUF, NV)(pan, cols, r, w, out, NJ, BF);
-            }
+            NMC_CAT(cgg_rows_kt, SUF, NV)(pan, cols, r, w, out, NJ, BF);
         }
     }
 }
@@ -236,7 +231,7 @@ static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, in
     const int first = flags & NM_CG_FIRST, pf = !(flags & NM_CG_IN_L1), i16 = !!(flags & NM_CG_TILES);
     const int n = W->n, m = W->m, P = W->P;
     const int64_t L = W->L;
-    const int vb = W->vtype == NM_BF16 ? 2 : 4;   /* bytes per stored value */
+    const int vb = nm_cg_tile_vb(W);   /* bytes per value in the tile records */
     /* tile-major packed form: this pass's block of records and its base column */
     const char *tblk = NULL;
     const float *pan = panel;
@@ -253,10 +248,10 @@ static void NMC_CAT(cgg, SUF, NV)(const nm_colgrouped *W, const float *panel, in
      * (q, p) are contiguous, so no per-pattern set-up beyond the output rows (768x3072, 1
      * thread, AVX-512, passes only: 1:10 4.47 -> 3.71 ms, 2:8 8.0 -> 7.6, 1:4 8.2 -> 7.3) */
     if (kfix && n <= NMC_NJ) {
-#define NMC_PASS_(NJ_, BF_) NMC_CAT(cgg_pass_kt, SUF, NV)(W, pan, tblk, rec, q0, q1, t1 - t0, ytmp, first, wbuf, NJ_, BF_)
-#define NMC_PASS(NJ_) do { if (vb == 2) NMC_PASS_(NJ_, 1); else NMC_PASS_(NJ_, 0); } while (0)
+#define NMC_PASS_(NJ_, BF_) NMC_CAT(cgg_pass_kt, SUF, NV)(W, pan, tblk, rec, q0, q1, t1 - t0, ytmp, first, NJ_, BF_)
+#define NMC_PASS(NJ_) NMC_PASS_(NJ_, 0)
         switch (n) {
-        case 1: NMC_PASS(1); break;
+        case 1: if (vb == 2) NMC_PASS_(1, 1); else NMC_PASS(1); break;
 #if NMC_NJ >= 2
         case 2: NMC_PASS(2); break;
 #endif

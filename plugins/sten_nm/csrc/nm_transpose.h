@@ -47,14 +47,21 @@ static inline void nm_store_transposed(const float *src, int64_t lds, int64_t nr
             Y[b * ldy + r] = src[r * lds + b] + (bias ? bias[r] : 0.0f);
 }
 
+/* float32 -> bfloat16 bits, round to nearest even, NaN -> 0x7fc0 (torch's scalar
+ * rounding; its vectorised one gives 0xffff, also a NaN); branch-free so loops vectorise */
+static inline uint16_t f32_to_bf16_rne(uint32_t u)
+{
+    const uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(nan ? 0x7fc0u : r);
+}
+
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
-/* d[j * ldd + i] = r[i][j] (+ add[i], add NULL: nothing added) for i, j < 8: an AVX 8 x 8
- * transpose (three shuffle stages); only where the AVX2 or AVX-512 table runs. */
-__attribute__((target("avx2"), always_inline)) static inline void store_transposed8(const __m256 r[8], float *d,
-                                                                                    int64_t ldd, const float *add)
+/* o[j][i] = r[i][j] for i, j < 8: an AVX 8 x 8 transpose (three shuffle stages); only where
+ * the AVX2 or AVX-512 table runs. */
+__attribute__((target("avx2"), always_inline)) static inline void nm_transpose8(const __m256 r[8], __m256 o[8])
 {
-#define NM_ST8(v) (add ? _mm256_add_ps((v), _mm256_loadu_ps(add)) : (v))
     const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
     const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
     const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -63,15 +70,49 @@ __attribute__((target("avx2"), always_inline)) static inline void store_transpos
     const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
     const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
     const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    _mm256_storeu_ps(d, NM_ST8(_mm256_permute2f128_ps(u0, u4, 0x20)));
-    _mm256_storeu_ps(d + ldd, NM_ST8(_mm256_permute2f128_ps(u1, u5, 0x20)));
-    _mm256_storeu_ps(d + 2 * ldd, NM_ST8(_mm256_permute2f128_ps(u2, u6, 0x20)));
-    _mm256_storeu_ps(d + 3 * ldd, NM_ST8(_mm256_permute2f128_ps(u3, u7, 0x20)));
-    _mm256_storeu_ps(d + 4 * ldd, NM_ST8(_mm256_permute2f128_ps(u0, u4, 0x31)));
-    _mm256_storeu_ps(d + 5 * ldd, NM_ST8(_mm256_permute2f128_ps(u1, u5, 0x31)));
-    _mm256_storeu_ps(d + 6 * ldd, NM_ST8(_mm256_permute2f128_ps(u2, u6, 0x31)));
-    _mm256_storeu_ps(d + 7 * ldd, NM_ST8(_mm256_permute2f128_ps(u3, u7, 0x31)));
-#undef NM_ST8
+    o[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    o[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    o[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    o[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    o[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    o[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    o[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    o[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* d[j * ldd + i] = r[i][j] (+ add[i], add NULL: nothing added) for i, j < 8 */
+__attribute__((target("avx2"), always_inline)) static inline void store_transposed8(const __m256 r[8], float *d,
+                                                                                    int64_t ldd, const float *add)
+{
+    __m256 o[8];
+    nm_transpose8(r, o);
+    const __m256 a = add ? _mm256_loadu_ps(add) : _mm256_setzero_ps();
+    for (int j = 0; j < 8; j++) _mm256_storeu_ps(d + j * ldd, add ? _mm256_add_ps(o[j], a) : o[j]);
+}
+
+/* f32_to_bf16_rne of 8 floats (the same bits) */
+__attribute__((target("avx2"), always_inline)) static inline __m128i nm_bf16_rne8(__m256 v)
+{
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i y = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    const __m256i p = _mm256_packus_epi32(y, y);   /* per lane: y0..y3 y0..y3 | y4..y7 y4..y7 */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08));   /* quadwords 0 and 2 */
+}
+
+/* store_transposed8 rounded to bfloat16 bits (f32_to_bf16_rne) */
+__attribute__((target("avx2"), always_inline)) static inline void store_transposed8_bf16(const __m256 r[8],
+                                                                                         uint16_t *d, int64_t ldd,
+                                                                                         const float *add)
+{
+    __m256 o[8];
+    nm_transpose8(r, o);
+    const __m256 a = add ? _mm256_loadu_ps(add) : _mm256_setzero_ps();
+    for (int j = 0; j < 8; j++)
+        _mm_storeu_si128((__m128i *)(void *)(d + j * ldd), nm_bf16_rne8(add ? _mm256_add_ps(o[j], a) : o[j]));
 }
 
 /* nm_store_transposed with AVX 8 x 8 transposes on whole 8 x 8 blocks, the edges by the
@@ -90,6 +131,29 @@ __attribute__((target("avx2"))) static inline void nm_store_transposed_avx8(cons
         }
     if (r8 < nr) nm_store_transposed(src + r8 * lds, lds, nr - r8, b8, Y + r8, ldy, bias ? bias + r8 : NULL);
     if (b8 < nb) nm_store_transposed(src + b8, lds, nr, nb - b8, Y + b8 * ldy, ldy, bias);
+}
+
+/* nm_store_transposed_avx8 rounded to bfloat16 bits (f32_to_bf16_rne) as each 8 x 8 block is
+ * written, the edges one value at a time: Y16[b * ldy + r] = bf16(src[r * lds + b] (+ bias[r])) */
+__attribute__((target("avx2"))) static inline void nm_store_transposed_avx8_bf16(const float *src, int64_t lds,
+                                                                                 int64_t nr, int64_t nb,
+                                                                                 uint16_t *Y16, int64_t ldy,
+                                                                                 const float *bias)
+{
+    const int64_t r8 = nr & ~(int64_t)7, b8 = nb & ~(int64_t)7;
+    for (int64_t b = 0; b < b8; b += 8)
+        for (int64_t r = 0; r < r8; r += 8) {
+            __m256 v[8];
+            for (int i = 0; i < 8; i++) v[i] = _mm256_loadu_ps(src + (r + i) * lds + b);
+            store_transposed8_bf16(v, Y16 + b * ldy + r, ldy, bias ? bias + r : NULL);
+        }
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t r = b < b8 ? r8 : 0; r < nr; r++) {
+            const float f = src[r * lds + b] + (bias ? bias[r] : 0.0f);
+            uint32_t u;
+            __builtin_memcpy(&u, &f, sizeof u);
+            Y16[b * ldy + r] = f32_to_bf16_rne(u);
+        }
 }
 #endif
 #endif

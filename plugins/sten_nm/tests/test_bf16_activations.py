@@ -136,6 +136,22 @@ def test_bf16_result_is_the_rounded_float32_result(path, variant, vdtype):
     assert torch.equal(y, b.bfloat16().expand(3, 5))
 
 
+@pytest.mark.parametrize("variant", ["stream", "tiled"])
+def test_bf16_result_rounds_specials_like_the_scalar_rounding(path, variant):
+    """out_bf16 on a zero weight: the result is the bias, rounded in the write-out's 8 x 8
+    blocks and at its edges exactly as the scalar rounding (f32_to_bf16): ties to even both
+    ways, the largest floats to infinity, infinities, NaN as 0x7fc0, subnormals."""
+    one = 1.0 + 2.0 ** -8   # halfway between two bf16 values: ties to even (down)
+    specials = [one, 1.0 + 3 * 2.0 ** -8, -one, 3.3895314e38, -3.4028235e38, float("inf"), float("-inf"),
+                float("nan"), 0.0, 1e-45, -1e-45, 65504.0, 1.01171875, 2.0 ** -133, 7.0, -2.5]
+    b = torch.tensor(specials * 3 + specials[:5], dtype=torch.float32)   # 53 rows: blocks and edges
+    t = ColumnGroupedNMTensor.from_dense(torch.zeros(b.numel(), 96), 1, 4)
+    x = torch.zeros(21, 96).bfloat16()
+    y16 = _bf16x.colgrouped_gather_bf16x(t.desc(), x, b, variant=variant, out_bf16=True)
+    ref = _kernel.to_bf16(b).expand(21, -1)
+    assert torch.equal(y16.view(torch.int16), ref.view(torch.int16))
+
+
 @pytest.mark.parametrize("sparse_grad", [False, True])
 def test_autocast_values_and_gradients(path, sparse_grad):
     """fp32 weight under bf16 autocast: x and the weight rounded to bf16 (the dot path's

@@ -37,8 +37,9 @@ def _layout(N: int, K: int, n: int, m: int, g) -> ColumnGroupedNMTensor:
 def _unpack(W: ColumnGroupedNMTensor, buf: torch.Tensor, kt: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Values [Nb, P, n, L] and absolute columns [Nb, P, L] read back from the packed bytes."""
     Nb, P, n, L = W.values().shape
-    dtype = W.values().dtype
-    vb = dtype.itemsize   # float32 or bf16, kept as stored
+    # bf16 values stay bf16 at n = 1 (widened as broadcast), are widened to float32 at n >= 2
+    dtype = W.values().dtype if n == 1 else torch.float32
+    vb = dtype.itemsize
     nt = -(-L // kt)
     hdr = -(-nt * 4 // 64) * 64
     base = buf[:nt * 4].view(torch.int32)
@@ -65,9 +66,10 @@ def _unpack(W: ColumnGroupedNMTensor, buf: torch.Tensor, kt: int) -> tuple[torch
 @pytest.mark.parametrize("kt", [1, 3, 16, 1000])
 @pytest.mark.parametrize("vdtype", [torch.float32, torch.bfloat16])
 def test_packed_layout_holds_values_and_columns(n, m, kt, vdtype):
-    """Every (tile, row block, pattern) record holds the stored values (float32 or bf16, as
-    stored: an odd n * w of bf16 values is padded to 4 bytes) and columns (int16 relative to
-    the tile's base column), the last tile narrower when kt does not divide L."""
+    """Every (tile, row block, pattern) record holds the stored values (float32; bf16 as
+    stored at n = 1, an odd w of them padded to 4 bytes, widened exactly to float32 at n >= 2)
+    and columns (int16 relative to the tile's base column), the last tile narrower when kt
+    does not divide L."""
     from sten_nm import _kernel
 
     W = ColumnGroupedNMTensor.from_dense(torch.randn(21, 203).to(vdtype), n, m, g=3)
@@ -77,7 +79,7 @@ def test_packed_layout_holds_values_and_columns(n, m, kt, vdtype):
     buf = torch.empty(size, dtype=torch.uint8)
     assert lib.nm_colgrouped_pack_tiles(d, kt, buf.data_ptr(), size) == 0
     v, c = _unpack(W, buf, min(kt, W.values().shape[-1]))
-    torch.testing.assert_close(v, W.values(), rtol=0, atol=0)
+    torch.testing.assert_close(v, W.values().to(v.dtype), rtol=0, atol=0)
     assert torch.equal(c, W.columns.long())
     assert lib.nm_colgrouped_pack_tiles(d, kt, buf.data_ptr(), size - 1) == -1   # too small
     assert lib.nm_colgrouped_tiles_bytes(d, 0) == -1
@@ -110,8 +112,9 @@ def test_forward_on_tiles_every_isa(isa, n, m, B, variant, env, monkeypatch):
 @pytest.mark.parametrize("B", [7, 130])
 @pytest.mark.parametrize("variant,env", VARIANTS)
 def test_forward_on_bf16_tiles_every_isa(isa, n, m, B, variant, env, monkeypatch):
-    """bf16 stored values: the tiles keep them bf16 and the pass widens each record; the
-    forward equals the float32 product of the same values (x float32) in each loop order."""
+    """bf16 stored values: the tiles keep them bf16 at n = 1 (widened as broadcast) and hold
+    them widened at n >= 2; the forward equals the float32 product of the same values (x
+    float32) in each loop order."""
     from sten_nm import _kernel
 
     for k, v in env.items():
