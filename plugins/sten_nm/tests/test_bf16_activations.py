@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 import sten_core as sten
 from sten_nm import ColumnGroupedNMTensor, _bf16x, _kernel
-from sten_nm.column_grouped_ops import column_grouped_linear
 
 from conftest import KERNEL_OK, requires_kernel
 
