@@ -41,7 +41,8 @@ def enabled() -> bool:
 def with_tiles(desc: _kernel.NMColGrouped, B: int, variant: str = "auto",
                nthreads: Optional[int] = None) -> _kernel.NMColGrouped:
     """``desc``, or a copy of it that points at its weight's packed tiles for the tile length
-    the forward uses at batch ``B`` in ``variant`` (float32 or bf16 values, kept as stored;
+    the forward uses at batch ``B`` in ``variant`` (float32 values; bf16 ones kept bf16 at
+    n = 1 and widened to float32 at n >= 2, where the pass reads them faster that way;
     passes of fewer slots than a pattern has, i.e. the tiled order; ``desc`` unchanged
     otherwise: the stream order, whose per-pattern rows are already contiguous and measured no
     faster packed, or a tile spanning 32768 columns or more)."""
