@@ -1156,20 +1156,7 @@ static const float *cgg_panel_ready(cgg_args *a, int64_t bc)
 
 static void round_span(const float *y, uint16_t *y16, int64_t n);   /* nm_bf16.h */
 
-/* Y[b * ldy + r] = src[r * lds + b] (+ bias[r]) for r < nr, b < nb (nm_transpose.h) */
-static void cg_store_transposed(const float *src, int64_t lds, int64_t nr, int64_t nb, float *Y, int64_t ldy,
-                                const float *bias)
-{
-#ifdef STEN_NM_X86
-    if (table()->vw >= 8) {
-        nm_store_transposed_avx8(src, lds, nr, nb, Y, ldy, bias);
-        return;
-    }
-#endif
-    nm_store_transposed(src, lds, nr, nb, Y, ldy, bias);
-}
-
-/* rows per block of the bf16 write-out, transposed into an L1 stage, then rounded */
+/* rows per block of the bf16 write-out without AVX: transposed into an L1 stage, then rounded */
 #define CG_STAGE_ROWS 32
 
 /* Rows [qa*m, qe*m) of batch chunk bc (bch columns of ytmp, bch <= 128, the chunk's first
@@ -1181,22 +1168,23 @@ static void cg_store_unit(const nm_colgrouped *W, const float *ytmp, int64_t B, 
                           int64_t qa, int64_t qe, float *Y, uint16_t *Y16, int64_t ldy, const float *bias)
 {
     const int64_t bmax = B - bc * bch < bch ? B - bc * bch : bch;
-    const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N;
-    if (!Y16) {
-        cg_store_transposed(ytmp, bch, r1 - r0, bmax, Y + bc * bch * ldy + r0, ldy, bias ? bias + r0 : NULL);
-        return;
-    }
+    const int64_t r0 = qa * W->m, r1 = qe * W->m < W->N ? qe * W->m : W->N, y0 = bc * bch * ldy + r0;
 #ifdef STEN_NM_X86
-    if (table()->vw >= 8) {   /* rounded in the 8 x 8 transposes (3072x768 1:10, 2 threads: the
-                               * staged rounding below ran 0.97x the float32 result's forward) */
-        nm_store_transposed_avx8_bf16(ytmp, bch, r1 - r0, bmax, Y16 + bc * bch * ldy + r0, ldy, bias ? bias + r0 : NULL);
+    if (table()->vw >= 8) {   /* a bf16 result rounded in the 8 x 8 transposes (3072x768 1:10, 2
+                               * threads: the staged rounding below ran 0.97x the float32 forward) */
+        nm_store_transposed_avx8(ytmp, bch, r1 - r0, bmax, Y16 ? NULL : Y + y0, Y16 ? Y16 + y0 : NULL, ldy,
+                                 bias ? bias + r0 : NULL);
         return;
     }
 #endif
+    if (!Y16) {
+        nm_store_transposed(ytmp, bch, r1 - r0, bmax, Y + y0, ldy, bias ? bias + r0 : NULL);
+        return;
+    }
     float stage[128 * CG_STAGE_ROWS] __attribute__((aligned(64)));
     for (int64_t r = r0; r < r1; r += CG_STAGE_ROWS) {
         const int64_t nr = r1 - r < CG_STAGE_ROWS ? r1 - r : CG_STAGE_ROWS;
-        cg_store_transposed(ytmp + (r - r0) * bch, bch, nr, bmax, stage, CG_STAGE_ROWS, bias ? bias + r : NULL);
+        nm_store_transposed(ytmp + (r - r0) * bch, bch, nr, bmax, stage, CG_STAGE_ROWS, bias ? bias + r : NULL);
         for (int64_t b = 0; b < bmax; b++) round_span(stage + b * CG_STAGE_ROWS, Y16 + (bc * bch + b) * ldy + r, nr);
     }
 }

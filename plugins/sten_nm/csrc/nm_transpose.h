@@ -115,38 +115,28 @@ __attribute__((target("avx2"), always_inline)) static inline void store_transpos
         _mm_storeu_si128((__m128i *)(void *)(d + j * ldd), nm_bf16_rne8(add ? _mm256_add_ps(o[j], a) : o[j]));
 }
 
-/* nm_store_transposed with AVX 8 x 8 transposes on whole 8 x 8 blocks, the edges by the
- * 4 x 4 code; only where the AVX2 or AVX-512 table runs. The paper format's output at
- * 3072x768 1:10 (1 thread): 0.54-0.72 -> 0.38-0.46 ms. */
+/* nm_store_transposed with AVX 8 x 8 transposes on whole 8 x 8 blocks into Y, or into Y16
+ * (Y NULL) rounded to bfloat16 bits (f32_to_bf16_rne) as each block is written; the edges by
+ * the 4 x 4 code, or one value at a time into Y16; only where the AVX2 or AVX-512 table runs.
+ * The paper format's output at 3072x768 1:10 (1 thread): 0.54-0.72 -> 0.38-0.46 ms. */
 __attribute__((target("avx2"))) static inline void nm_store_transposed_avx8(const float *src, int64_t lds,
                                                                             int64_t nr, int64_t nb, float *Y,
-                                                                            int64_t ldy, const float *bias)
+                                                                            uint16_t *Y16, int64_t ldy,
+                                                                            const float *bias)
 {
     const int64_t r8 = nr & ~(int64_t)7, b8 = nb & ~(int64_t)7;
     for (int64_t b = 0; b < b8; b += 8)
         for (int64_t r = 0; r < r8; r += 8) {
             __m256 v[8];
             for (int i = 0; i < 8; i++) v[i] = _mm256_loadu_ps(src + (r + i) * lds + b);
-            store_transposed8(v, Y + b * ldy + r, ldy, bias ? bias + r : NULL);
+            if (Y16) store_transposed8_bf16(v, Y16 + b * ldy + r, ldy, bias ? bias + r : NULL);
+            else store_transposed8(v, Y + b * ldy + r, ldy, bias ? bias + r : NULL);
         }
-    if (r8 < nr) nm_store_transposed(src + r8 * lds, lds, nr - r8, b8, Y + r8, ldy, bias ? bias + r8 : NULL);
-    if (b8 < nb) nm_store_transposed(src + b8, lds, nr, nb - b8, Y + b8 * ldy, ldy, bias);
-}
-
-/* nm_store_transposed_avx8 rounded to bfloat16 bits (f32_to_bf16_rne) as each 8 x 8 block is
- * written, the edges one value at a time: Y16[b * ldy + r] = bf16(src[r * lds + b] (+ bias[r])) */
-__attribute__((target("avx2"))) static inline void nm_store_transposed_avx8_bf16(const float *src, int64_t lds,
-                                                                                 int64_t nr, int64_t nb,
-                                                                                 uint16_t *Y16, int64_t ldy,
-                                                                                 const float *bias)
-{
-    const int64_t r8 = nr & ~(int64_t)7, b8 = nb & ~(int64_t)7;
-    for (int64_t b = 0; b < b8; b += 8)
-        for (int64_t r = 0; r < r8; r += 8) {
-            __m256 v[8];
-            for (int i = 0; i < 8; i++) v[i] = _mm256_loadu_ps(src + (r + i) * lds + b);
-            store_transposed8_bf16(v, Y16 + b * ldy + r, ldy, bias ? bias + r : NULL);
-        }
+    if (!Y16) {
+        if (r8 < nr) nm_store_transposed(src + r8 * lds, lds, nr - r8, b8, Y + r8, ldy, bias ? bias + r8 : NULL);
+        if (b8 < nb) nm_store_transposed(src + b8, lds, nr, nb - b8, Y + b8 * ldy, ldy, bias);
+        return;
+    }
     for (int64_t b = 0; b < nb; b++)
         for (int64_t r = b < b8 ? r8 : 0; r < nr; r++) {
             const float f = src[r * lds + b] + (bias ? bias[r] : 0.0f);
