@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Any, Optional
@@ -52,6 +53,13 @@ def patterns(n: int, m: int) -> torch.Tensor:
     [[0], [1], [2]]
     """
     return torch.tensor(list(itertools.combinations(range(m), n)), dtype=torch.int64).reshape(-1, n)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_patterns(n: int, m: int) -> torch.Tensor:
+    """:func:`patterns` as the kernels read them (int32, contiguous), built once per (n, m):
+    every forward's descriptor points at it (never written)."""
+    return patterns(n, m).to(torch.int32).contiguous()
 
 
 def check_patterns(n: int, m: int) -> int:
@@ -424,7 +432,7 @@ class ColumnGroupedNMTensor(_Base):
         from ._fp32 import kernel_values
 
         v = kernel_values(self, self._values, round_to)
-        pats = patterns(self.n, self.m).to(torch.int32).contiguous()
+        pats = _kernel_patterns(self.n, self.m)
         N, K = self._shape
         return _kernel.colgrouped(v.contiguous(), self.columns, pats, N, K, self.n, self.m)
 

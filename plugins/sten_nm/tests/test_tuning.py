@@ -224,3 +224,25 @@ def test_paper_format_bf16_x_widened_is_tuned_over_loop_orders(tune, vdtype):
     keys = [k for k in tuning.choices() if k.startswith("cg_fwd R=26 C=300 1:4")]
     assert len(keys) == 1 and "x=bfloat16" in keys[0]
     assert tuning.choices()[keys[0]]["choice"] in ("stream", "tiled")
+
+
+def test_tuning_is_off_under_fake_tensors_and_while_compiling(tune):
+    """Fake tensors cannot be timed: tuning says why it is off under a FakeTensorMode (also
+    one entered inside another mode) and in code torch.compile traces, on again after."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    assert tuning.off_reason() is None
+    with FakeTensorMode():
+        assert tuning.off_reason() == "tuning off while torch.compile/export traces"
+        with TorchDispatchMode():
+            assert not tuning.enabled()
+    assert tuning.enabled()
+
+    def f(x):
+        return x + (1.0 if tuning.enabled() else 2.0)
+
+    torch._dynamo.reset()
+    x = torch.zeros(3)
+    assert torch.compile(f, backend="eager")(x).tolist() == [2.0] * 3
+    assert f(x).tolist() == [1.0] * 3
