@@ -149,6 +149,10 @@ def inplace_with_grad(op: Any, args: tuple, kwargs: dict, bound: list, key: OpKe
                 others.append(v)
         result = apply_function(_InPlace, (op, args, kwargs), target, *others)
     else:
+        if isinstance(target, (list, tuple)) and any(isinstance(t, SparseTensorWrapper) for t in target):
+            raise RuntimeError(f"{op_name(op)}(): an in-place write into sparse wrappers inside a list is not "
+                               "recorded by autograd (it would be lost); call it under torch.no_grad(), as "
+                               "optimizers and clip_grad_norm_ do")
         dense_args, dense_kwargs = differentiable_dense((args, kwargs), True)
         result = op(*dense_args, **dense_kwargs)
     if active():

@@ -63,14 +63,16 @@ _inplace_ops: dict[Any, bool] = {}
 
 
 def is_inplace(op: Any, kwargs: dict) -> bool:
-    """Whether a call writes into its first argument (``add_``, ``__iadd__``) or ``out=``."""
-    if kwargs and kwargs.get("out") is not None:
+    """Whether a call writes into its first argument (``add_``, ``__iadd__``,
+    ``__setitem__``, ``F.relu(x, inplace=True)``, the tensors of ``_foreach_mul_``'s
+    list) or into ``out=``."""
+    if kwargs and (kwargs.get("out") is not None or kwargs.get("inplace") is True):
         return True
     try:
         return _inplace_ops[op]
     except (KeyError, TypeError):
         name = getattr(op, "__name__", "")
-        result = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+        result = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"
         try:
             _inplace_ops[op] = result
         except TypeError:

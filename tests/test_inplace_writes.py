@@ -1,0 +1,178 @@
+"""In-place writes into wrappers that no in-place implementation handles: ``out=``,
+``w[i] = v``, ``inplace=True``, the tensor lists of ``_foreach_*_`` and of the fused
+optimizer kernels. Each runs on dense copies and lands in the wrappers it wrote at their
+stored positions (the pattern is kept, as for ``add_``); before, only a first argument that
+was itself a wrapper was written back, so these writes were lost without an error (Adamax
+divided by a state that stayed 0; foreach / fused optimizers left sparse weights as they were).
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sten_core as sten
+from sten_core import dispatch
+from sten_nm import ColumnGroupedNMTensor, NMTensor
+from sten_scipy import ScipyCsrTensor
+
+LAYOUTS = [sten.DenseTensor, sten.CooTensor, sten.CsrTensor, sten.CscTensor, NMTensor, ColumnGroupedNMTensor,
+           ScipyCsrTensor]
+
+
+def sparse_dense(shape=(6, 8), seed=0):
+    torch.manual_seed(seed)
+    return torch.randn(*shape) * (torch.rand(*shape) > 0.4)
+
+
+def wrap(layout, d, parameter=False):
+    cls = sten.SparseParameterWrapper if parameter else sten.SparseTensorWrapper
+    return cls(layout.from_dense(d.clone()))
+
+
+def kept(w):
+    """The positions the wrapper stores (its writes can reach), as a dense mask."""
+    layout = w.wrapped_tensor
+    return layout.with_values(torch.ones_like(layout.values())).to_dense() != 0
+
+
+WRITES = {
+    "out= maximum": lambda w, b: torch.maximum(w, b, out=w),
+    "out= add": lambda w, b: torch.add(w, b, out=w),
+    "out= mul of others": lambda w, b: torch.mul(b, 2.0, out=w),
+    "setitem row": lambda w, b: w.__setitem__((0, slice(None)), 7.0),
+    "setitem mask": lambda w, b: w.__setitem__(w > 0.5, 0.0),
+    "relu inplace=True": lambda w, b: F.relu(w, inplace=True),
+    "foreach mul_": lambda w, b: torch._foreach_mul_([w], 2.0),
+    "foreach add_ list": lambda w, b: torch._foreach_add_([w], [b]),
+    "foreach zero_": lambda w, b: torch._foreach_zero_([w]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("name", list(WRITES))
+def test_write_lands_at_the_stored_positions(layout, name):
+    d = sparse_dense()
+    w = wrap(layout, d)
+    mask = kept(w)
+    before = w.to_dense().clone()
+    ref, b = before.clone(), torch.full(d.shape, 0.75)
+    with torch.no_grad():
+        WRITES[name](ref, b)
+        with dispatch.quiet_fallbacks():
+            got = WRITES[name](w, b)
+    expected = torch.where(mask, ref, before)
+    torch.testing.assert_close(w.to_dense(), expected)
+    if name.startswith("out="):
+        assert got is w   # as torch: out= returns its target
+    if not torch.equal(expected, before):
+        assert not torch.equal(w.to_dense(), before)
+
+
+def test_a_wrapper_only_read_by_a_foreach_call_is_not_written():
+    """Only what the op changed is written back: a wrapper it merely reads keeps its
+    version (a saved copy of it stays valid for backward)."""
+    w = wrap(sten.CsrTensor, sparse_dense())
+    acc = torch.zeros(6, 8)
+    version = w._version
+    with dispatch.quiet_fallbacks():
+        out = torch._foreach_add_([acc], [w])
+    assert out[0] is acc   # as torch: the list of its targets
+    torch.testing.assert_close(acc, w.to_dense())
+    assert w._version == version
+
+
+def test_two_wrappers_in_one_list_are_both_written():
+    a, b = wrap(sten.CsrTensor, sparse_dense(seed=1)), wrap(NMTensor, sparse_dense(seed=2))
+    da, db = a.to_dense().clone(), b.to_dense().clone()
+    with dispatch.quiet_fallbacks():
+        out = torch._foreach_mul_([a, b], 3.0)
+    assert out[0] is a and out[1] is b
+    torch.testing.assert_close(a.to_dense(), 3 * da)
+    torch.testing.assert_close(b.to_dense(), 3 * db)
+
+
+OPTIMIZERS = {
+    "Adamax": lambda p: torch.optim.Adamax(p, lr=0.05),
+    "Adam foreach": lambda p: torch.optim.Adam(p, lr=0.05, foreach=True),
+    "Adam fused": lambda p: torch.optim.Adam(p, lr=0.05, fused=True),
+    "AdamW fused": lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.1, fused=True),
+    "SGD momentum foreach": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, foreach=True),
+    "RMSprop foreach": lambda p: torch.optim.RMSprop(p, lr=0.01, foreach=True),
+}
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, NMTensor, ScipyCsrTensor], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizer_steps_match_the_dense_masked_reference(layout, name):
+    """Three steps of each optimizer on a sparse weight against the same optimizer on a dense
+    weight whose gradient is masked to the pattern (what a sparse weight can learn)."""
+    torch.manual_seed(0)
+    W = wrap(layout, sparse_dense(), parameter=True)
+    mask = kept(W)
+    Wd = torch.nn.Parameter(W.to_dense().detach().clone())
+    opt, optd = OPTIMIZERS[name]([W]), OPTIMIZERS[name]([Wd])
+    for step in range(3):
+        x = torch.randn(5, 8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            F.linear(x, W).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        F.linear(x, Wd).square().sum().backward()
+        Wd.grad.mul_(mask)
+        optd.step()
+        optd.zero_grad()
+        torch.testing.assert_close(W.to_dense(), Wd.detach(), rtol=1e-4, atol=1e-5, msg=f"step {step}")
+    assert torch.isfinite(F.linear(torch.randn(2, 8), W)).all()
+
+
+def test_clip_grad_norm_foreach_clips_a_sparse_gradient():
+    W = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(sparse_dense()),
+                                    grad_fmt=(sten.KeepAll(), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor))
+    F.linear(torch.randn(3, 8), W).square().sum().backward()
+    with dispatch.quiet_fallbacks():
+        torch.nn.utils.clip_grad_norm_([W], 0.01, foreach=True)
+    assert W.grad.to_dense().norm().item() == pytest.approx(0.01, rel=1e-4)
+
+
+def test_a_foreach_write_into_wrappers_under_autograd_raises_instead_of_being_lost():
+    a = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(sparse_dense()), requires_grad=True)
+    before = a.to_dense().clone()
+    with dispatch.quiet_fallbacks(), pytest.raises(RuntimeError, match="torch.no_grad"):
+        torch._foreach_mul_([a], 2.0)
+    assert torch.equal(a.to_dense(), before)
+    with torch.no_grad(), dispatch.quiet_fallbacks():
+        torch._foreach_mul_([a], 2.0)
+    torch.testing.assert_close(a.to_dense(), 2 * before)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: c.__name__)
+def test_out_into_a_dense_tensor_from_wrapper_inputs(layout):
+    w = wrap(layout, sparse_dense())
+    b = torch.full((6, 8), 0.5)
+    out = torch.empty(0)
+    with dispatch.quiet_fallbacks():
+        got = torch.add(w, b, out=out)
+    assert got is out
+    torch.testing.assert_close(out, w.to_dense() + b)
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, NMTensor, ScipyCsrTensor], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("init", ["constant_", "zeros_", "normal_", "uniform_", "kaiming_uniform_", "xavier_normal_"])
+def test_nn_init_on_a_sparse_parameter_fills_its_stored_positions(layout, init):
+    """nn.init passes the tensor by keyword and runs under no_grad itself: on a parameter
+    that requires grad it fills the stored positions (it raised an IndexError, or the
+    leaf-in-place error, before)."""
+    torch.manual_seed(0)
+    W = wrap(layout, sparse_dense(), parameter=True)
+    mask, before = kept(W), W.to_dense().clone()
+    fn = getattr(torch.nn.init, init)
+    with dispatch.quiet_fallbacks():
+        out = fn(W, 0.25) if init == "constant_" else fn(W)
+    assert out is W and W.requires_grad
+    after = W.to_dense()
+    assert (after[~mask] == 0).all() and not torch.equal(after, before)
+    if init == "constant_":
+        assert (after[mask] == 0.25).all()
