@@ -39,6 +39,7 @@ from typing import Any, Optional
 import torch
 
 from ._checks import FLOAT_DTYPES, check_float_tensor, check_nm
+from ._padding import zero_padding
 
 from sten_core.plugin_api import Layout as _Base
 
@@ -527,8 +528,8 @@ class ColumnGroupedNMTensor(_Base):
     def with_values(self, values: torch.Tensor) -> "ColumnGroupedNMTensor":
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
-        t = ColumnGroupedNMTensor._trusted(values.reshape(self._values.shape), self.columns, self._shape,
-                                           self.n, self.m, self.g)
+        values = zero_padding(self, self.columns, values.reshape(self._values.shape))
+        t = ColumnGroupedNMTensor._trusted(values, self.columns, self._shape, self.n, self.m, self.g)
         if getattr(self, "_nm_cache", None) is not None:
             t._nm_cache = self._nm_cache   # same pattern
         return t

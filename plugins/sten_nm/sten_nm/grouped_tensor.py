@@ -27,6 +27,7 @@ import torch
 from . import _kernel
 from ._fp32 import fp32_values
 from ._checks import FLOAT_DTYPES, check_float_tensor, check_nm
+from ._padding import zero_padding
 from .nm_tensor import NMTensor, check_offsets
 
 from sten_core.plugin_api import Layout as _Base
@@ -258,8 +259,8 @@ class GroupedNMTensor(_Base):
     def with_values(self, values: torch.Tensor) -> "GroupedNMTensor":
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
-        return GroupedNMTensor._trusted(values.reshape(self._vals.shape), self.indices, self.perm, self._shape,
-                                        self.n, self.m)
+        values = zero_padding(self, self.perm, values.reshape(self._vals.shape))
+        return GroupedNMTensor._trusted(values, self.indices, self.perm, self._shape, self.n, self.m)
 
     def from_row_values(self, row_values: torch.Tensor) -> torch.Tensor:
         """``[N, G*n]`` row-ordered values (e.g. a gradient) in this layout's order."""

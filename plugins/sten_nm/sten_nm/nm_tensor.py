@@ -34,6 +34,7 @@ import torch
 from . import _kernel
 from ._fp32 import fp32_values
 from ._checks import FLOAT_DTYPES, check_dim, check_float_tensor, check_nm
+from ._padding import zero_padding
 
 from sten_core.plugin_api import Layout as _Base
 
@@ -244,7 +245,8 @@ class NMTensor(_Base):
         """Same pattern, new values (shape ``[R, G*n]``)."""
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
-        return NMTensor._trusted(values.reshape(self._values.shape), self.indices, self._shape, self.n, self.m, self.dim)
+        values = zero_padding(self, self.indices, values.reshape(self._values.shape))
+        return NMTensor._trusted(values, self.indices, self._shape, self.n, self.m, self.dim)
 
     def gather(self, dense: torch.Tensor) -> torch.Tensor:
         """Values of ``dense`` (the logical shape) at the stored positions (0 in padding)."""
