@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -113,6 +114,31 @@ def test_convert_dense_tensor_into_layout(layout):
     x = sample((4, 6), torch.float32, 1)
     c = sten.convert(x, layout)
     assert type(c.wrapped_tensor) is layout and torch.equal(c.to_dense(), x)
+
+
+def test_a_lossy_conversion_through_dense_warns_once_and_raises_in_raise_mode():
+    """No registered path from CSR to n:m: the round trip through dense prunes, which
+    sten.convert says (a lossy step is a fallback) instead of losing values silently."""
+    from sten_nm import NMTensor
+
+    x = sample((8, 16), torch.float32, 3)
+    w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(x))
+    sten.dispatch.reset_warnings()
+    had = int(torch.count_nonzero(x))
+    with pytest.warns(sten.DispatchWarning, match=rf"Lossy conversion CsrTensor -> NMTensor.*kept \d+ of the {had} "):
+        c = sten.convert(w, NMTensor)
+    torch.testing.assert_close(c.to_dense(), NMTensor.from_dense(x).to_dense())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sten.DispatchWarning)
+        sten.convert(w, NMTensor)                                # once per pair of layouts
+        sten.convert(sten.SparseTensorWrapper(NMTensor.from_dense(x)), sten.CsrTensor)   # lossless: silent
+    sten.set_dispatch_failure("raise")
+    try:
+        sten.dispatch.reset_warnings()
+        with pytest.raises(sten.DispatchError, match="Lossy conversion"):
+            sten.convert(w, NMTensor)
+    finally:
+        sten.set_dispatch_failure("warn")
 
 
 def test_conversion_path_has_several_steps():

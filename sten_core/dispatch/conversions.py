@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from sten_core.dispatch.errors import DispatchError
+from sten_core.dispatch.errors import DispatchError, fail
 from sten_core.dispatch.observers import active, notify
 from sten_core.model.layouts import DenseConvertible, builds_from_dense, implements, to_dense_tensor
 from sten_core.model.registry import OpKey, registry
@@ -55,10 +55,12 @@ def conversion_path(src: type, dst: type) -> tuple | None:
 
 
 def convert(value: Any, target: type) -> Any:
-    """Convert a wrapper (or dense tensor) to the layout ``target``, losslessly.
+    """Convert a wrapper (or dense tensor) to the layout ``target``.
 
     Uses registered conversions, then the ``sten_convert`` hook, then a round
-    trip through dense. Returns a dense tensor for ``torch.Tensor``.
+    trip through dense, which warns as a lossy step (a ``DispatchWarning`` once per
+    pair of layouts; raised in raise mode) when ``target.from_dense`` drops values the
+    wrapper stores. Returns a dense tensor for ``torch.Tensor``.
     """
     plugins.ensure_loaded()
     if not active():
@@ -86,7 +88,7 @@ def _convert(value: Any, target: type) -> Any:
         hooked = plugins.get_plugin_manager().hook.sten_convert(tensor=layout, target=target)
         if hooked is not None:
             return SparseTensorWrapper(hooked)
-        value = to_dense_tensor(layout)
+        return _through_dense(layout, target)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"cannot convert {type(value).__name__} to {target.__name__}")
     if not builds_from_dense(target):
@@ -95,6 +97,23 @@ def _convert(value: Any, target: type) -> Any:
             f"sparsifier implementation that produces it: @sten.register_sparsifier_implementation("
             f"sparsifier=..., inp=torch.Tensor, out={target.__name__})")
     return SparseTensorWrapper(target.from_dense(value.detach()))
+
+
+def _through_dense(layout: Any, target: type) -> Any:
+    """``layout`` converted by a round trip through dense (no registered path or hook): a
+    lossy step, warned like a fallback (raised in raise mode), when ``target.from_dense``
+    drops nonzeros that ``layout`` stores (CSR into n:m)."""
+    dense = to_dense_tensor(layout)
+    result = _convert(dense, target)
+    had = int(torch.count_nonzero(dense))
+    kept = int(torch.count_nonzero(to_dense_tensor(result.wrapped_tensor)))
+    if kept < had:
+        source = type(layout).__name__
+        fail(f"Lossy conversion {source} -> {target.__name__}: no registered conversion or sten_convert hook, so "
+             f"it went through dense and {target.__name__}.from_dense kept {kept} of the {had} nonzero values. "
+             f"Register one that keeps them: registry.register_conversion({source}, {target.__name__}, fn)",
+             ("lossy conversion", type(layout), target))
+    return result
 
 
 def wrap(value: Any) -> Any:
