@@ -182,3 +182,47 @@ def test_scalar_add_is_not_stored_values_only():
     assert torch.equal(sten.model.tensor.densify(out), torch.eye(2) + 2)
     both = torch.add(w, w)
     assert isinstance(both, sten.SparseTensorWrapper) and torch.equal(both.to_dense(), 2 * torch.eye(2))
+
+
+class _Inner(torch.nn.Module):
+    """A custom module: fx traces through it, so its calls are named in its parent's graph."""
+
+    def forward(self, x):
+        return torch.relu(x) * 2
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2, self.inner = (torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
+                                                    _Inner())
+
+    def forward(self, x):
+        h = self.inner(self.act(self.fc1(x)))    # fx: fc1, act (call_module), relu, mul (from _Inner)
+        return torch.relu(self.fc2(h))           # fx: fc2, relu_1
+
+
+@pytest.mark.parametrize("node", ["relu", "relu_1", "mul"])
+def test_set_interm_prunes_the_fx_node_it_names(node):
+    """Names are fx node names of the submodule: calls inside the torch.nn modules it calls
+    (call_module nodes) are not counted, calls inside a custom module it traces through are.
+    Before, the TorchFunctionMode also counted nn.ReLU's own relu: "0.relu_1" pruned
+    the wrong tensor."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block())
+    names = [n.name for n in torch.fx.symbolic_trace(model[0]).graph.nodes]
+    assert names == ["x", "fc1", "act", "relu", "mul", "fc2", "relu_1", "output"]
+    sp = sten.ScalarFractionSparsifier(0.5)
+    sb = sten.SparsityBuilder(model)
+    sb.set_interm(f"0.{node}", sp, torch.Tensor, sten.KeepAll(), torch.Tensor)
+    sparse = sb.get_sparse_model()
+    x = torch.randn(4, 8)
+    blk = model[0]
+
+    def prune(t, at):
+        return t * sp.mask(t) if node == at else t
+
+    h = blk.act(blk.fc1(x))
+    h = prune(prune(torch.relu(h), "relu") * 2, "mul")
+    expected = prune(torch.relu(blk.fc2(h)), "relu_1")
+    torch.testing.assert_close(sparse(x), expected)

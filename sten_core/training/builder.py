@@ -57,16 +57,22 @@ def _call_name(func: Any) -> str:
 
 
 class _IntermediateMode(TorchFunctionMode):
-    """Turns the named calls inside one submodule's forward into sparse ops."""
+    """Turns the named calls inside one submodule's forward into sparse ops. Calls made
+    inside the torch.nn modules it calls (``paused``: fx shows each as one ``call_module``
+    node) are neither counted nor matched; a custom module's calls are, as fx traces
+    through it."""
 
     def __init__(self, targets: dict[str, tuple[OutputSpec, OutputSpec | None]]):
         super().__init__()
         self.targets = targets
         self.counts: collections.Counter = collections.Counter()
         self.seen: list[str] = []
+        self.paused = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         base = _call_name(func)
         n = self.counts[base]
         self.counts[base] += 1
@@ -99,6 +105,15 @@ class _Intermediates:
         mode = _IntermediateMode(self.targets)
         self._stack.append(mode)
         mode.__enter__()
+
+    def inner_pre(self, module: torch.nn.Module, args: Any) -> None:
+        """A module called from the submodule's forward starts: its calls are its own."""
+        if self._stack:
+            self._stack[-1].paused += 1
+
+    def inner_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._stack:
+            self._stack[-1].paused -= 1
 
     def post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         mode = self._stack.pop()
@@ -250,6 +265,11 @@ class SparsityBuilder:
             module = model.get_submodule(path)
             module.register_forward_pre_hook(hooks.pre)
             module.register_forward_hook(hooks.post, always_call=True)
+            tracer = torch.fx.Tracer()   # its leaf modules are fx's call_module nodes: calls inside are theirs
+            for qualname, inner in module.named_modules():
+                if inner is not module and tracer.is_leaf_module(inner, qualname):
+                    inner.register_forward_pre_hook(hooks.inner_pre)
+                    inner.register_forward_hook(hooks.inner_post, always_call=True)
         return replaced
 
     def _model(self, model: torch.nn.Module | None, method: str) -> torch.nn.Module:
