@@ -23,7 +23,7 @@ import torch
 
 from sten_core.plugin_api import Layout
 
-from ._checks import check_dense, torch_dtype
+from ._checks import SUPPORTED, TORCH_TO_NUMPY, check_dense, torch_dtype
 
 
 def _plain(tensor: torch.Tensor) -> bool:
@@ -253,6 +253,8 @@ class ScipyCompressed(Layout):
     def _saved_array(cls, indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, shape: tuple) -> Any:
         """The scipy array of saved parts, fully checked (pointers monotone, indices
         in range): a damaged checkpoint fails here instead of crashing a kernel later."""
+        if values.dtype not in TORCH_TO_NUMPY:   # (a move to bf16: numpy has no such dtype)
+            raise TypeError(f"{cls.__name__}: dtype must be {SUPPORTED}, got {values.dtype}")
         try:
             array = cls.array_type((values.numpy(), indices.numpy(), indptr.numpy()), shape=tuple(shape))
             array.check_format(full_check=True)

@@ -102,6 +102,22 @@ def test_transpose_is_the_other_layout(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_move_to_an_unsupported_dtype_says_so(layout, dtype):
+    """Module.half() / .bfloat16() of a model with a scipy weight: the dtype named (bf16 raised
+    numpy's "Got unsupported ScalarType BFloat16" before); the weight is left as it was."""
+    import sten_core as sten
+
+    model = torch.nn.Linear(4, 4)
+    w = sten.SparseParameterWrapper(layout.from_dense(torch.randn(4, 4)))
+    model.weight = w
+    before = w.to_dense().clone()
+    with pytest.raises(TypeError, match=f"{layout.__name__}: dtype must be float32 or float64, got {dtype}"):
+        model.to(dtype)
+    assert w.dtype == torch.float32 and torch.equal(w.to_dense(), before)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_bad_input_is_named(layout):
     with pytest.raises(ValueError, match=r"must be 2-D.*\(2, 3, 4\)"):
         layout.from_dense(torch.ones(2, 3, 4))
