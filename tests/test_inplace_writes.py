@@ -176,3 +176,50 @@ def test_nn_init_on_a_sparse_parameter_fills_its_stored_positions(layout, init):
     assert (after[~mask] == 0).all() and not torch.equal(after, before)
     if init == "constant_":
         assert (after[mask] == 0.25).all()
+
+
+def _grad_of(W, x):
+    F.linear(x, W).sum().backward()
+
+
+RESPARSIFIED = (sten.KeepAll(), torch.Tensor, sten.ScalarFractionSparsifier(0.75), sten.CsrTensor)
+
+
+def test_two_backward_calls_accumulate_gradients_of_different_patterns():
+    """Autograd's ``grad += new`` on a re-sparsified gradient (a new pattern each backward):
+    the sum of both, as one backward of the summed loss gives (the new gradient's values
+    outside the old pattern were dropped before)."""
+    torch.manual_seed(0)
+    d = sparse_dense((8, 8))
+    x1, x2 = torch.randn(3, 8), torch.randn(3, 8)
+
+    def fresh():
+        return sten.SparseParameterWrapper(sten.CsrTensor.from_dense(d), grad_fmt=RESPARSIFIED)
+
+    grads = []
+    for x in (x1, x2):
+        W = fresh()
+        _grad_of(W, x)
+        grads.append(W.grad.to_dense())
+    assert not torch.equal(grads[0] != 0, grads[1] != 0)   # the case: different patterns
+    W = fresh()
+    _grad_of(W, x1)
+    _grad_of(W, x2)
+    assert isinstance(W.grad, sten.SparseTensorWrapper) and isinstance(W.grad.wrapped_tensor, sten.CsrTensor)
+    torch.testing.assert_close(W.grad.to_dense(), grads[0] + grads[1])
+
+
+def test_accumulating_into_a_layout_that_cannot_hold_the_sum_warns():
+    """An n:m .grad cannot store the union of two n:m patterns: the sum is kept at .grad's
+    positions, and said (a lossy step), not dropped silently."""
+    torch.manual_seed(0)
+    W = sten.SparseParameterWrapper(NMTensor.from_dense(torch.randn(8, 8), 2, 4))
+    x = torch.randn(3, 8)
+    _grad_of(W, x)
+    new = W.grad.clone()                                     # this backward's gradient (dense, the default)
+    W.grad = sten.SparseTensorWrapper(NMTensor.from_dense(torch.randn(8, 8), 2, 4))
+    before = W.grad.to_dense().clone()
+    dispatch.reset_warnings()
+    with pytest.warns(sten.DispatchWarning, match="Lossy gradient accumulation"):
+        _grad_of(W, x)
+    torch.testing.assert_close(W.grad.to_dense(), torch.where(before != 0, before + new, torch.zeros(())))

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from sten_core.dispatch.errors import fail
+from sten_core.model.layouts import builds_from_dense, to_dense_tensor
 from sten_core.model.tensor import SparseTensorWrapper, densify, map_tensors, write_back
 
 
@@ -60,3 +62,28 @@ def store_result(target: torch.Tensor, value: Any) -> torch.Tensor:
     if target.shape != dense.shape:
         target.resize_(dense.shape)
     return target.copy_(dense)
+
+
+def accumulate(target: SparseTensorWrapper, new: torch.Tensor) -> SparseTensorWrapper:
+    """Autograd's ``grad += new`` into a wrapper whose pattern ``new`` does not share (two
+    backward calls whose ``grad_fmt`` re-sparsifies the gradient): the exact sum, in
+    ``target``'s layout rebuilt from it where that layout stores every nonzero of the sum
+    (CSR, COO: the union of the patterns); otherwise (an n:m gradient cannot hold the
+    union) at ``target``'s stored positions, warned as a lossy step. Keeping the pattern
+    silently dropped ``new``'s values outside it."""
+    dense = densify(target) + densify(new)
+    layout_cls = type(target.wrapped_tensor)
+    if builds_from_dense(layout_cls):
+        try:
+            rebuilt = layout_cls.from_dense(dense)
+        except (ValueError, TypeError, RuntimeError):
+            rebuilt = None
+        if rebuilt is not None and torch.count_nonzero(to_dense_tensor(rebuilt)) == torch.count_nonzero(dense):
+            target.wrapped_tensor = rebuilt
+            return target
+    fail(f"Lossy gradient accumulation: the {layout_cls.__name__} gradient already in .grad and the new one have "
+         f"different patterns, and {layout_cls.__name__} cannot store their sum's pattern, so the sum was kept at "
+         f".grad's stored positions. Call zero_grad() between backward calls, or use a grad_fmt that keeps the "
+         f"weight's pattern (or a layout such as CsrTensor that can hold any pattern)",
+         ("lossy accumulation", layout_cls))
+    return write_back(target, dense)

@@ -181,6 +181,8 @@ class SparseTensorWrapper(torch.Tensor):
             result = _add_same_pattern(args[0], args[1], inplace=packet is aten.add_)
             if result is not None:
                 return result
+            if packet is aten.add_ and isinstance(first, SparseTensorWrapper):   # autograd's grad += new
+                return services.accumulate(first, args[1])
         dense_args, dense_kwargs = densify_tree((args, kwargs))
         out = func(*dense_args, **dense_kwargs)
         if func._schema.is_mutable and isinstance(first, SparseTensorWrapper):
@@ -372,7 +374,7 @@ def _alias(wrapper: SparseTensorWrapper) -> SparseTensorWrapper:
 class WrapperServices:
     """What the wrapper needs from the layers built on this module, installed
     by them when imported (``sten_core.dispatch``: ``dispatch_call``,
-    ``dense_with_grad``, ``same_format_layout``, ``convert``;
+    ``dense_with_grad``, ``same_format_layout``, ``convert``, ``accumulate``;
     ``sten_core.dispatch.compiled``: ``compiled_call``, ``MISSING``;
     ``sten_core.training.serialization``: ``reduce_wrapper``;
     ``sten_core.plugins``: ``load_plugins``), so the
@@ -394,6 +396,7 @@ class WrapperServices:
     load_plugins: Any = None
     watch_gradient: Any = None
     traced_sum: Any = None
+    accumulate: Any = None
 
     def install(self, **services: Any) -> None:
         for name, service in services.items():
