@@ -304,8 +304,13 @@ def mm_bwd_sparse(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tup
 def register(registry: Any) -> None:
     """Register the forward and backward implementations (called by the plugin)."""
     register_weight_product(registry, F.linear, NMTensor, linear_fwd, linear_bwd_dense, linear_bwd_sparse)
-    register_weight_product(registry, torch.mm, NMTensor, mm_fwd, mm_bwd_dense, mm_bwd_sparse)
-    register_weight_product(registry, torch.matmul, NMTensor, matmul_fwd, mm_bwd_dense, mm_bwd_sparse)
+    # the method and operator spellings too (x.mm(W), x.matmul(W), x @ W): registered for
+    # torch.mm / torch.matmul only, they went to another plugin's layout through a conversion
+    # every call (scipy's CSR, which ignores autocast), or to the dense fallback
+    for op in (torch.mm, torch.Tensor.mm):
+        register_weight_product(registry, op, NMTensor, mm_fwd, mm_bwd_dense, mm_bwd_sparse)
+    for op in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
+        register_weight_product(registry, op, NMTensor, matmul_fwd, mm_bwd_dense, mm_bwd_sparse)
 
 
 # -- grouped n:m (F.linear only) ---------------------------------------------------

@@ -164,3 +164,37 @@ def test_scatter_kernels_agree(isa, n, m):
     ref = y @ t.to_dense() + b
     _close(_kernel.scatter(t.mat(), y, b), ref)
     _close(_kernel.tgather(t.mat(), y, b), ref)
+
+
+SPELLINGS = {
+    "x @ W": lambda x, w: x @ w,
+    "x.mm(W)": lambda x, w: x.mm(w),
+    "x.matmul(W)": lambda x, w: x.matmul(w),
+    "torch.matmul": lambda x, w: torch.matmul(x, w),
+}
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_method_and_operator_spellings_run_the_nm_product(spelling, amp):
+    """x @ W, x.mm(W), x.matmul(W) with an n:m operand run sten_nm's own product, as
+    torch.matmul does: registered for torch.mm / torch.matmul only, they were converted to
+    scipy's CSR on every call (which ignores autocast: float32 where dense gives bf16)."""
+    torch.manual_seed(0)
+    S = NMTensor.from_dense(torch.randn(16, 12), 2, 4, dim=0)
+    w = sten.SparseTensorWrapper(S, requires_grad=True)
+    x = torch.randn(5, 16, requires_grad=True)
+    seen = []
+    with sten.dispatch.observed(lambda e: seen.append((e["kind"], e.get("plan")))), \
+            torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+        y = SPELLINGS[spelling](x, w)
+        ref = SPELLINGS[spelling](x.detach(), S.to_dense())
+    assert seen and all(kind == "op" and str(plan) == "impl" for kind, plan in seen), seen
+    assert y.dtype == ref.dtype
+    tol = dict(rtol=2e-2, atol=5e-2) if amp else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, ref, **tol)
+    y.float().square().sum().backward()
+    xd = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+        (xd @ S.to_dense()).float().square().sum().backward()
+    torch.testing.assert_close(x.grad, xd.grad, **tol)
