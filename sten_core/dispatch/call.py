@@ -21,12 +21,12 @@ from sten_core.dispatch.errors import report_missing
 from sten_core.dispatch.observers import active, notify
 from sten_core.dispatch.plan import Plan, PlanKind, is_inplace, plan_for
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
-from sten_core.dispatch.writes import run_dense_in_place, store_result
+from sten_core.dispatch.writes import into_target, run_dense_in_place
 from sten_core.model.registry import OpKey, trim
 from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.spec import DENSE, OutputSpec
 from sten_core.model.tensor import (DENSE_TYPES, PLAIN_TYPES, WRAPPER_TYPES, SparseTensorWrapper, densify,
-                                    detach_at, detached, layout_of, map_tensors, rebuild_seq)
+                                    detach_at, detached, layout_of, map_tensors)
 
 _NoTorchFunction = torch._C.DisableTorchFunctionSubclass
 
@@ -186,7 +186,7 @@ class _Call:
             raw = run_impl(plan, self.ctx, self.specs)
             if detach:
                 raw = own_outputs(raw, inputs)
-            raw = self._into_target(raw)
+            raw = into_target(raw, self.kwargs, self.bound)
         else:  # an in-place call without an implementation, outside autograd
             if plan.kind is PlanKind.FALLBACK:
                 report_missing(plan.key)
@@ -194,22 +194,6 @@ class _Call:
         if active():
             notify("op", self.key, plan.kind, time.perf_counter() - started)
         return finish_outputs(raw, self.specs, self.specs is not None and is_inplace(op, self.kwargs), plan.fixes_inline)
-
-    def _into_target(self, raw: Any) -> Any:
-        """An implementation's result written into what the call names as its target
-        (``out=``, or the first argument with ``inplace=True``) when the implementation
-        computed it out of place; other calls' results as they are."""
-        kwargs = self.kwargs
-        if not kwargs:
-            return raw
-        target = kwargs.get("out")
-        if target is None and kwargs.get("inplace") is True:
-            target = self.bound[0]
-        if target is None or raw is target:
-            return raw
-        if isinstance(target, (tuple, list)):
-            return rebuild_seq(target, [t if v is t else store_result(t, v) for t, v in zip(target, raw)])
-        return store_result(target, raw)
 
     def stash(self, fctx: Any, out: Any) -> None:
         """Hand what backward needs to autograd (``save_for_backward``) and drop

@@ -162,9 +162,9 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
     plan = plan_for(key)
     if fast_key is not None and plan.direct:
         _remember_fast(fast_key, plan, key, op, args, bound, positions)
-    grad = needs_grad and torch.is_grad_enabled() and getattr(op, "__module__", None) != "torch.nn.init"
-    if is_inplace(op, kwargs):   # (nn.init's functions run under no_grad themselves, as on dense weights)
-        if grad:
+    grad = needs_grad and torch.is_grad_enabled()
+    if is_inplace(op, kwargs):
+        if grad and getattr(op, "__module__", None) != "torch.nn.init":   # (nn.init runs under no_grad itself)
             return inplace_with_grad(op, args, kwargs, bound, key, plan)
         return _Call(op, args, kwargs, bound, positions, key, plan, specs).forward(detach=needs_grad)
     converted = None

@@ -22,7 +22,7 @@ import torch
 
 from sten_core.dispatch.errors import fail
 from sten_core.model.layouts import builds_from_dense, to_dense_tensor
-from sten_core.model.tensor import SparseTensorWrapper, densify, map_tensors, write_back
+from sten_core.model.tensor import SparseTensorWrapper, densify, map_tensors, rebuild_seq, write_back
 
 
 def run_dense_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
@@ -51,6 +51,22 @@ def run_dense_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
             write_back(wrapper, d)
         back[id(d)] = wrapper
     return map_tensors(lambda t: back.get(id(t), t), raw)
+
+
+def into_target(raw: Any, kwargs: dict, bound: list) -> Any:
+    """An implementation's result written into what the call names as its target
+    (``out=``, or the first argument with ``inplace=True``) when the implementation
+    computed it out of place; other calls' results as they are."""
+    if not kwargs:
+        return raw
+    target = kwargs.get("out")
+    if target is None and kwargs.get("inplace") is True:
+        target = bound[0]
+    if target is None or raw is target:
+        return raw
+    if isinstance(target, (tuple, list)):
+        return rebuild_seq(target, [t if v is t else store_result(t, v) for t, v in zip(target, raw)])
+    return store_result(target, raw)
 
 
 def store_result(target: torch.Tensor, value: Any) -> torch.Tensor:
