@@ -42,7 +42,9 @@ def test_an_older_torch_keeps_the_eager_class_and_eager_gradients(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", sten.DispatchWarning)
         run = compiled_training_grads(model, x, fullgraph=False)
-    assert run["graph_breaks"] > 0  # the sparse calls ran eagerly
+    # not one whole graph: the sparse calls ran eagerly (the dispatcher is a compiler-disabled call;
+    # explain counts -1 when no frame is left with a graph of its own)
+    assert run["graph_breaks"] != 0
     for got, want in zip(run["compiled"], run["eager"]):
         got, want = (g.to_dense() if isinstance(g, sten.SparseTensorWrapper) else g for g in (got, want))
         torch.testing.assert_close(got, want)

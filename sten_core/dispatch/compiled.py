@@ -63,6 +63,8 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
 
                 if op is torch.nn.functional.linear and i == 1 and trains_compiled(a):
                     training = True  # a traceable wrapper: its gradient is computed in the graph
+                elif i == 0 and compiled_products.is_weight_first_product(op, args) and trains_compiled(a):
+                    training = True  # W @ x: F.linear(x^T, W)^T, the same gradient in the graph
                 elif traceable(a) and gives_dense_grad(a.grad_fmt) and not _in_place(op):
                     dense_view = True  # any other operator: on its differentiable dense view (eager's gradient)
                 elif traceable(a) and _in_place(op):
@@ -84,6 +86,9 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
     if training:
         from sten_core.dispatch.traceable import linear_training
 
+        if op is not torch.nn.functional.linear:  # W @ x
+            impl = compiled_products.weight_first_impl(op, tuple(layouts))
+            return weight_first_training if impl is not None else None
         return linear_training if impl is not None else None
     if impl is None:  # W @ x: the layout's compiled F.linear, transposed
         impl = compiled_products.weight_first_impl(op, tuple(layouts))
@@ -165,7 +170,8 @@ def unsupported_training_message(op: Any, weight: Any) -> str:
 
     fmt = "re-sparsifies its gradient" if resparsifies(weight.grad_fmt, type(weight.wrapped_tensor)) else "keeps its layout"
     return (f"torch.compile: {name} on a trainable {layout} weight whose grad_fmt {fmt}: only "
-            f"F.linear(x, weight, bias) (nn.Linear) computes that gradient in a compiled graph; a "
+            f"F.linear(x, weight, bias) (nn.Linear) and W @ x (torch.mm(W, x), torch.matmul(W, x)) compute that "
+            f"gradient in a compiled graph; a "
             f"weight product such as x @ W.t(), torch.mm(x, W.t()), torch.matmul(x, W.t()) or "
             f"torch.addmm(b, x, W.t()) must be written F.linear(x, W, b) to train compiled (the eager one densifies "
             f"W and re-sparsifies its gradient, a new pattern); or give W a dense gradient (grad_fmt=None or "
@@ -231,6 +237,8 @@ def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:
         return MISSING
     if impl is dense_training_call:
         return dense_training_call(op, *args, **kwargs)
+    if impl is weight_first_training:  # (out=...: torch's own error for out= under autograd)
+        return dense_training_call(op, *args, **kwargs) if kwargs else weight_first_training(*args, op=op)
     if impl is dense_call or (kwargs and impl in _WEIGHT_FIRST):  # (out=...: eager's dense fallback)
         return dense_call(op, *args, **kwargs)
     return autocast_result(op, args, impl(*args, **kwargs))
@@ -272,6 +280,7 @@ def autocast_result(op: Any, args: tuple, result: Any) -> Any:
 
 
 _WEIGHT_FIRST = (compiled_products.weight_first_matmul, compiled_products.weight_first_mm)
+weight_first_training = compiled_products.weight_first_training
 
 # handed to the wrapper now, so tracing never sets a global
 services.install(compiled_call=compiled_call, MISSING=MISSING)

@@ -63,18 +63,37 @@ def _check(name: str, other: Any, dims: tuple) -> None:
                          f"dimensions, got {got}")
 
 
-def weight_first_matmul(weight: Any, other: Tensor) -> Tensor:
+def weight_first_matmul(weight: Any, other: Tensor, linear: Optional[Callable] = None) -> Tensor:
     """``torch.matmul(weight, other)`` for a 2-D sparse ``weight``: ``F.linear(other, weight)``
     for a vector, ``F.linear(other.mT, weight).mT`` (contiguous, as eager's) for a matrix or a
-    batch of matrices."""
+    batch of matrices; ``linear`` the compiled ``F.linear`` (by default the layout's)."""
     _check("matmul", other, tuple(range(1, 9)))
-    linear = _linear_of(weight)
+    linear = linear or _linear_of(weight)
     if other.dim() == 1:
         return linear(other, weight)
     return linear(other.transpose(-1, -2), weight).transpose(-1, -2).contiguous()
 
 
-def weight_first_mm(weight: Any, other: Tensor) -> Tensor:
+def weight_first_mm(weight: Any, other: Tensor, linear: Optional[Callable] = None) -> Tensor:
     """``torch.mm(weight, other)`` for a 2-D sparse ``weight`` and a matrix ``other``."""
     _check("mm", other, (2,))
-    return _linear_of(weight)(other.t(), weight).t().contiguous()
+    return (linear or _linear_of(weight))(other.t(), weight).t().contiguous()
+
+
+def is_weight_first_product(op: Any, args: tuple) -> bool:
+    """Whether ``op(*args)`` is ``W @ x`` / ``torch.mm(W, x)`` / ``torch.matmul(W, x)`` (two operands).
+
+    >>> is_weight_first_product(torch.mm, (torch.ones(2, 2), torch.ones(2, 2)))
+    True
+    """
+    return (op in WEIGHT_FIRST_MATMULS or op in WEIGHT_FIRST_MMS) and len(args) == 2
+
+
+def weight_first_training(weight: Any, other: Tensor, op: Any) -> Tensor:
+    """``op(weight, other)`` while compiling a training step of a trainable traceable ``weight``:
+    the ``sten_core::wrapper_linear`` node on ``other``'s transpose (the weight's gradient computed
+    in the graph, in its ``grad_fmt``, as for ``F.linear``)."""
+    from sten_core.dispatch.traceable import linear_training
+
+    product = weight_first_mm if op in WEIGHT_FIRST_MMS else weight_first_matmul
+    return product(weight, other, linear_training)

@@ -150,13 +150,15 @@ def register_member_linear_autograd(op: Any, grad_input: Callable, grad_values: 
 
 def register_weight_product(registry: Registry, op: Callable, layout: type, forward: Callable,
                             backward: Callable, sparse_grad_backward: Callable | None = None,
-                            grad_outs: Iterable[type] = (torch.Tensor,), input_layout: type = torch.Tensor) -> None:
+                            grad_outs: Iterable[type] = (torch.Tensor,), input_layout: type = torch.Tensor,
+                            weight_first: bool = False) -> None:
     """Register ``op(x, weight[, bias])`` with a ``layout`` weight in the
-    second place: ``forward`` (one dense output), and ``backward`` for dense
-    gradients of all inputs; ``sparse_grad_backward``, if given, for a weight
-    gradient wanted in ``layout`` (``grad_fmt`` of the weight). ``F.linear`` is
-    registered with and without a bias; ``grad_outs`` are the incoming
-    gradient layouts handled, ``input_layout`` the layout of ``x``.
+    second place (``op(weight, x)`` with ``weight_first``, e.g. ``W @ x``):
+    ``forward`` (one dense output), and ``backward`` for dense gradients of
+    all inputs, in the operands' order; ``sparse_grad_backward``, if given, for
+    a weight gradient wanted in ``layout`` (``grad_fmt`` of the weight).
+    ``F.linear`` is registered with and without a bias; ``grad_outs`` are the
+    incoming gradient layouts handled, ``input_layout`` the layout of ``x``.
 
     Example:
         >>> import sten_core as sten
@@ -174,14 +176,17 @@ def register_weight_product(registry: Registry, op: Callable, layout: type, forw
     T = torch.Tensor
     keep = (KeepAll, T)
     X = input_layout
-    patterns = ((X, layout, T), (X, layout)) if op is F.linear else ((X, layout),)
+    if weight_first and op is F.linear:
+        raise ValueError("weight_first: F.linear takes its weight second")
+    w_at = 0 if weight_first else 1
+    patterns = ((X, layout, T), (X, layout)) if op is F.linear else (((layout, X),) if weight_first else ((X, layout),))
     for inp in patterns:
         registry.register_fwd_op_impl(op, inp, [keep], forward)
         for grad_out in grad_outs:
             grads = [keep, keep] + [keep] * (len(inp) - 2)
             registry.register_bwd_op_impl(op, (grad_out,), tuple(grads), inp, backward)
             if sparse_grad_backward is not None:
-                grads[1] = (KeepAll, layout)
+                grads[w_at] = (KeepAll, layout)
                 registry.register_bwd_op_impl(op, (grad_out,), tuple(grads), inp, sparse_grad_backward)
 
 

@@ -156,6 +156,7 @@ class SparseTensorWrapper(torch.Tensor):
                 out = services.compiled_call(func, args, kwargs or {})
                 if out is not services.MISSING:
                     return out
+                return _eager_dispatch()(func, args, kwargs or {})
             return services.dispatch_call(func, args, kwargs or {})
         kwargs = kwargs or {}
         if handler is _PASS:
@@ -407,6 +408,19 @@ class WrapperServices:
 
 services = WrapperServices()
 _is_compiling = torch.compiler.is_compiling
+
+
+_EAGER_DISPATCH: list = []
+
+
+def _eager_dispatch() -> Any:
+    """``dispatch_call`` as Dynamo runs it while tracing a call without a compiled implementation:
+    one graph break, the eager dispatcher run as is, never traced into (its caches, conversions
+    through numpy / scipy and ctypes kernels are not traceable: Dynamo crashed inside them).
+    Made on first use (``torch.compiler.disable`` imports Dynamo)."""
+    if not _EAGER_DISPATCH:
+        _EAGER_DISPATCH.append(torch.compiler.disable(services.dispatch_call))
+    return _EAGER_DISPATCH[0]
 
 
 def _rebuild(cls: type, wrapped: Any, requires_grad: bool, grad_fmt: Any) -> SparseTensorWrapper:

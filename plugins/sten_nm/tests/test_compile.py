@@ -12,6 +12,8 @@ from sten_core.testing import (check_compile, check_compile_shared_weight, check
 from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor
 from sten_nm import compiled as nmc
 
+SPARSE_GRAD = (sten.KeepAll(), NMTensor, sten.KeepAll(), NMTensor)
+
 pytestmark = requires_kernel
 
 LAYOUTS = [NMTensor, GroupedNMTensor, ColumnGroupedNMTensor]
@@ -271,6 +273,37 @@ def test_matmul_and_mm_with_an_nm_operand_compile_whole():
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), f(x))
     torch.testing.assert_close(f(x), 3 * x @ s.to_dense(), rtol=1e-4, atol=1e-5)
+
+
+def test_products_with_the_nm_operand_first_compile_whole_and_train():
+    """``W @ x``, ``torch.mm(W, x)``, ``torch.matmul(W, x)`` (2-D and 1-D x) compile into the
+    ``sten_nm::nm_linear`` node on x^T: no graph break; compiled, eager and dense torch agree on
+    the values and the gradients (W's at its kept positions, in its own layout)."""
+    torch.manual_seed(0)
+    t = NMTensor.from_dense(torch.randn(12, 24), n=2, m=4)
+    x0, v0 = torch.randn(24, 5), torch.randn(24)
+
+    def f(w, x, v):
+        return (torch.mm(w, x) + torch.matmul(w, x) + w @ x).sum(-1) + w @ v
+
+    runs = {}
+    for mode in ("dense", "eager", "compiled"):
+        w = t.to_dense().requires_grad_() if mode == "dense" else \
+            sten.SparseParameterWrapper(sten.SparseTensorWrapper(t, requires_grad=True, grad_fmt=SPARSE_GRAD))
+        x, v = x0.clone().requires_grad_(), v0.clone().requires_grad_()
+        torch._dynamo.reset()
+        if mode == "compiled":
+            explained = torch._dynamo.explain(f)(w, x, v)
+            assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+            torch._dynamo.reset()
+        y = (torch.compile(f, fullgraph=True) if mode == "compiled" else f)(w, x, v)
+        y.square().sum().backward()
+        gw = w.grad * t.mask() if mode == "dense" else w.grad.wrapped_tensor.to_dense()
+        runs[mode] = (y, x.grad, v.grad, gw)
+    torch._dynamo.reset()
+    for mode in ("eager", "compiled"):
+        for got, want in zip(runs[mode], runs["dense"]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
 def test_compiled_impl_rejects_a_mismatched_input():

@@ -198,3 +198,58 @@ def test_method_and_operator_spellings_run_the_nm_product(spelling, amp):
     with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
         (xd @ S.to_dense()).float().square().sum().backward()
     torch.testing.assert_close(x.grad, xd.grad, **tol)
+
+
+LEFT_SPELLINGS = {
+    "W @ x": lambda w, x: w @ x,
+    "W.mm(x)": lambda w, x: w.mm(x),
+    "W.matmul(x)": lambda w, x: w.matmul(x),
+    "torch.mm": lambda w, x: torch.mm(w, x),
+    "torch.matmul": lambda w, x: torch.matmul(w, x),
+}
+
+
+LEFT_CASES = [(spelling, shape) for spelling in LEFT_SPELLINGS for shape in [(30,), (30, 7), (2, 3, 30, 5)]
+              if len(shape) == 2 or "matmul" in spelling or "@" in spelling]  # torch.mm: 2-D only
+
+
+@pytest.mark.parametrize("spelling,x_shape", LEFT_CASES)
+@pytest.mark.parametrize("dim", [1, 0])
+@pytest.mark.parametrize("sparse_grad", [True, False])
+def test_nm_operand_first_runs_the_nm_product(spelling, x_shape, dim, sparse_grad):
+    """``W @ x`` (and ``mm`` / ``matmul``) with the n:m operand first runs sten_nm's product
+    (``F.linear(x^T, W)^T``) with the values and gradients of dense torch, the weight gradient
+    in W's own layout when its grad_fmt asks: it was converted to scipy's CSR on every call."""
+    torch.manual_seed(0)
+    t = NMTensor.from_dense(torch.randn(12, 30), 2, 4, dim=dim)
+    W = _wrapper(t, sparse_grad)
+    x = torch.randn(*x_shape, requires_grad=True)
+    seen = []
+    with warnings.catch_warnings(), sten.dispatch.observed(lambda e: seen.append((e["kind"], str(e.get("plan"))))):
+        warnings.simplefilter("error")  # no conversion, no dense fallback
+        y = LEFT_SPELLINGS[spelling](W, x)
+        gy = torch.randn_like(y)
+        y.backward(gy)
+    ops = [plan for kind, plan in seen if kind == "op"]
+    assert ops == ["impl", "impl"], seen   # forward and backward, no conversion
+    xr, wr = x.detach().requires_grad_(), t.to_dense().requires_grad_()
+    yr = LEFT_SPELLINGS[spelling](wr, xr)
+    yr.backward(gy)
+    assert y.is_contiguous()
+    _close(y, yr)
+    _close(x.grad, xr.grad)
+    if sparse_grad:
+        assert isinstance(W.grad.wrapped_tensor, NMTensor) and W.grad.wrapped_tensor.same_pattern(t)
+        _close(W.grad.wrapped_tensor.to_dense(), wr.grad * t.mask())
+    else:
+        _close(W.grad, wr.grad)
+
+
+def test_nm_operand_first_rejects_mismatched_operands():
+    W = sten.SparseTensorWrapper(NMTensor.from_dense(torch.randn(12, 30), 2, 4))
+    with pytest.raises(ValueError, match="second-to-last dimension to be 30"):
+        W @ torch.randn(29, 4)
+    with pytest.raises(ValueError, match="last dimension to be 30"):
+        W @ torch.randn(29)
+    with pytest.raises(ValueError, match="mat2 must be 2-D"):
+        torch.mm(W, torch.randn(30))
