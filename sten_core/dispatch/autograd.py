@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from sten_core.dispatch.call import _Call, grad_spec
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
@@ -38,11 +37,12 @@ class _DispatchFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # implementations see detached inputs: no double backward (raises, not wrong)
     def backward(fctx: Any, *grads: Any) -> Any:
         call = fctx.call
         templates = call.unstash(call.saved(fctx.saved_tensors))  # raises if an input changed in place since
         try:
+            if torch.is_grad_enabled():  # create_graph=True: gradients with a graph of their own
+                return (None, *call.differentiable_backward(grads, fctx.needs_input_grad[1:]))
             return (None, *call.backward(grads, fctx.needs_input_grad[1:]))
         finally:
             call.restash(templates)
@@ -102,10 +102,32 @@ def apply_function(function: type, *args: Any) -> Any:
 def record(call: _Call) -> Any:
     """Run ``call`` as one autograd node whose inputs are its distinct tensor arguments."""
     unique = call.dedupe()
-    if torch._C._are_functorch_transforms_active():
-        with _NoTorchFunction():
-            return _DispatchFunction.apply(call, *unique)
-    return _apply_function(call, *[v if type(v) in WRAPPER_TYPES else _unwrap_if_dead(v) for v in unique])
+    try:
+        if torch._C._are_functorch_transforms_active():
+            with _NoTorchFunction():
+                return _DispatchFunction.apply(call, *unique)
+        return _apply_function(call, *[v if type(v) in WRAPPER_TYPES else _unwrap_if_dead(v) for v in unique])
+    except RuntimeError as error:
+        if "setup_context" in str(error) or "jvp" in str(error):
+            raise unsupported_transform(call.op, unique, error) from error
+        raise
+
+
+def unsupported_transform(op: Any, operands: list, error: Exception) -> NotImplementedError:
+    """What a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ``jacfwd``) or forward-mode
+    AD over a call with a trainable sparse operand raises: torch's own message names STen's private
+    node only ("must override the setup_context staticmethod", "must implement the jvp function")."""
+    from sten_core.dispatch.errors import op_name
+
+    layouts = ", ".join(type(v.wrapped_tensor).__name__ for v in operands if isinstance(v, SparseTensorWrapper))
+    functorch = "setup_context" in str(error)
+    transform = "a torch.func transform (vmap, grad, jacrev, jacfwd)" if functorch else "forward-mode AD"
+    return NotImplementedError(
+        f"STen: {op_name(op)} with a sparse operand that requires grad ({layouts or 'a sparse wrapper'}) "
+        f"under {transform} is not supported: STen records reverse-mode autograd nodes only. Use "
+        f"torch.autograd.grad / torch.autograd.functional.jacobian or hessian (reverse mode, second order "
+        f"included), freeze the weight (requires_grad_(False)) for vmap, or run the transform on the dense "
+        f"model (w.to_dense()). torch said: {str(error).splitlines()[0]}")
 
 
 def _any_requires_grad_py(*args: Any) -> bool:

@@ -12,12 +12,13 @@ Example:
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import torch
 
 from sten_core.dispatch.conversions import wrap
-from sten_core.dispatch.errors import report_missing
+from sten_core.dispatch.errors import DispatchWarning, report_missing
 from sten_core.dispatch.observers import active, notify
 from sten_core.dispatch.plan import Plan, PlanKind, is_inplace, plan_for
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
@@ -26,7 +27,7 @@ from sten_core.model.registry import OpKey, trim
 from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.spec import DENSE, OutputSpec
 from sten_core.model.tensor import (DENSE_TYPES, PLAIN_TYPES, WRAPPER_TYPES, SparseTensorWrapper, densify,
-                                    detach_at, detached, layout_of, map_tensors)
+                                    detach_at, detached, layout_of, map_tensors, services)
 
 _NoTorchFunction = torch._C.DisableTorchFunctionSubclass
 
@@ -322,6 +323,57 @@ class _Call:
                     total = total + densify(g)
                 out.append(apply_spec(total, spec_of[k]))
         return tuple(out)
+
+    def differentiable_backward(self, grads: tuple, needs: tuple) -> tuple:
+        """Gradients for the node's distinct inputs under ``create_graph=True`` (a gradient
+        penalty, a Hessian): the op re-run densely on *differentiable* dense views of its inputs
+        (a wrapper's through ``dense_with_grad``: its own gradients then reach it in its
+        ``grad_fmt``), so the gradients returned have a graph of their own. The implementations
+        compute first-order gradients on detached inputs; their results would be constants here,
+        and second-order terms (through the weight, or the input's own) silently lost."""
+        specs = (self.specs.grad if self.specs is not None else None) or ()
+        specs = specs + (DENSE,) * (len(grads) - len(specs))
+        grad_outputs = [densify(apply_spec(g, s)) if g is not None else None for g, s in zip(grads, specs)]
+        values = self.unique_values
+        views = {}
+        for v in values:
+            if isinstance(v, SparseTensorWrapper):
+                views[id(v)] = services.dense_with_grad(v) if v.requires_grad else densify(v)
+            else:
+                views[id(v)] = v
+
+        def swap(tensor: torch.Tensor) -> torch.Tensor:
+            return views[id(tensor)] if id(tensor) in views else densify(tensor)
+
+        out = self.op(*map_tensors(swap, self.args), **map_tensors(swap, self.kwargs))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grad_outputs)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        inputs = [views[id(v)] for v in values]
+        wanted = [k for k, t in enumerate(inputs) if needs[k] and isinstance(t, torch.Tensor) and t.requires_grad]
+        found = torch.autograd.grad([o for o, _ in pairs], [inputs[k] for k in wanted], [g for _, g in pairs],
+                                    allow_unused=True, create_graph=True) if pairs and wanted else ()
+        by_slot: list = [None] * len(values)
+        for k, g in zip(wanted, found):
+            by_slot[k] = g
+        first = {}
+        for p in self.positions:
+            first.setdefault(self.slot_of[p], p)
+        result = []
+        for k, g in enumerate(by_slot):
+            value = values[k]
+            if g is not None and isinstance(value, SparseTensorWrapper):
+                formatted = apply_grad_spec(g, self.grad_specs[first[k]], value)
+                if g.requires_grad and not formatted.requires_grad:
+                    warnings.warn(
+                        f"create_graph=True: the gradient of a {type(value.wrapped_tensor).__name__} operand of "
+                        f"{getattr(self.op, '__name__', self.op)} is stored in its grad_fmt "
+                        f"({type(formatted.wrapped_tensor).__name__ if isinstance(formatted, SparseTensorWrapper) else 'a sparse layout'}) "
+                        "without a graph of its own: differentiating through that .grad will not see it "
+                        "(gradients through the input's gradient do reach the weight)", DispatchWarning, stacklevel=2)
+                g = formatted
+            result.append(g)
+        return tuple(result)
 
     def _dense_backward(self, grad_outputs: list, needs: tuple) -> list:
         """Gradients per distinct input by re-running the op densely under autograd."""

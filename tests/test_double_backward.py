@@ -1,0 +1,108 @@
+"""Second-order gradients (``create_graph=True``) through calls that run an implementation.
+
+The implementations compute first-order gradients on detached inputs, and the node's backward
+was ``@once_differentiable``: with a constant incoming gradient (``y.sum()``) the input's gradient
+came back as a constant, so a gradient penalty never reached the sparse weight (``W.grad`` None)
+and ``torch.autograd.functional.hessian`` was silently wrong (max error 0.34 for CSR). Under
+``create_graph=True`` the node now re-runs the op densely on differentiable views of its inputs
+(``_Call.differentiable_backward``): values of dense torch, the weight's gradient in its grad_fmt.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sten_core as sten
+
+LAYOUTS = [sten.CsrTensor, sten.CscTensor, sten.CooTensor, sten.DenseTensor]
+
+
+def masked(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * (torch.rand(*shape, generator=g) > 0.5)
+
+
+def sparse_linear(layout, dense, keeps_layout=False, dtype=torch.float32):
+    fmt = (sten.KeepAll(), layout, sten.KeepAll(), layout) if keeps_layout else None
+    return sten.SparseParameterWrapper(sten.SparseTensorWrapper(
+        layout.from_dense(dense.to(dtype)), requires_grad=True, grad_fmt=fmt))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("keeps_layout", [False, True], ids=["dense grad", "grad in layout"])
+def test_a_gradient_penalty_reaches_the_sparse_weight(layout, keeps_layout):
+    """loss + ||d loss / dx||^2 (WGAN-GP, R1): the weight's gradient and the input's equal dense
+    torch's (at the stored positions when the grad_fmt keeps the layout)."""
+    dense, b = masked((3, 4), 0), torch.randn(3)
+    x0 = torch.randn(5, 4)
+    grads = {}
+    for mode in ("dense", "sparse"):
+        w = dense.clone().requires_grad_() if mode == "dense" else sparse_linear(layout, dense, keeps_layout)
+        x = x0.clone().requires_grad_()
+        loss = F.linear(torch.tanh(x), w, b).square().sum()
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sten.DispatchWarning)  # (the kept layout's first-order .grad)
+            (loss + gx.pow(2).sum()).backward()
+        gw = w.grad.to_dense() if isinstance(w.grad, sten.SparseTensorWrapper) else w.grad
+        grads[mode] = (gx.detach(), x.grad, gw)
+    stores_zeros = layout is sten.DenseTensor  # every position is stored: its gradient is whole
+    mask = (dense != 0).float() if keeps_layout and not stores_zeros else torch.ones_like(dense)
+    torch.testing.assert_close(grads["sparse"][0], grads["dense"][0])
+    torch.testing.assert_close(grads["sparse"][1], grads["dense"][1])
+    assert grads["sparse"][2] is not None
+    torch.testing.assert_close(grads["sparse"][2], grads["dense"][2] * mask)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op", ["linear", "W @ x", "x @ W"])
+def test_hessian_with_respect_to_the_input_is_dense_torchs(layout, op):
+    dense = masked((4, 4), 1)
+    w = sten.SparseTensorWrapper(layout.from_dense(dense), requires_grad=True)
+    product = {"linear": lambda v, m: F.linear(v, m), "W @ x": lambda v, m: m @ v,
+               "x @ W": lambda v, m: v @ m}[op]
+
+    def f(m):
+        return lambda v: product(torch.tanh(v), m).pow(2).sum()
+
+    v = torch.randn(4)
+    torch.testing.assert_close(torch.autograd.functional.hessian(f(w), v),
+                               torch.autograd.functional.hessian(f(dense), v))
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor])
+def test_gradgradcheck_through_a_sparse_product(layout):
+    w = sten.SparseTensorWrapper(layout.from_dense(masked((3, 5), 2).double()), requires_grad=True)
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda t: torch.tanh(F.linear(t, w)), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: torch.mm(w, t.t()).sin(), (x,))
+
+
+def test_first_order_gradients_under_create_graph_equal_the_plain_backward():
+    dense = masked((6, 4), 3)
+    x0 = torch.randn(2, 4)
+    got = []
+    for create_graph in (False, True):
+        w = sparse_linear(sten.CsrTensor, dense)
+        x = x0.clone().requires_grad_()
+        F.linear(x, w).square().sum().backward(create_graph=create_graph)
+        got.append((x.grad.detach(), w.grad.detach()))
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_sparse_grad_fmt_under_create_graph_says_its_gradient_has_no_graph():
+    """The weight's gradient stored in a sparse grad_fmt is a new wrapper, without a graph: a
+    DispatchWarning says differentiating through ``W.grad`` will not see it (the dense default
+    keeps the graph, silently)."""
+    x = torch.randn(2, 4, requires_grad=True)
+    w = sparse_linear(sten.CsrTensor, masked((3, 4), 4), keeps_layout=True)
+    with pytest.warns(sten.DispatchWarning, match="without a graph of its own"):
+        F.linear(x, w).square().sum().backward(create_graph=True)
+    w = sparse_linear(sten.CsrTensor, masked((3, 4), 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sten.DispatchWarning)
+        F.linear(x, w).square().sum().backward(create_graph=True)
+    assert w.grad.requires_grad  # dense: differentiable, as dense torch's
