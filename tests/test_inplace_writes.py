@@ -223,3 +223,28 @@ def test_accumulating_into_a_layout_that_cannot_hold_the_sum_warns():
     with pytest.warns(sten.DispatchWarning, match="Lossy gradient accumulation"):
         _grad_of(W, x)
     torch.testing.assert_close(W.grad.to_dense(), torch.where(before != 0, before + new, torch.zeros(())))
+
+
+@pytest.mark.parametrize("layout", [sten.CooTensor, sten.CsrTensor, sten.DenseTensor])
+def test_embedding_max_norm_renormalises_the_sparse_weight(layout):
+    """``nn.Embedding(max_norm=...)`` renormalises the looked-up rows of its weight in place
+    inside an out-of-place call (``embedding_renorm_`` in ``F.embedding``): the dense path ran it
+    on a copy and the stored weight kept its norms (2.73 where dense gives 1.0), so training
+    drifted from the dense model. The copy's change is now written back at the stored positions."""
+    torch.manual_seed(0)
+    w = torch.randn(10, 8) * 2 * (torch.rand(10, 8) > 0.5)
+    idx = torch.tensor([[1, 2, 3], [3, 7, 1]])
+    e = torch.nn.Embedding(10, 8, max_norm=1.0)
+    e.weight = sten.SparseParameterWrapper(layout.from_dense(w))
+    r = torch.nn.Embedding(10, 8, max_norm=1.0)
+    r.weight.data = w.clone()
+    opt, ref = torch.optim.SGD(e.parameters(), lr=0.1), torch.optim.SGD(r.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        for _ in range(2):
+            for model, o in ((e, opt), (r, ref)):
+                o.zero_grad()
+                model(idx).square().sum().backward()
+                o.step()
+    stored = layout.from_dense(w).to_dense() != 0 if layout is not sten.DenseTensor else torch.ones_like(w, dtype=torch.bool)
+    torch.testing.assert_close(e.weight.to_dense(), r.weight.detach() * stored)

@@ -35,15 +35,30 @@ from sten_core.model.tensor import (SparseTensorWrapper, densify, densify_tree, 
                                     write_back)
 
 
-def differentiable_dense(tree: Any, grad: bool) -> Any:
-    """``densify_tree``, keeping the autograd graph of wrappers that require grad."""
+def differentiable_dense(tree: Any, grad: bool, made: list | None = None) -> Any:
+    """``densify_tree``, keeping the autograd graph of wrappers that require grad; each
+    ``(wrapper, dense copy, its version)`` appended to ``made`` when given."""
 
     def dense(tensor: torch.Tensor) -> torch.Tensor:
         if grad and isinstance(tensor, SparseTensorWrapper) and tensor.requires_grad:
-            return apply_function(_Densify, tensor)
-        return densify(tensor)
+            d = apply_function(_Densify, tensor)
+        else:
+            d = densify(tensor)
+        if made is not None and isinstance(tensor, SparseTensorWrapper):
+            made.append((tensor, d, d._version))
+        return d
 
     return map_tensors(dense, tree)
+
+
+def write_back_changed(made: list) -> None:
+    """Each wrapper whose dense copy an out-of-place operator changed in place gets the change at
+    its stored positions: ``F.embedding(..., max_norm=...)`` renormalises the looked-up rows of
+    its weight (``embedding_renorm_``), which on the copy alone was lost."""
+    for wrapper, d, version in made:
+        if d._version != version:
+            with torch.no_grad():
+                write_back(wrapper, d.detach())
 
 
 def composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs: CallSpecs | None,
@@ -56,8 +71,10 @@ def composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs:
     if plan.kind is PlanKind.FALLBACK:
         report_missing(plan.key)
     started = time.perf_counter() if active() else 0.0
-    dense_args, dense_kwargs = differentiable_dense((args, kwargs), grad)
+    made: list = []
+    dense_args, dense_kwargs = differentiable_dense((args, kwargs), grad, made)
     out = op(*dense_args, **dense_kwargs)
+    write_back_changed(made)
     if active():
         notify("op", key, plan.kind, time.perf_counter() - started)
     if specs is None:

@@ -153,11 +153,13 @@ def apply_spec(value: Any, spec: OutputSpec, inline_done: bool = False) -> Any:
 
 def apply_grad_spec(grad: Any, spec: OutputSpec, value: Any) -> Any:
     """A dense gradient of ``value`` through its ``grad_fmt`` ``spec``; for a sparse ``value``
-    whose ``grad_fmt`` keeps its layout (``(KeepAll(), L, KeepAll(), L)`` for its own layout
-    ``L``: the values' gradient at its pattern, as a registered sparse-gradient backward gives
-    it) the gradient at ``value``'s positions, not re-sparsified into a new pattern of ``L``
-    (which for n:m layouts picks the gradient's largest entries). Used where a backward ran
-    densely (the dense fallback, ``SparseTensorWrapper`` densified for a dense operator).
+    whose ``grad_fmt`` names a layout without sparsifying (``(KeepAll(), L, KeepAll(), L)``) the
+    gradient at ``value``'s stored positions, as a registered sparse-gradient backward gives it
+    (O(nnz), DESIGN's contract): in ``value``'s own layout, or converted to ``L`` when ``L`` is
+    another one; not the dense gradient re-sparsified into a new pattern (which for n:m layouts
+    picks the gradient's largest entries, and for CSR stores every nonzero). Used where a
+    backward ran densely (the dense fallback, ``SparseTensorWrapper`` densified for a dense
+    operator).
 
     >>> import torch, sten_core as sten
     >>> w = sten.SparseTensorWrapper(sten.sparsify(sten.KeepAll(), torch.eye(2), sten.CsrTensor).wrapped_tensor,
@@ -169,9 +171,15 @@ def apply_grad_spec(grad: Any, spec: OutputSpec, value: Any) -> Any:
     """
     if isinstance(value, SparseTensorWrapper) and type(grad) in DENSE_TYPES:
         layout = type(value.wrapped_tensor)
-        if (spec.out_format is layout and spec.tmp_format is layout and isinstance(spec.inline_sparsifier, KeepAll)
-                and isinstance(spec.external_sparsifier, KeepAll)):
-            return apply_sparsifier(SameFormatSparsifier(value), grad, layout)
+        if (isinstance(spec.inline_sparsifier, KeepAll) and isinstance(spec.external_sparsifier, KeepAll)
+                and spec.out_format is not torch.Tensor):
+            at_pattern = apply_sparsifier(SameFormatSparsifier(value), grad, layout)
+            if spec.out_format is layout and spec.tmp_format is layout:
+                return at_pattern
+            # another layout (a CSR weight's gradient as n:m, an n:m weight's as scipy CSR): the
+            # gradient at the weight's positions, then converted (warned where that drops values),
+            # not the dense gradient re-sparsified into a pattern of its own
+            return convert(at_pattern, spec.out_format)
     return apply_spec(grad, spec)
 
 

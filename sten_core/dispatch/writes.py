@@ -31,7 +31,9 @@ def run_dense_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
     the result at its stored positions. Changes are found by comparing each copy with a
     snapshot: version counters miss the fused optimizer kernels (``torch._fused_adam_``
     writes its lists without bumping them). Returns ``op``'s result with each copy
-    replaced by its wrapper (``add_`` and ``out=`` return their target, as in torch)."""
+    replaced by its wrapper (``add_`` and ``out=`` return their target, as in torch). The copies
+    are contiguous: torch's CPU fused optimizer kernels read their lists as contiguous whatever
+    the strides (scipy CSC's column-major ``to_dense()`` was updated at transposed positions)."""
     copies: dict[int, tuple] = {}
 
     def dense(tensor: torch.Tensor) -> torch.Tensor:
@@ -39,7 +41,7 @@ def run_dense_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
             return tensor
         hit = copies.get(id(tensor))
         if hit is None:
-            d = densify(tensor)
+            d = densify(tensor).contiguous()
             hit = copies[id(tensor)] = (tensor, d, d.clone())
         return hit[1]
 

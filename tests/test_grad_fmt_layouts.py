@@ -1,0 +1,65 @@
+"""A ``grad_fmt`` that names a layout without sparsifying (``(KeepAll(), L, KeepAll(), L)``) gives
+the gradient at the weight's stored positions (DESIGN: "it exists only at the stored positions,
+O(nnz)"), also when ``L`` is another layout than the weight's, with every plugin installed.
+
+Before, only ``L`` = the weight's own layout did: another layout got the dense gradient
+re-sparsified by its own values (an n:m weight's scipy-CSR gradient stored all 64 of 64 entries; a
+CSR weight's COO gradient every nonzero of the dense gradient; a CSR weight's n:m gradient kept the
+gradient's largest entries, dropping 12 of the 27 stored positions without a warning)."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sten_core as sten
+from sten_nm import NMTensor
+from sten_scipy import ScipyCscTensor, ScipyCsrTensor
+
+
+def weight(layout, grad_layout, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn(8, 8, generator=g)
+    t = NMTensor.from_dense(dense, n=2, m=4) if layout is NMTensor else \
+        layout.from_dense(dense * (torch.rand(8, 8, generator=g) > 0.5))
+    fmt = (sten.KeepAll(), grad_layout, sten.KeepAll(), grad_layout)
+    return sten.SparseParameterWrapper(sten.SparseTensorWrapper(t, requires_grad=True, grad_fmt=fmt))
+
+
+def dense_grad(w):
+    x, t = torch.randn(4, 8), torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)  # (the mixed pairs' dense backward)
+        (F.linear(x, w) * t).sum().backward()
+    return t.t() @ x
+
+
+PAIRS = [(NMTensor, ScipyCsrTensor), (NMTensor, sten.CooTensor), (sten.CsrTensor, sten.CooTensor),
+         (sten.CsrTensor, ScipyCscTensor), (ScipyCsrTensor, sten.CsrTensor), (sten.CooTensor, sten.CscTensor)]
+
+
+@pytest.mark.parametrize("layout,grad_layout", PAIRS, ids=lambda c: c.__name__)
+def test_a_gradient_in_another_layout_is_at_the_stored_positions(layout, grad_layout):
+    torch.manual_seed(0)
+    w = weight(layout, grad_layout)
+    want = dense_grad(w)
+    stored = w.wrapped_tensor.to_dense() != 0
+    assert type(w.grad.wrapped_tensor) is grad_layout
+    got = w.grad.to_dense()
+    torch.testing.assert_close(got, want * stored)
+    assert int(torch.count_nonzero(got)) <= int(stored.sum())
+
+
+def test_a_gradient_layout_that_cannot_hold_the_pattern_warns_as_lossy():
+    """A CSR weight whose gradient is asked as n:m: the gradient at its stored positions, as much
+    as n:m holds of it, with the lossy-conversion warning (it was dropped silently)."""
+    torch.manual_seed(0)
+    w = weight(sten.CsrTensor, NMTensor)
+    x, t = torch.randn(4, 8), torch.randn(4, 8)
+    sten.dispatch.reset_warnings()
+    with pytest.warns(sten.DispatchWarning, match="Lossy conversion CsrTensor -> NMTensor"):
+        (F.linear(x, w) * t).sum().backward()
+    got, stored = w.grad.to_dense(), w.wrapped_tensor.to_dense() != 0
+    assert not bool(((got != 0) & ~stored).any())   # nothing outside the weight's positions
+    torch.testing.assert_close(got, (t.t() @ x) * (got != 0))
