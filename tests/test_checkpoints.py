@@ -98,3 +98,26 @@ def test_state_dict_of_a_traceable_weight_loads_weights_only(layout, kept, tmp_p
     loaded.load_state_dict(state)
     assert torch.equal(loaded.weight.to_dense(), saved.weight.to_dense())
     assert loaded.weight.grad_fmt == fmt and isinstance(loaded.weight.wrapped_tensor, layout)
+
+
+@pytest.mark.parametrize("layout,grad_layout", [(sten.CsrTensor, sten.CooTensor), (sten.CooTensor, sten.CsrTensor),
+                                                (sten.DenseTensor, sten.CsrTensor), ("nm", "scipy")])
+def test_a_grad_fmt_in_another_layout_saves_and_loads_weights_only(layout, grad_layout, tmp_path):
+    """A weight whose gradient format names another registered layout saves in plain tensors
+    (the format named ``layout:<name>``) and the default ``torch.load`` reads it: it failed with
+    "_rebuild is not an allowed global" (the wrapper pickled whole)."""
+    if layout == "nm":
+        from sten_nm import NMTensor
+        from sten_scipy import ScipyCsrTensor
+
+        layout, grad_layout = NMTensor, ScipyCsrTensor
+    fmt = (sten.KeepAll(), grad_layout, sten.KeepAll(), grad_layout)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 8)
+    dense = linear.weight.detach()
+    made = layout.from_dense(dense, n=2, m=4) if layout.__name__ == "NMTensor" else layout.from_dense(dense * (dense > 0))
+    linear.weight = sten.SparseParameterWrapper(made, grad_fmt=fmt)
+    torch.save(linear.state_dict(), tmp_path / "sd.pt")
+    state = torch.load(tmp_path / "sd.pt", weights_only=True)
+    assert state["weight"].grad_fmt == fmt
+    assert torch.equal(state["weight"].to_dense(), linear.weight.to_dense())

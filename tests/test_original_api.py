@@ -158,3 +158,11 @@ def test_summary_prints_layout_shape_nnz_and_bytes(capsys):
     assert sten.summary(sparse, print_fn=None) == rows
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         sten.summary(rows)
+
+
+def test_naming_a_submodule_as_an_intermediate_says_how_its_calls_are_named():
+    """``set_interm("1", ...)`` on a Sequential names a submodule, not a call: the error said "the fx
+    nodes of the model are: " with an empty list (a Sequential calls submodules only)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    with pytest.raises(ValueError, match=r"'1' is a submodule: its intermediates are named '1.<fx node>', here '1.relu'"):
+        sten.SparsityBuilder(model).set_interm("1", inline_sparsifier=sten.KeepAll(), out_format=sten.CooTensor)

@@ -145,6 +145,8 @@ class SparseTensorWrapper(torch.Tensor):
 
     def __deepcopy__(self, memo: dict) -> "SparseTensorWrapper":
         new = type(self)(copy.deepcopy(self.wrapped_tensor, memo), self.requires_grad, self.grad_fmt)
+        if self._is_param:   # nn.Parameter(wrapper): a parameter, as torch's deepcopy keeps one
+            new._is_param = True
         memo[id(self)] = new
         return new
 
@@ -365,10 +367,12 @@ def _alias(wrapper: SparseTensorWrapper) -> SparseTensorWrapper:
     an in-place change through either is seen by both (``w.detach().copy_(t)``)."""
     new = SparseTensorWrapper.__new__(SparseTensorWrapper, wrapper.wrapped_tensor, False, wrapper.grad_fmt)
     new._cell = wrapper._cell
-    if isinstance(wrapper, _Traceable) and type(new) is SparseTensorWrapper:
-        # a traceable wrapper's alias stays traceable (a default-format one is traceable while it trains):
-        # torch.compile and export detach graph inputs, and nn.Parameter(w) wants detach() to keep the class
-        new.__class__ = TraceableSparseTensorWrapper
+    if type(wrapper) in WRAPPER_TYPES and type(new) is not type(wrapper):
+        # the alias keeps the class (not the parameter flag): a traceable wrapper's alias stays traceable
+        # (a default-format one is traceable while it trains: torch.compile and export detach graph
+        # inputs), and nn.Parameter(w) wants detach() to return w's own class, parameters included
+        # (parametrize and weight_norm make a parameter of a parameter)
+        new.__class__ = type(wrapper)
     return new
 
 
@@ -423,8 +427,11 @@ def _eager_dispatch() -> Any:
     return _EAGER_DISPATCH[0]
 
 
-def _rebuild(cls: type, wrapped: Any, requires_grad: bool, grad_fmt: Any) -> SparseTensorWrapper:
-    return cls(wrapped, requires_grad, grad_fmt)
+def _rebuild(cls: type, wrapped: Any, requires_grad: bool, grad_fmt: Any, is_param: bool = False) -> SparseTensorWrapper:
+    out = cls(wrapped, requires_grad, grad_fmt)
+    if is_param:   # nn.Parameter(wrapper) pickled
+        out._is_param = True
+    return out
 
 
 def _copy_layout(layout: Any) -> Any:
@@ -572,10 +579,7 @@ def rebuild_seq(like: Any, items: list) -> Any:
 def _detach(self: SparseTensorWrapper) -> SparseTensorWrapper:
     """``w.detach()``: an alias (same layout cell, same version counter) without history."""
     with torch._C.DisableTorchFunctionSubclass():
-        out = torch.Tensor.detach(self)
-    if not isinstance(out, _Traceable):  # a traceable wrapper's class stands for its grad_fmt: kept
-        out.grad_fmt = None              # (nn.Parameter(w) and Module._apply detach it)
-    return out
+        return torch.Tensor.detach(self)   # (grad_fmt kept: nn.Parameter(w) and Module._apply detach)
 
 
 def _requires_grad_(self: SparseTensorWrapper, requires_grad: bool = True) -> SparseTensorWrapper:

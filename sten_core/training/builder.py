@@ -188,7 +188,17 @@ class SparsityBuilder:
             raise ValueError(f"unknown intermediate {name!r}: no submodule {path!r}; submodules: {', '.join(m for m in modules if m)}")
         names = _fx_node_names(modules[path])
         if names is not None and node not in names:
-            raise ValueError(f"unknown intermediate {name!r}; the fx nodes of {path or 'the model'} are: {', '.join(names)}")
+            if names:
+                listed = f"the fx nodes of {path or 'the model'} are: {', '.join(names)}"
+            else:
+                listed = f"{path or 'the model'} has no function or method calls of its own (only submodule calls)"
+            hint = ""
+            child = dict(modules[path].named_children()).get(node)
+            if child is not None:   # a submodule named, not one of its calls
+                inner = _fx_node_names(child) or []
+                hint = (f"; {name!r} is a submodule: its intermediates are named '{name}.<fx node>'"
+                        + (f", here {', '.join(repr(f'{name}.{n}') for n in inner)}" if inner else ""))
+            raise ValueError(f"unknown intermediate {name!r}; {listed}{hint}")
         return path, node
 
     def set_interm(self, name: str, inline_sparsifier: Any = None, tmp_format: type = torch.Tensor,

@@ -39,14 +39,23 @@ def _layout_name(cls: type) -> str | None:
     return None
 
 
-GRAD_FORMAT_NAMES = ("keep", "dense")
+GRAD_FORMAT_NAMES = ("keep", "dense", "layout:<name>")
 """The gradient formats a plain-tensor checkpoint names: the layout's own
-``(KeepAll(), Layout, KeepAll(), Layout)`` and the dense ``(KeepAll(), Tensor, KeepAll(), Tensor)``."""
+``(KeepAll(), Layout, KeepAll(), Layout)``, the dense ``(KeepAll(), Tensor, KeepAll(), Tensor)``,
+and another registered layout ``L`` as ``"layout:" + its registered name`` (an n:m weight's
+gradient as scipy CSR)."""
 
 
 def grad_format_name(wrapper: SparseTensorWrapper) -> str | None:
-    """``"keep"`` / ``"dense"`` for those two gradient formats, ``None`` for none; raises
-    ``LookupError`` for any other (sparsifier objects: the wrapper pickles whole)."""
+    """``"keep"`` / ``"dense"`` / ``"layout:<name>"`` for those gradient formats, ``None`` for
+    none; raises ``LookupError`` for any other (sparsifier objects: the wrapper pickles whole).
+
+    >>> import torch, sten_core as sten
+    >>> w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(2)),
+    ...                              grad_fmt=(sten.KeepAll(), sten.CooTensor, sten.KeepAll(), sten.CooTensor))
+    >>> grad_format_name(w)
+    'layout:CooTensor'
+    """
     fmt = wrapper.grad_fmt
     if fmt is None:
         return None
@@ -55,15 +64,21 @@ def grad_format_name(wrapper: SparseTensorWrapper) -> str | None:
             return "keep"
         if fmt[1] is torch.Tensor:
             return "dense"
+        name = _layout_name(fmt[1])
+        if name is not None:
+            return "layout:" + name
     raise LookupError(f"grad_fmt {fmt!r} has no plain-tensor name")
 
 
 def _grad_format(name: str | None, layout: type) -> tuple | None:
     if name is None:
         return None
-    if name not in GRAD_FORMAT_NAMES:
+    if name.startswith("layout:"):
+        kept = registry.layout(name[len("layout:"):])
+    elif name in ("keep", "dense"):
+        kept = layout if name == "keep" else torch.Tensor
+    else:
         raise ValueError(f"unknown gradient format {name!r} in checkpoint; expected one of {GRAD_FORMAT_NAMES}")
-    kept = layout if name == "keep" else torch.Tensor
     return (KeepAll(), kept, KeepAll(), kept)
 
 
@@ -91,11 +106,11 @@ def reduce_wrapper(wrapper: SparseTensorWrapper) -> tuple:
         grad_format = grad_format_name(wrapper)
     except LookupError:
         name = None
+    is_param = isinstance(wrapper, SparseParameterWrapper) or wrapper._is_param   # (nn.Parameter(wrapper) too)
     if name is not None and implements(layout, StateTensors):
-        args = (isinstance(wrapper, SparseParameterWrapper), name, tuple(wrapper.shape),
-                tuple(layout.state_tensors()), wrapper.requires_grad)
+        args = (is_param, name, tuple(wrapper.shape), tuple(layout.state_tensors()), wrapper.requires_grad)
         return (rebuild_sparse, args + ((grad_format,) if grad_format is not None else ()))
-    return (_rebuild, (type(wrapper), layout, wrapper.requires_grad, wrapper.grad_fmt))
+    return (_rebuild, (type(wrapper), layout, wrapper.requires_grad, wrapper.grad_fmt, is_param))
 
 
 def densify_state_dict(state_dict: dict) -> dict:
