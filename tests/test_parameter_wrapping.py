@@ -105,3 +105,18 @@ def test_transforms_over_a_trainable_sparse_weight_name_sten(transform):
                 F.linear(fwAD.make_dual(x, torch.ones_like(x)), w)
         else:
             runs[transform]()
+
+
+def test_state_dict_entries_load_as_tensors_and_a_saved_parameter_as_a_parameter():
+    """As for dense: ``state_dict()`` holds detached tensors (no parameters), a saved parameter
+    loads as one."""
+    m = torch.nn.Linear(4, 3)
+    m.weight = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(masked((3, 4))))
+    for value, is_param in ((m.state_dict(), False), (m.weight, True)):
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        buf.seek(0)
+        loaded = torch.load(buf)
+        loaded = loaded["weight"] if isinstance(loaded, dict) else loaded
+        assert isinstance(loaded, torch.nn.Parameter) is is_param
+        assert torch.equal(loaded.to_dense(), m.weight.to_dense())

@@ -106,7 +106,7 @@ def reduce_wrapper(wrapper: SparseTensorWrapper) -> tuple:
         grad_format = grad_format_name(wrapper)
     except LookupError:
         name = None
-    is_param = isinstance(wrapper, SparseParameterWrapper) or wrapper._is_param   # (nn.Parameter(wrapper) too)
+    is_param = wrapper._is_param   # (nn.Parameter(wrapper) too; not a detached parameter, as in a state dict)
     if name is not None and implements(layout, StateTensors):
         args = (is_param, name, tuple(wrapper.shape), tuple(layout.state_tensors()), wrapper.requires_grad)
         return (rebuild_sparse, args + ((grad_format,) if grad_format is not None else ()))
