@@ -18,6 +18,7 @@ import torch
 from sten_core.dispatch.call import _Call, grad_spec
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
 from sten_core.model.layouts import to_dense_tensor
+from sten_core.model.signatures import op_name
 from sten_core.model.spec import DENSE, OutputSpec
 from sten_core.model.tensor import WRAPPER_TYPES, SparseTensorWrapper, densify
 
@@ -117,8 +118,6 @@ def unsupported_transform(op: Any, operands: list, error: Exception) -> NotImple
     """What a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ``jacfwd``) or forward-mode
     AD over a call with a trainable sparse operand raises: torch's own message names STen's private
     node only ("must override the setup_context staticmethod", "must implement the jvp function")."""
-    from sten_core.dispatch.errors import op_name
-
     layouts = ", ".join(type(v.wrapped_tensor).__name__ for v in operands if isinstance(v, SparseTensorWrapper))
     functorch = "setup_context" in str(error)
     transform = "a torch.func transform (vmap, grad, jacrev, jacfwd)" if functorch else "forward-mode AD"

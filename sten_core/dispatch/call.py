@@ -275,9 +275,7 @@ class _Call:
     # backward
     def backward(self, grads: tuple, needs: tuple) -> tuple:
         """Gradients for the node's (distinct) inputs."""
-        specs = (self.specs.grad if self.specs is not None else None) or ()
-        specs = specs + (DENSE,) * (len(grads) - len(specs))
-        grad_outputs = [apply_spec(g, s) for g, s in zip(grads, specs)]
+        grad_outputs = self._grad_outputs(grads)
         grad_specs = self.grad_specs
         pairs = trim(tuple(None if s is None else (type(s.inline_sparsifier), s.tmp_format) for s in grad_specs))
         inp = self.plan.key.inp if self.plan.kind is PlanKind.CONVERT else self.key.inp  # what the forward ran on
@@ -290,11 +288,7 @@ class _Call:
             by_slot = self._dense_backward(grad_outputs, needs)
             if active():
                 notify("op", key, plan.kind, time.perf_counter() - started)
-            out = []
-            for k, g in enumerate(by_slot):
-                pos = next(p for p, s in slot_of.items() if s == k)
-                out.append(None if g is None else apply_grad_spec(g, grad_specs[pos], self.bound[pos]))
-            return tuple(out)
+            return self._in_grad_formats(by_slot)
         ctx = self.ctx or OpContext(self.op, detach_at(self.bound, self.positions))
         ctx.needs_input_grad = tuple(i in slot_of and needs[slot_of[i]] for i in range(len(self.bound)))
         sparsifiers = [None if s is None else s.inline_sparsifier for s in grad_specs]
@@ -331,81 +325,79 @@ class _Call:
         ``grad_fmt``), so the gradients returned have a graph of their own. The implementations
         compute first-order gradients on detached inputs; their results would be constants here,
         and second-order terms (through the weight, or the input's own) silently lost."""
+        by_slot = self._dense_backward(self._grad_outputs(grads), needs, create_graph=True)
+        return self._in_grad_formats(by_slot, create_graph=True)
+
+    def _grad_outputs(self, grads: tuple) -> list:
+        """The incoming gradients through the outputs' gradient specs."""
         specs = (self.specs.grad if self.specs is not None else None) or ()
         specs = specs + (DENSE,) * (len(grads) - len(specs))
-        grad_outputs = [densify(apply_spec(g, s)) if g is not None else None for g, s in zip(grads, specs)]
-        values = self.unique_values
-        views = {}
-        for v in values:
-            if isinstance(v, SparseTensorWrapper):
-                views[id(v)] = services.dense_with_grad(v) if v.requires_grad else densify(v)
-            else:
-                views[id(v)] = v
+        return [apply_spec(g, s) for g, s in zip(grads, specs)]
 
-        def swap(tensor: torch.Tensor) -> torch.Tensor:
-            return views[id(tensor)] if id(tensor) in views else densify(tensor)
-
-        out = self.op(*map_tensors(swap, self.args), **map_tensors(swap, self.kwargs))
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        pairs = [(o, g) for o, g in zip(outs, grad_outputs)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        inputs = [views[id(v)] for v in values]
-        wanted = [k for k, t in enumerate(inputs) if needs[k] and isinstance(t, torch.Tensor) and t.requires_grad]
-        found = torch.autograd.grad([o for o, _ in pairs], [inputs[k] for k in wanted], [g for _, g in pairs],
-                                    allow_unused=True, create_graph=True) if pairs and wanted else ()
-        by_slot: list = [None] * len(values)
-        for k, g in zip(wanted, found):
-            by_slot[k] = g
-        first = {}
-        for p in self.positions:
-            first.setdefault(self.slot_of[p], p)
-        result = []
-        for k, g in enumerate(by_slot):
-            value = values[k]
+    def _in_grad_formats(self, by_slot: list, create_graph: bool = False) -> tuple:
+        """Dense gradients per distinct input, each wrapper's in its ``grad_fmt``; under
+        ``create_graph`` a warning where that format leaves the gradient without a graph."""
+        out = []
+        for k, p in enumerate(self._first_positions()):
+            g, value = by_slot[k], self.bound[p]
             if g is not None and isinstance(value, SparseTensorWrapper):
-                formatted = apply_grad_spec(g, self.grad_specs[first[k]], value)
-                if g.requires_grad and not formatted.requires_grad:
+                formatted = apply_grad_spec(g, self.grad_specs[p], value)
+                if create_graph and g.requires_grad and not formatted.requires_grad:
                     warnings.warn(
                         f"create_graph=True: the gradient of a {type(value.wrapped_tensor).__name__} operand of "
                         f"{getattr(self.op, '__name__', self.op)} is stored in its grad_fmt "
-                        f"({type(formatted.wrapped_tensor).__name__ if isinstance(formatted, SparseTensorWrapper) else 'a sparse layout'}) "
-                        "without a graph of its own: differentiating through that .grad will not see it "
-                        "(gradients through the input's gradient do reach the weight)", DispatchWarning, stacklevel=2)
+                        f"({layout_of(formatted).__name__}) without a graph of its own: differentiating through "
+                        "that .grad will not see it (gradients through the input's gradient do reach the weight)",
+                        DispatchWarning, stacklevel=3)
                 g = formatted
-            result.append(g)
-        return tuple(result)
+            out.append(g)
+        return tuple(out)
 
-    def _dense_backward(self, grad_outputs: list, needs: tuple) -> list:
-        """Gradients per distinct input by re-running the op densely under autograd."""
-        leaves: dict[int, torch.Tensor] = {}
-        for k, value in enumerate(self.unique_values):
-            dense = densify(value).detach()
-            if needs[k] and (dense.is_floating_point() or dense.is_complex()):
-                dense.requires_grad_(True)
-            leaves[id(value)] = dense
+    def _dense_backward(self, grad_outputs: list, needs: tuple, create_graph: bool = False) -> list:
+        """Gradients per distinct input by re-running the op densely under autograd: on detached
+        dense leaves, or under ``create_graph`` on differentiable dense views of the inputs (a
+        wrapper's through ``dense_with_grad``, a dense tensor itself)."""
+        values = self.unique_values
+        views: dict[int, torch.Tensor] = {}
+        for k, value in enumerate(values):
+            if create_graph:
+                wrapper = isinstance(value, SparseTensorWrapper)
+                dense = services.dense_with_grad(value) if wrapper and value.requires_grad else \
+                    densify(value) if wrapper else value
+            else:
+                dense = densify(value).detach()
+                if needs[k] and (dense.is_floating_point() or dense.is_complex()):
+                    dense.requires_grad_(True)
+            views[id(value)] = dense
 
         def swap(tensor: torch.Tensor) -> torch.Tensor:
-            return leaves.get(id(tensor)) if id(tensor) in leaves else densify(tensor)
+            return views[id(tensor)] if id(tensor) in views else densify(tensor)
 
         with torch.enable_grad():
             out = self.op(*map_tensors(swap, self.args), **map_tensors(swap, self.kwargs))
         outs = out if isinstance(out, (tuple, list)) else (out,)
         pairs = [(o, densify(g)) for o, g in zip(outs, grad_outputs)
                  if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        inputs = [leaves[id(v)] for v in self.unique_values]
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) \
-            if pairs and wanted else []
-        by_id = {id(t): g for t, g in zip(wanted, grads)}
-        return [by_id.get(id(t)) for t in inputs]
+        inputs = [views[id(v)] for v in values]
+        wanted = [k for k, t in enumerate(inputs) if needs[k] and t.requires_grad]
+        found = torch.autograd.grad([o for o, _ in pairs], [inputs[k] for k in wanted], [g for _, g in pairs],
+                                    allow_unused=True, create_graph=create_graph) if pairs and wanted else ()
+        by_slot: list = [None] * len(inputs)
+        for k, g in zip(wanted, found):
+            by_slot[k] = g
+        return by_slot
+
+    def _first_positions(self) -> list:
+        """The first argument position of each distinct tensor, by slot."""
+        first: dict[int, int] = {}
+        for p in self.positions:
+            first.setdefault(self.slot_of[p], p)
+        return [first[k] for k in range(self.n_unique)]
 
     @property
     def unique_values(self) -> list:
         """The distinct tensor arguments as they are now (restored in backward)."""
-        first = {}
-        for p in self.positions:
-            first.setdefault(self.slot_of[p], p)
-        return [self.bound[first[k]] for k in range(self.n_unique)]
+        return [self.bound[p] for p in self._first_positions()]
 
 
 def grad_spec(value: torch.Tensor) -> OutputSpec:

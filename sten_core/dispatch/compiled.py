@@ -88,7 +88,7 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
 
         if op is not torch.nn.functional.linear:  # W @ x
             impl = compiled_products.weight_first_impl(op, tuple(layouts))
-            return weight_first_training if impl is not None else None
+            return compiled_products.weight_first_training if impl is not None else None
         return linear_training if impl is not None else None
     if impl is None:  # W @ x: the layout's compiled F.linear, transposed
         impl = compiled_products.weight_first_impl(op, tuple(layouts))
@@ -237,8 +237,8 @@ def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:
         return MISSING
     if impl is dense_training_call:
         return dense_training_call(op, *args, **kwargs)
-    if impl is weight_first_training:  # (out=...: torch's own error for out= under autograd)
-        return dense_training_call(op, *args, **kwargs) if kwargs else weight_first_training(*args, op=op)
+    if impl is compiled_products.weight_first_training:  # (out=...: torch's own error for out= under autograd)
+        return dense_training_call(op, *args, **kwargs) if kwargs else impl(*args, op=op)
     if impl is dense_call or (kwargs and impl in _WEIGHT_FIRST):  # (out=...: eager's dense fallback)
         return dense_call(op, *args, **kwargs)
     return autocast_result(op, args, impl(*args, **kwargs))
@@ -280,7 +280,6 @@ def autocast_result(op: Any, args: tuple, result: Any) -> Any:
 
 
 _WEIGHT_FIRST = (compiled_products.weight_first_matmul, compiled_products.weight_first_mm)
-weight_first_training = compiled_products.weight_first_training
 
 # handed to the wrapper now, so tracing never sets a global
 services.install(compiled_call=compiled_call, MISSING=MISSING)
