@@ -106,3 +106,44 @@ def test_a_sparse_grad_fmt_under_create_graph_says_its_gradient_has_no_graph():
         warnings.simplefilter("error", sten.DispatchWarning)
         F.linear(x, w).square().sum().backward(create_graph=True)
     assert w.grad.requires_grad  # dense: differentiable, as dense torch's
+
+
+# addcmul_ adds at a sparse wrapper's stored positions only (dense adds everywhere): DenseTensor's
+WRITES = [(layout, write) for layout in LAYOUTS for write in ("mul_(s)", "div_(s)", "mul_(v)")] + \
+    [(sten.DenseTensor, "addcmul_(v, v)")]
+
+
+@pytest.mark.parametrize(("layout", "write"), WRITES)
+@pytest.mark.parametrize("loss", ["h * x", "sum"], ids=["grad needs grad", "constant grad"])
+def test_a_gradient_penalty_through_an_in_place_write_on_a_wrapper(layout, write, loss):
+    """``h.mul_(s)`` on a wrapper under autograd, then a penalty on ``d loss / d s``: the in-place
+    node's backward was ``once_differentiable``, which raised when the incoming gradient needed
+    grad and, with a constant one (``h.sum()``), returned constants: ``W.grad`` then missed the
+    penalty's terms silently. Dense torch on the same values is the reference (the weight's
+    gradient at its stored positions; the writes keep the pattern, as dense zeros stay zero)."""
+    stores_all = layout is sten.DenseTensor
+    dense, x0, v0 = masked((4, 5), 5), torch.randn(4, 5), torch.rand(4, 5) + 0.5
+    results = {}
+    for mode in ("dense", "sparse"):
+        w = dense.clone().requires_grad_() if mode == "dense" else sten.SparseTensorWrapper(
+            layout.from_dense(dense), requires_grad=True)
+        s, v = torch.tensor(1.5, requires_grad=True), v0.clone().requires_grad_()
+        x = x0.clone().requires_grad_()
+        h = w * 1.0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sten.DispatchWarning)
+            {"mul_(s)": lambda: h.mul_(s), "div_(s)": lambda: h.div_(s), "mul_(v)": lambda: h.mul_(v),
+             "addcmul_(v, v)": lambda: h.addcmul_(v, v)}[write]()
+            out = (h * x).sum() if loss == "h * x" else h.sum() + (s * s * x).sum()
+            gs, gv = torch.autograd.grad(out, (s, v), create_graph=True, allow_unused=True)
+            penalty = sum(g.pow(2).sum() for g in (gs, gv) if g is not None)
+            penalty.backward()
+        gw = w.grad.to_dense() if isinstance(w.grad, sten.SparseTensorWrapper) else w.grad
+        results[mode] = [t.detach() if t is not None else None for t in (gs, gv, gw, x.grad, s.grad, v.grad)]
+    mask = torch.ones_like(dense) if stores_all else (dense != 0).float()
+    expected = results["dense"]
+    expected[2] = None if expected[2] is None else expected[2] * mask  # (addcmul_: the penalty is w's constant)
+    for got, want in zip(results["sparse"], expected):
+        assert (got is None) == (want is None)
+        if want is not None:
+            torch.testing.assert_close(got, want)

@@ -128,9 +128,13 @@ def _from_columns(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return y.reshape(y.shape[0], *like.shape[:-2], like.shape[-1]).movedim(0, -2)
 
 
+MM_OPS = (torch.mm, T.mm)
+MATMUL_OPS = (torch.matmul, T.matmul, T.__matmul__)
+
+
 def _check_mm(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> None:
     """``torch.mm`` takes matrices only (``matmul`` broadcasts)."""
-    if ctx.op is torch.mm and (a.dim() != 2 or b.dim() != 2):
+    if ctx.op in MM_OPS and (a.dim() != 2 or b.dim() != 2):
         raise RuntimeError(f"torch.mm: expected 2-D matrices, got {a.dim()}-D and {b.dim()}-D tensors")
 
 
@@ -298,7 +302,7 @@ def register(registry: Any) -> None:
     keep = (KeepAll, T)
     for L in SPARSE_2D:
         register_weight_product(registry, F.linear, L, linear_fwd, linear_bwd(False), linear_bwd(True))
-        for op in (torch.mm, torch.matmul):
+        for op in MM_OPS + MATMUL_OPS:  # the method forms too (``W @ x`` is ``Tensor.matmul``)
             registry.register_fwd_op_impl(op, (L, T), [keep], mm_sparse_dense_fwd)
             registry.register_bwd_op_impl(op, (T,), (keep, keep), (L, T), mm_sparse_dense_bwd)
             registry.register_fwd_op_impl(op, (T, L), [keep], mm_dense_sparse_fwd)

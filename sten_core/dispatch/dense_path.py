@@ -19,14 +19,13 @@ import time
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from sten_core.dispatch.autograd import _Densify, _Sparsify, apply_function
+from sten_core.dispatch.autograd import _Densify, _Sparsify, apply_function, dense_with_grad
 from sten_core.dispatch.call import CallSpecs, grad_spec, tensors_in
 from sten_core.dispatch.errors import report_missing
 from sten_core.dispatch.observers import active, notify
 from sten_core.dispatch.plan import Plan, PlanKind
-from sten_core.dispatch.sparsifier_dispatch import apply_spec
+from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
 from sten_core.model.registry import OpKey
 from sten_core.model.signatures import op_name
 from sten_core.model.sparsifiers import SameFormatSparsifier
@@ -100,48 +99,61 @@ def composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs:
 class _InPlace(torch.autograd.Function):
     """An in-place op on a wrapper under autograd: the dense op, written back at
     the wrapper's stored positions. Backward is the dense op's own, with the
-    incoming gradient taken at those positions (the adjoint of the write-back)."""
+    incoming gradient taken at those positions (the adjoint of the write-back).
+    The target's value before the write comes in as ``before``, a differentiable
+    dense view of it (``dense_with_grad``): its gradient reaches the target's
+    history through that view, and under ``create_graph=True`` the gradients
+    returned have a graph through it and the other operands (a gradient penalty
+    through ``h.mul_(s)``; ``once_differentiable`` dropped those terms silently
+    when the incoming gradient did not itself require grad)."""
 
     @staticmethod
-    def forward(fctx: Any, call: tuple, target: SparseTensorWrapper, *others: torch.Tensor) -> Any:
+    def forward(fctx: Any, call: tuple, target: SparseTensorWrapper, before: torch.Tensor,
+                *others: torch.Tensor) -> Any:
         op, args, kwargs = call
-        before = densify(target).clone()
         dense_args, dense_kwargs = densify_tree((args, kwargs))
         written = dense_args[0].clone()
         op(written, *dense_args[1:], **dense_kwargs)
         write_back(target, written)
         fctx.mark_dirty(target)
-        fctx.call, fctx.others = call, others
-        fctx.specs = [grad_spec(target)] + [grad_spec(o) for o in others]
+        fctx.call, fctx.target, fctx.others = call, target, others
         fctx.save_for_backward(before, SameFormatSparsifier(target).mask(written))
         return target
 
     @staticmethod
-    @once_differentiable
     def backward(fctx: Any, grad: Any) -> Any:
         op, args, kwargs = fctx.call
         before, stored = fctx.saved_tensors
-        target = args[0]
-        leaves = {id(target): before.detach().requires_grad_(fctx.needs_input_grad[1])}
-        for o, need in zip(fctx.others, fctx.needs_input_grad[2:]):
-            dense = densify(o).detach()
-            leaves[id(o)] = dense.requires_grad_(need and (dense.is_floating_point() or dense.is_complex()))
+        create_graph = torch.is_grad_enabled()
+        target, needs = fctx.target, fctx.needs_input_grad
+        leaves = {id(target): before if create_graph else before.detach().requires_grad_(needs[2])}
+        for o, need in zip(fctx.others, needs[3:]):
+            if create_graph:
+                wrapper = isinstance(o, SparseTensorWrapper)
+                leaves[id(o)] = dense_with_grad(o) if wrapper and o.requires_grad else densify(o)
+            else:
+                dense = densify(o).detach()
+                leaves[id(o)] = dense.requires_grad_(need and (dense.is_floating_point() or dense.is_complex()))
 
         def swap(tensor: torch.Tensor) -> torch.Tensor:
             return leaves[id(tensor)] if id(tensor) in leaves else densify(tensor)
 
         inputs = [leaves[id(target)], *[leaves[id(o)] for o in fctx.others]]
-        wanted = [t for t in inputs if t.requires_grad]
+        wanted = [t for t, need in zip(inputs, needs[2:]) if need and t.requires_grad]
         grads: dict[int, Any] = {}
         if wanted:
             with torch.enable_grad():
                 dense_args, dense_kwargs = map_tensors(swap, (args, kwargs))
                 result = dense_args[0].clone()
                 op(result, *dense_args[1:], **dense_kwargs)
-            found = torch.autograd.grad(result, wanted, densify(grad) * stored, allow_unused=True)
+            found = torch.autograd.grad(result, wanted, densify(grad) * stored, allow_unused=True,
+                                        create_graph=create_graph)
             grads = {id(t): g for t, g in zip(wanted, found)}
-        out = [grads.get(id(t)) for t in inputs]
-        return (None, *[None if g is None else apply_spec(g, spec) for g, spec in zip(out, fctx.specs)])
+        # the target's gradient goes to ``before`` (its dense view formats it in the target's
+        # grad_fmt on the way back), the others' in their own grad_fmt
+        others = [None if grads.get(id(t)) is None else apply_grad_spec(grads[id(t)], grad_spec(o), o)
+                  for t, o in zip(inputs[1:], fctx.others)]
+        return (None, None, grads.get(id(inputs[0])), *others)
 
 
 def inplace_with_grad(op: Any, args: tuple, kwargs: dict, bound: list, key: OpKey, plan: Plan) -> Any:
@@ -164,7 +176,8 @@ def inplace_with_grad(op: Any, args: tuple, kwargs: dict, bound: list, key: OpKe
             if id(v) not in seen:
                 seen.add(id(v))
                 others.append(v)
-        result = apply_function(_InPlace, (op, args, kwargs), target, *others)
+        before = (dense_with_grad(target) if target.requires_grad else densify(target)).clone()  # (may alias)
+        result = apply_function(_InPlace, (op, args, kwargs), target, before, *others)
     else:
         if isinstance(target, (list, tuple)) and any(isinstance(t, SparseTensorWrapper) for t in target):
             raise RuntimeError(f"{op_name(op)}(): an in-place write into sparse wrappers inside a list is not "

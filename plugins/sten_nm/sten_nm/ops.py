@@ -19,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
@@ -223,26 +222,6 @@ def nm_matmul(x: torch.Tensor, other: Any) -> torch.Tensor:
     return _apply(x, S, None, S.dim == 0, N)
 
 
-def nm_left_matmul(weight: Any, x: torch.Tensor) -> torch.Tensor:
-    """``weight @ x`` for an n:m ``weight`` ``[N, K]`` and a dense ``x`` ``[K]`` or
-    ``[..., K, B]`` (the product ``F.linear(x^T, weight)^T``, as ``torch.matmul`` broadcasts).
-
-    >>> w = NMTensor.from_dense(torch.eye(4), n=1, m=2)
-    >>> nm_left_matmul(w, torch.arange(4.).reshape(4, 1)).flatten().tolist()
-    [0.0, 1.0, 2.0, 3.0]
-    """
-    W = _layout(weight, "input")
-    N, K = W.shape
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"other must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() == 1:
-        return nm_linear(x, W)
-    if x.shape[-2] != K:
-        raise ValueError(f"other has shape {tuple(x.shape)} but a product with an n:m operand of shape "
-                         f"{(N, K)} needs its second-to-last dimension to be {K}")
-    return nm_linear(x.mT, W).mT.contiguous()
-
-
 # -- STen implementations --------------------------------------------------------
 def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
     x, w, bias = linear_inputs(inputs)
@@ -264,32 +243,6 @@ def mm_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
 
 def matmul_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
     return _mm_fwd(ctx, inputs, output_sparsifiers, "matmul")
-
-
-def left_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
-    """``W @ x`` / ``W.mm(x)`` / ``torch.matmul(W, x)`` with an n:m ``W``."""
-    w, x = inputs[0], inputs[1]
-    if ctx.op in (torch.mm, torch.Tensor.mm) and x.dim() != 2:
-        raise ValueError(f"torch.mm: mat2 must be 2-D, got shape {tuple(x.shape)}")
-    ctx.save_for_backward(w, x)
-    return nm_left_matmul(w, x)
-
-
-def _left_backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
-    """Gradients of ``W @ x`` as those of ``F.linear(x^T, W)^T``: ``(grad W, grad x)``."""
-    w, x = ctx.saved_tensors
-    flip = (lambda t: t) if x.dim() == 1 else (lambda t: t.mT)
-    as_linear = SimpleNamespace(needs_input_grad=(needs_grad(ctx, 1), needs_grad(ctx, 0), False))
-    gxt, gw, _ = _backward(as_linear, (flip(grad_outputs[0]),), sparse_grad, linear=True, saved=(flip(x), w, None))
-    return gw, (None if gxt is None else flip(gxt))
-
-
-def left_bwd_dense(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
-    return _left_backward(ctx, grad_outputs, sparse_grad=False)
-
-
-def left_bwd_sparse(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:
-    return _left_backward(ctx, grad_outputs, sparse_grad=True)
 
 
 def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, saved: Optional[tuple] = None) -> tuple:
@@ -358,9 +311,8 @@ def register(registry: Any) -> None:
         register_weight_product(registry, op, NMTensor, mm_fwd, mm_bwd_dense, mm_bwd_sparse)
     for op in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
         register_weight_product(registry, op, NMTensor, matmul_fwd, mm_bwd_dense, mm_bwd_sparse)
-    # and with the n:m operand first (W @ x): they, too, were converted to scipy's CSR per call
-    for op in (torch.mm, torch.Tensor.mm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
-        register_weight_product(registry, op, NMTensor, left_fwd, left_bwd_dense, left_bwd_sparse, weight_first=True)
+    # with the n:m operand first (W @ x) they run as F.linear(x^T, W)^T: the core's rule for any
+    # layout with an F.linear (sten_core.builtin.weight_first)
 
 
 # -- grouped n:m (F.linear only) ---------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import sten_core as sten
-from sten_nm import NMTensor, nm_linear, nm_matmul
+from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMTensor, nm_linear, nm_matmul
 
 from conftest import PATTERNS, requires_kernel
 
@@ -213,16 +213,26 @@ LEFT_CASES = [(spelling, shape) for spelling in LEFT_SPELLINGS for shape in [(30
               if len(shape) == 2 or "matmul" in spelling or "@" in spelling]  # torch.mm: 2-D only
 
 
+LEFT_LAYOUTS = {
+    "NMTensor": lambda w: NMTensor.from_dense(w, 2, 4),
+    "NMTensor dim=0": lambda w: NMTensor.from_dense(w, 2, 4, dim=0),
+    "GroupedNMTensor": lambda w: GroupedNMTensor.from_dense(w, 2, 4),
+    "ColumnGroupedNMTensor": lambda w: ColumnGroupedNMTensor.from_dense(w, 2, 4),
+}
+
+
 @pytest.mark.parametrize("spelling,x_shape", LEFT_CASES)
-@pytest.mark.parametrize("dim", [1, 0])
+@pytest.mark.parametrize("layout", LEFT_LAYOUTS)
 @pytest.mark.parametrize("sparse_grad", [True, False])
-def test_nm_operand_first_runs_the_nm_product(spelling, x_shape, dim, sparse_grad):
-    """``W @ x`` (and ``mm`` / ``matmul``) with the n:m operand first runs sten_nm's product
-    (``F.linear(x^T, W)^T``) with the values and gradients of dense torch, the weight gradient
-    in W's own layout when its grad_fmt asks: it was converted to scipy's CSR on every call."""
+def test_nm_operand_first_runs_the_nm_product(spelling, x_shape, layout, sparse_grad):
+    """``W @ x`` (and ``mm`` / ``matmul``) with the n:m operand first runs the layout's own
+    ``F.linear`` (``F.linear(x^T, W)^T``, the core's rule for any layout with one) with the values
+    and gradients of dense torch, the weight gradient in W's own layout when its grad_fmt asks:
+    it was converted to scipy's CSR on every call (the grouped layouts until the core's rule)."""
     torch.manual_seed(0)
-    t = NMTensor.from_dense(torch.randn(12, 30), 2, 4, dim=dim)
-    W = _wrapper(t, sparse_grad)
+    t = LEFT_LAYOUTS[layout](torch.randn(12, 30))
+    fmt = (sten.KeepAll(), type(t), sten.KeepAll(), type(t)) if sparse_grad else None
+    W = sten.SparseParameterWrapper(sten.SparseTensorWrapper(t, requires_grad=True, grad_fmt=fmt))
     x = torch.randn(*x_shape, requires_grad=True)
     seen = []
     with warnings.catch_warnings(), sten.dispatch.observed(lambda e: seen.append((e["kind"], str(e.get("plan"))))):
@@ -231,7 +241,7 @@ def test_nm_operand_first_runs_the_nm_product(spelling, x_shape, dim, sparse_gra
         gy = torch.randn_like(y)
         y.backward(gy)
     ops = [plan for kind, plan in seen if kind == "op"]
-    assert ops == ["impl", "impl"], seen   # forward and backward, no conversion
+    assert ops == ["generic", "generic"], seen   # forward and backward through F.linear, no conversion
     xr, wr = x.detach().requires_grad_(), t.to_dense().requires_grad_()
     yr = LEFT_SPELLINGS[spelling](wr, xr)
     yr.backward(gy)
@@ -239,7 +249,7 @@ def test_nm_operand_first_runs_the_nm_product(spelling, x_shape, dim, sparse_gra
     _close(y, yr)
     _close(x.grad, xr.grad)
     if sparse_grad:
-        assert isinstance(W.grad.wrapped_tensor, NMTensor) and W.grad.wrapped_tensor.same_pattern(t)
+        assert isinstance(W.grad.wrapped_tensor, type(t)) and W.grad.wrapped_tensor.same_pattern(t)
         _close(W.grad.wrapped_tensor.to_dense(), wr.grad * t.mask())
     else:
         _close(W.grad, wr.grad)
@@ -249,7 +259,7 @@ def test_nm_operand_first_rejects_mismatched_operands():
     W = sten.SparseTensorWrapper(NMTensor.from_dense(torch.randn(12, 30), 2, 4))
     with pytest.raises(ValueError, match="second-to-last dimension to be 30"):
         W @ torch.randn(29, 4)
-    with pytest.raises(ValueError, match="last dimension to be 30"):
+    with pytest.raises(ValueError, match="length to be 30"):
         W @ torch.randn(29)
-    with pytest.raises(ValueError, match="mat2 must be 2-D"):
+    with pytest.raises(ValueError, match="second operand must be 2-D"):
         torch.mm(W, torch.randn(30))
