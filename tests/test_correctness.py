@@ -442,7 +442,9 @@ def test_linear_coo_input_csr_weight(bias, lead):
 @pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor, sten.DenseTensor], ids=lambda c: c.__name__)
 @pytest.mark.parametrize("op", ["add_", "mul_", "copy_"])
 def test_in_place_into_a_wrapper_takes_gradients_at_its_stored_positions(layout, op):
-    """``h.add_(x)`` on a wrapper keeps h's pattern, so x's gradient lives only there."""
+    """``h.add_(x)`` on a wrapper keeps h's pattern, so x's gradient lives only there; h's own
+    gradient is the dense one everywhere (``h.mul_(x)`` as ``h * x``: an entry stored at an
+    unstored position would have been written), so the weight behind h gets dense torch's."""
     torch.manual_seed(6)
     w = torch.randn(4, 4) * (torch.rand(4, 4) > 0.5)
     a = wrapper(layout, w)
@@ -453,12 +455,33 @@ def test_in_place_into_a_wrapper_takes_gradients_at_its_stored_positions(layout,
     torch.sum(torch.mul(h, g)).backward()
     kept = (dense_of(a).detach() != 0) if layout is not sten.DenseTensor else torch.ones(4, 4, dtype=torch.bool)
     ref_a, ref_x = dense_of(a).detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
-    ref_h = (ref_a * 1).clone()
-    getattr(ref_h, op)(ref_x)
-    ((ref_h * kept) * g).sum().backward()  # the write-back keeps the stored positions only
-    torch.testing.assert_close(dense_of(h).detach(), (ref_h * kept).detach())
+
+    def ref(xv):
+        out = (ref_a * 1).clone()
+        getattr(out, op)(xv)
+        return out
+
+    written = torch.where(kept, ref(ref_x), ref(ref_x.detach()))  # x reaches the stored positions only
+    (written * g).sum().backward()
+    torch.testing.assert_close(dense_of(h).detach(), (written * kept).detach())
     torch.testing.assert_close(x.grad, ref_x.grad)
-    torch.testing.assert_close(dense_of(a.grad), ref_a.grad * kept)
+    torch.testing.assert_close(dense_of(a.grad), ref_a.grad)
+
+
+def test_an_in_place_write_keeps_the_weights_dense_gradient_at_unstored_positions():
+    """``(W * 2).mul_(3)`` has ``W * 6``'s values and, as in dense torch, its gradient: 6 at
+    every position (the in-place node took the incoming gradient at the stored positions only,
+    0 elsewhere, which RigL-style growth reads)."""
+    base = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    got = []
+    for inplace in (False, True):
+        w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(base), requires_grad=True)
+        h = w * 2
+        out = h.mul_(3) if inplace else h * 3
+        out.to_dense().sum().backward()
+        got.append(w.grad)
+    torch.testing.assert_close(got[0], torch.full((2, 2), 6.0))
+    torch.testing.assert_close(got[1], got[0])
 
 
 def test_in_place_into_a_dense_tensor_gives_a_wrapper_its_grad_fmt():

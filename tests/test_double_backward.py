@@ -119,8 +119,10 @@ def test_a_gradient_penalty_through_an_in_place_write_on_a_wrapper(layout, write
     """``h.mul_(s)`` on a wrapper under autograd, then a penalty on ``d loss / d s``: the in-place
     node's backward was ``once_differentiable``, which raised when the incoming gradient needed
     grad and, with a constant one (``h.sum()``), returned constants: ``W.grad`` then missed the
-    penalty's terms silently. Dense torch on the same values is the reference (the weight's
-    gradient at its stored positions; the writes keep the pattern, as dense zeros stay zero)."""
+    penalty's terms silently. Dense torch on the same values is the reference (the writes keep
+    the pattern, as dense zeros stay zero). W's gradient here is the penalty's alone, through
+    ``s``'s and ``v``'s gradients, which the write-back takes at the stored positions (it drops
+    what the op would write elsewhere): so it lives at the stored positions."""
     stores_all = layout is sten.DenseTensor
     dense, x0, v0 = masked((4, 5), 5), torch.randn(4, 5), torch.rand(4, 5) + 0.5
     results = {}

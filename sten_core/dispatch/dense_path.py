@@ -98,14 +98,22 @@ def composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs:
 
 class _InPlace(torch.autograd.Function):
     """An in-place op on a wrapper under autograd: the dense op, written back at
-    the wrapper's stored positions. Backward is the dense op's own, with the
-    incoming gradient taken at those positions (the adjoint of the write-back).
-    The target's value before the write comes in as ``before``, a differentiable
-    dense view of it (``dense_with_grad``): its gradient reaches the target's
-    history through that view, and under ``create_graph=True`` the gradients
-    returned have a graph through it and the other operands (a gradient penalty
-    through ``h.mul_(s)``; ``once_differentiable`` dropped those terms silently
-    when the incoming gradient did not itself require grad)."""
+    the wrapper's stored positions. Backward is the dense op's, with the write-back's
+    adjoint where it applies:
+
+    - the other operands' gradients are taken at the stored positions (``h.add_(x)``
+      drops ``x`` elsewhere, so ``x``'s gradient there is 0);
+    - the target's own gradient is the dense one everywhere, as for the same op out of
+      place (``h.mul_(3)`` as ``h * 3``: 3 at the unstored positions, as dense torch;
+      an entry stored there would have been written). A dense ``grad_fmt`` keeps it
+      (RigL's growth reads it), a sparse one drops it. Masking it too gave 0 there.
+
+    The target's value before the write comes in as ``before``, a differentiable dense
+    view of it (``dense_with_grad``): its gradient reaches the target's history through
+    that view, and under ``create_graph=True`` the gradients returned have a graph through
+    it and the other operands (a gradient penalty through ``h.mul_(s)``;
+    ``once_differentiable`` dropped those terms silently when the incoming gradient did not
+    itself require grad)."""
 
     @staticmethod
     def forward(fctx: Any, call: tuple, target: SparseTensorWrapper, before: torch.Tensor,
@@ -146,9 +154,14 @@ class _InPlace(torch.autograd.Function):
                 dense_args, dense_kwargs = map_tensors(swap, (args, kwargs))
                 result = dense_args[0].clone()
                 op(result, *dense_args[1:], **dense_kwargs)
-            found = torch.autograd.grad(result, wanted, densify(grad) * stored, allow_unused=True,
-                                        create_graph=create_graph)
-            grads = {id(t): g for t, g in zip(wanted, found)}
+            dense_grad = densify(grad)
+            # the target's gradient in full, the others' at the stored positions
+            for group, cotangent in ((wanted[:1] if wanted[0] is inputs[0] else [], dense_grad),
+                                     ([t for t in wanted if t is not inputs[0]], dense_grad * stored)):
+                if group:
+                    found = torch.autograd.grad(result, group, cotangent, allow_unused=True, retain_graph=True,
+                                                create_graph=create_graph)
+                    grads.update({id(t): g for t, g in zip(group, found)})
         # the target's gradient goes to ``before`` (its dense view formats it in the target's
         # grad_fmt on the way back), the others' in their own grad_fmt
         others = [None if grads.get(id(t)) is None else apply_grad_spec(grads[id(t)], grad_spec(o), o)
