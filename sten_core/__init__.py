@@ -38,6 +38,7 @@ from sten_core.builtin.torch_layouts import CooTensor, CscTensor, CsrTensor, Den
 from sten_core.dispatch import (
     DispatchError,
     DispatchWarning,
+    Unsupported,
     convert,
     set_dispatch_failure,
     sparsified_op,
@@ -120,6 +121,6 @@ __all__ = [
     "plugins", "random_mask_sparsify", "register_bwd_op_impl", "register_fwd_op_impl",
     "register_sparsifier_implementation", "registry", "scalar_mask_sparsify",
     "set_dispatch_failure", "sparsified_op", "sparsify", "densify_state_dict", "load_dense_state_dict",
-    "summary",
+    "summary", "Unsupported",
     "SparseGPTSparsifier", "WandaSparsifier", "prune",
 ]

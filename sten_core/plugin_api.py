@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from sten_core.builtin.torch_layouts import CooTensor, CscTensor, CsrTensor, DenseTensor
-from sten_core.dispatch import (DispatchError, DispatchWarning, convert, failure_mode, get_dispatch_failure,
+from sten_core.dispatch import (DispatchError, DispatchWarning, Unsupported, convert, failure_mode, get_dispatch_failure,
                                 lossy_fallback, note, observing, set_dispatch_failure, sparsify)
 from sten_core.machine import cpu_model
 from sten_core.model.helpers import (FLOAT_DTYPES, bias_grad, check_nm, check_tensor, linear_inputs, member_grads,
@@ -79,6 +79,6 @@ __all__ = [
     "densify", "failure_mode", "get_dispatch_failure", "hookimpl", "implements", "layout_metadata",
     "linear_inputs", "lossy_fallback", "member_grads", "needs_grad", "nm_for_sparsity", "nm_keep_mask", "nm_label",
     "normalize_inp", "note", "observing", "normalize_out_pairs", "op_name", "register_member_linear_autograd", "register_plugin", "register_traceable_layout", "register_weight_product", "registry",
-    "set_dispatch_failure", "sparsify", "supports_values", "to_dense_tensor", "trim", "unregister_plugin",
+    "set_dispatch_failure", "sparsify", "supports_values", "to_dense_tensor", "trim", "Unsupported", "unregister_plugin",
     "wrap_layout",
 ]

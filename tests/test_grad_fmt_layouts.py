@@ -18,12 +18,12 @@ from sten_nm import NMTensor
 from sten_scipy import ScipyCscTensor, ScipyCsrTensor
 
 
-def weight(layout, grad_layout, seed=0):
+def weight(layout, grad_layout, seed=0, tmp_format=None):
     g = torch.Generator().manual_seed(seed)
     dense = torch.randn(8, 8, generator=g)
     t = NMTensor.from_dense(dense, n=2, m=4) if layout is NMTensor else \
         layout.from_dense(dense * (torch.rand(8, 8, generator=g) > 0.5))
-    fmt = (sten.KeepAll(), grad_layout, sten.KeepAll(), grad_layout)
+    fmt = (sten.KeepAll(), tmp_format or grad_layout, sten.KeepAll(), grad_layout)
     return sten.SparseParameterWrapper(sten.SparseTensorWrapper(t, requires_grad=True, grad_fmt=fmt))
 
 
@@ -40,9 +40,13 @@ PAIRS = [(NMTensor, ScipyCsrTensor), (NMTensor, sten.CooTensor), (sten.CsrTensor
 
 
 @pytest.mark.parametrize("layout,grad_layout", PAIRS, ids=lambda c: c.__name__)
-def test_a_gradient_in_another_layout_is_at_the_stored_positions(layout, grad_layout):
+@pytest.mark.parametrize("tmp_format", [None, torch.Tensor], ids=["tmp in layout", "tmp dense"])
+def test_a_gradient_in_another_layout_is_at_the_stored_positions(layout, grad_layout, tmp_format):
+    """``tmp dense`` is what ``set_weight_grad(name, out_format=L)`` gives: the weight's own
+    (dense-gradient) backward implementation runs, and its gradient was stored whole in ``L``
+    (a CSR weight's COO gradient held 192 entries for 48 stored weights)."""
     torch.manual_seed(0)
-    w = weight(layout, grad_layout)
+    w = weight(layout, grad_layout, tmp_format=tmp_format)
     want = dense_grad(w)
     stored = w.wrapped_tensor.to_dense() != 0
     assert type(w.grad.wrapped_tensor) is grad_layout
@@ -63,3 +67,21 @@ def test_a_gradient_layout_that_cannot_hold_the_pattern_warns_as_lossy():
     got, stored = w.grad.to_dense(), w.wrapped_tensor.to_dense() != 0
     assert not bool(((got != 0) & ~stored).any())   # nothing outside the weight's positions
     torch.testing.assert_close(got, (t.t() @ x) * (got != 0))
+
+
+def test_set_weight_grad_in_another_layout_holds_the_gradient_at_the_stored_positions():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16))
+    sb = sten.SparsityBuilder(model)
+    sb.set_weight("0.weight", sten.ScalarFractionSparsifier(0.75), out_format=sten.CsrTensor)
+    sb.set_weight_grad("0.weight", out_format=sten.CooTensor)
+    sparse = sb.get_sparse_model()
+    x = torch.randn(8, 12)
+    sparse(x).pow(2).sum().backward()
+    w = sparse[0].weight
+    stored = w.to_dense() != 0
+    dense = w.to_dense().detach().requires_grad_()
+    F.linear(x, dense, sparse[0].bias.detach()).pow(2).sum().backward()
+    assert type(w.grad.wrapped_tensor) is sten.CooTensor
+    assert w.grad.wrapped_tensor.nnz <= int(stored.sum())
+    torch.testing.assert_close(w.grad.to_dense(), dense.grad * stored)

@@ -248,3 +248,87 @@ def test_embedding_max_norm_renormalises_the_sparse_weight(layout):
                 o.step()
     stored = layout.from_dense(w).to_dense() != 0 if layout is not sten.DenseTensor else torch.ones_like(w, dtype=torch.bool)
     torch.testing.assert_close(e.weight.to_dense(), r.weight.detach() * stored)
+
+
+def test_the_dense_path_runs_under_inference_mode():
+    """The dense path compares its copies' version counters to find writes (as
+    ``embedding_renorm_``'s); inference tensors have none, and every fallback call under
+    ``torch.inference_mode()`` raised "Inference tensors do not track version counter"."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                                torch.nn.Linear(16, 4)).eval()
+    sb = sten.SparsityBuilder(model)
+    sb.set_weight("0.weight", sten.ScalarFractionSparsifier(0.7), out_format=sten.CsrTensor)
+    sb.set_interm("1.gelu", inline_sparsifier=sten.ScalarThresholdSparsifier(0.1), out_format=sten.CooTensor)
+    sparse = sb.get_sparse_model()
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        with torch.no_grad():
+            expected = sparse(x)
+        with torch.inference_mode():
+            got = sparse(x)
+        torch.testing.assert_close(got, expected)
+        e = torch.nn.Embedding(4, 3, max_norm=1.0)
+        e.weight = sten.SparseParameterWrapper(sten.CooTensor.from_dense(torch.full((4, 3), 2.0)))
+        with torch.inference_mode():
+            e(torch.tensor([1]))
+        torch.testing.assert_close(e.weight.to_dense()[1].norm(), torch.tensor(1.0), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(e.weight.to_dense()[0], torch.full((3,), 2.0))
+
+
+VIEW_WRITES = {
+    "w[0][1] = v": lambda t: t[0].__setitem__(1, 55.0),
+    "w[0].fill_": lambda t: t[0].fill_(2.0),
+    "w.narrow().zero_()": lambda t: t.narrow(0, 2, 1).zero_(),
+    "w.view(-1)[i] = v": lambda t: t.view(-1).__setitem__(15, -1.0),
+    "w.T[0].mul_": lambda t: t.T[0].mul_(3.0),
+    "w.view_as(x).copy_": lambda t: t.view_as(torch.empty(4, 4)).copy_(torch.full((4, 4), 7.0)),
+    "w.unbind()[1].add_": lambda t: t.unbind(0)[1].add_(1.0),
+    "torch.add(.., out=w[3])": lambda t: torch.add(torch.ones(4), 1.0, out=t[3]),
+}
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor, sten.CscTensor, sten.DenseTensor])
+@pytest.mark.parametrize("write", VIEW_WRITES)
+def test_writes_through_a_view_of_a_wrapper_reach_it(layout, write):
+    """``w[0]``, ``w.view(-1)``, ``w.narrow(...)`` ran on the wrapper's dense copy, so writes
+    through them changed the copy and were lost (every layout but DenseTensor): now, as for
+    writes into the wrapper itself, they land at its stored positions."""
+    base = torch.arange(1.0, 17.0).view(4, 4) * (torch.arange(16).view(4, 4) % 3 != 0)
+    w = sten.SparseTensorWrapper(layout.from_dense(base))
+    dense = base.clone()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        VIEW_WRITES[write](w)
+    VIEW_WRITES[write](dense)
+    stored = base != 0 if layout is not sten.DenseTensor else torch.ones(4, 4, dtype=torch.bool)
+    assert type(w.wrapped_tensor) is layout
+    torch.testing.assert_close(w.to_dense(), dense * stored)
+
+
+def test_orthogonal_init_writes_a_sparse_weight():
+    """``nn.init.orthogonal_`` writes through ``w.view_as(q)``: it left sparse weights unchanged."""
+    torch.manual_seed(0)
+    base = torch.randn(6, 6)
+    lin = torch.nn.Linear(6, 6)
+    lin.weight = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(base))
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        torch.nn.init.orthogonal_(lin.weight)
+    torch.manual_seed(1)
+    ref = torch.nn.init.orthogonal_(torch.empty(6, 6))
+    assert not torch.equal(lin.weight.to_dense(), base)
+    torch.testing.assert_close(lin.weight.to_dense(), ref * (base != 0))
+
+
+def test_a_view_of_a_wrapper_computes_like_a_tensor():
+    w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(3)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        row = w[1]
+        out = row * 2 + torch.ones(3)
+    assert type(out) is torch.Tensor
+    torch.testing.assert_close(out, torch.tensor([1.0, 3.0, 1.0]))
+    torch.testing.assert_close(row.sum(), torch.tensor(1.0))

@@ -122,3 +122,30 @@ def test_to_is_differentiable():
     assert w.grad.dtype == torch.float32
     torch.testing.assert_close(w.grad.to_dense() if isinstance(w.grad, sten.SparseTensorWrapper) else w.grad,
                                torch.full((3, 3), 2.0))
+
+
+@pytest.mark.parametrize("layout", [sten.DenseTensor, sten.CooTensor, sten.CsrTensor], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("source", [torch.tensor([[1, 0], [3, 5]]), torch.tensor([[True, False], [False, True]])],
+                         ids=["int64", "bool"])
+@pytest.mark.parametrize("cast", ["float()", "double()", "half()", "to(float64)", "to(int32)", "type(float64)"])
+def test_integer_and_bool_wrappers_cast_their_values(layout, source, cast):
+    """The state-tensor move casts floating-point parts only (index tensors keep int64), so an
+    integer or bool layout's values kept their dtype: ``w.float()`` was a silent no-op."""
+    run = {"float()": lambda t: t.float(), "double()": lambda t: t.double(), "half()": lambda t: t.half(),
+           "to(float64)": lambda t: t.to(torch.float64), "to(int32)": lambda t: t.to(torch.int32),
+           "type(float64)": lambda t: t.type(torch.float64)}[cast]
+    moved, want = run(sten.SparseTensorWrapper(layout.from_dense(source))), run(source)
+    assert isinstance(moved, sten.SparseTensorWrapper) and type(moved.wrapped_tensor) is layout
+    assert moved.dtype == want.dtype and moved.to_dense().dtype == want.dtype
+    torch.testing.assert_close(moved.to_dense(), want)
+
+
+def test_type_keeps_the_layout_and_names_the_type():
+    """``w.type(dtype)`` returned a dense tensor where ``w.to(dtype)`` keeps the layout."""
+    w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(3)))
+    assert w.type() == "torch.FloatTensor"
+    for target in (torch.float64, "torch.DoubleTensor"):
+        moved = w.type(target)
+        assert type(moved.wrapped_tensor) is sten.CsrTensor and moved.dtype == torch.float64
+    with pytest.raises(ValueError, match="tensor type name"):
+        w.type("torch.NoSuchTensor")

@@ -34,7 +34,7 @@ from sten_core.model.tensor import SparseTensorWrapper, _copy_layout
 T = torch.Tensor
 _FIXED_DTYPE = {T.half: torch.float16, T.float: torch.float32, T.double: torch.float64,
                 T.bfloat16: torch.bfloat16}
-MOVES = {T.to, T.cpu, T.cuda, *_FIXED_DTYPE}
+MOVES = {T.to, T.cpu, T.cuda, T.type, *_FIXED_DTYPE}
 
 
 def target_of(op: Any, args: tuple, kwargs: dict) -> tuple[torch.device | None, torch.dtype | None]:
@@ -43,6 +43,8 @@ def target_of(op: Any, args: tuple, kwargs: dict) -> tuple[torch.device | None, 
         return None, _FIXED_DTYPE[op]
     if op is T.cpu:
         return torch.device("cpu"), None
+    if op is T.type:
+        return _type_target(args[1] if len(args) > 1 else kwargs.get("dtype"))
     if op is T.cuda:
         device = args[1] if len(args) > 1 else kwargs.get("device")
         if isinstance(device, int):
@@ -58,6 +60,19 @@ def target_of(op: Any, args: tuple, kwargs: dict) -> tuple[torch.device | None, 
     return device, dtype
 
 
+def _type_target(dtype: Any) -> tuple[torch.device | None, torch.dtype | None]:
+    """``Tensor.type(dtype)``'s target: a ``torch.dtype``, or a tensor type name
+    (``"torch.DoubleTensor"``, ``"torch.cuda.HalfTensor"``)."""
+    if isinstance(dtype, str):
+        name = dtype
+        dtype = getattr(torch, name.rsplit(".", 1)[-1], None)
+        dtype = getattr(dtype, "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"Tensor.type: dtype must be a torch.dtype or a tensor type name, got {name!r}")
+        return (torch.device("cuda") if ".cuda." in name else torch.device("cpu")), dtype
+    return None, dtype
+
+
 def move_layout(layout: Any, device: torch.device | None, dtype: torch.dtype | None) -> Any:
     """``layout`` with its stored tensors on ``device`` / in ``dtype``, same format."""
     _shape, have_dtype, have_device = layout_metadata(layout)
@@ -67,6 +82,18 @@ def move_layout(layout: Any, device: torch.device | None, dtype: torch.dtype | N
         dtype = None
     if device is None and dtype is None:
         return layout
+    moved = _moved(layout, device, dtype)
+    if dtype is not None and layout_metadata(moved)[1] != dtype:
+        # state tensors that are not floating point keep their dtype (index tensors), so an
+        # integer or bool layout's values stayed as they were: ``w.float()`` was a silent no-op
+        if not supports_values(moved):
+            raise TypeError(f"{type(layout).__name__} did not move to dtype={dtype} (it holds "
+                            f"{layout_metadata(moved)[1]}): implement to(device=None, dtype=None) on the layout")
+        moved = moved.with_values(moved.values().to(dtype))
+    return moved
+
+
+def _moved(layout: Any, device: torch.device | None, dtype: torch.dtype | None) -> Any:
     if implements(layout, Movable):
         return layout.to(device=device, dtype=dtype)
     if callable(getattr(layout, "state_tensors", None)) and callable(getattr(type(layout), "from_state_tensors", None)):
@@ -88,6 +115,8 @@ def move_layout(layout: Any, device: torch.device | None, dtype: torch.dtype | N
 def _move(ctx: Any, inputs: list, output_sparsifiers: list) -> Any:
     args, kwargs = ctx.call_args
     self = args[0]
+    if ctx.op is T.type and len(args) == 1 and kwargs.get("dtype") is None:  # w.type(): the type's name
+        return torch.empty(0, dtype=self.dtype, device=self.device).type()
     device, dtype = target_of(ctx.op, args, kwargs)
     layout = self.wrapped_tensor
     moved = move_layout(layout, device, dtype)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from sten_core.dispatch.errors import Unsupported
 from sten_core.model.helpers import register_weight_product
 from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.tensor import SparseTensorWrapper
@@ -49,6 +50,8 @@ def _sparse_times(w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     Half precision on the CPU (no sparse kernel there) computes in float32 and
     returns the input's dtype, as autocast expects.
     """
+    if not (dense.is_floating_point() or dense.is_complex()):  # MKL's CSR product: floating point only
+        return torch.sparse.mm(w if w.layout is torch.sparse_coo else w.to_sparse_coo(), dense)
     if w.layout is torch.sparse_csc:
         w = w.to_sparse_csr()
     if dense.device.type == "cpu" and dense.dtype in (torch.bfloat16, torch.float16):
@@ -62,8 +65,17 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
+def _matrices(**operands: Any) -> None:
+    """Decline (``Unsupported``: the dense path runs) a call whose sparse operands are not
+    matrices: the products here are 2-D sparse times dense (a 1-D or 3-D COO weight raised)."""
+    for name, value in operands.items():
+        if isinstance(value, SparseTensorWrapper) and value.dim() != 2:
+            raise Unsupported(f"{name} is {value.dim()}-D; the built-in sparse products take matrices")
+
+
 def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
     x, w, bias = (list(inputs) + [None])[:3]
+    _matrices(weight=w)
     x, bias = _amp(x, bias)
     x2 = _as_rows(x)
     y = _sparse_times(_sparse(w, x2.dtype), x2.t()).t()
@@ -160,13 +172,23 @@ def linear_sparse_sparse_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -
     """``F.linear`` with a sparse input [..., K] and a sparse weight [N, K] (paper A.1):
     one sparse-sparse product, dense [..., N] output."""
     x, w, bias = (list(inputs) + [None])[:3]
+    _matrices(weight=w)
     (bias,) = _amp(bias)
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else w.dtype
-    y = torch.sparse.mm(_rows(_coo(x, dtype)), _coo(w, dtype).t().coalesce()).to_dense()
+    y = _sparse_sparse(_rows(_coo(x, dtype)), _coo(w, dtype).t().coalesce()).to_dense()
     if bias is not None:
         y = y + bias
     ctx.save_for_backward(x, w)
     return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _sparse_sparse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """COO @ COO; half precision on the CPU (no kernel there: autocast and ``.half()`` raised)
+    in float32, returned in the operands' dtype."""
+    if a.device.type == "cpu" and a.dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", enabled=False):
+            return torch.sparse.mm(a.float(), b.float()).to(a.dtype)
+    return torch.sparse.mm(a, b)
 
 
 def linear_sparse_sparse_bwd(sparse_weight_grad: bool) -> Callable:
@@ -176,7 +198,7 @@ def linear_sparse_sparse_bwd(sparse_weight_grad: bool) -> Callable:
         g = densify_any(g)
         g2 = _as_rows(g)
         needs = ctx.needs_input_grad + (True,) * 3
-        grad_x = torch.sparse.mm(_coo(w, g.dtype).t().coalesce(), g2.t()).t().reshape(x.shape) if needs[0] else None
+        grad_x = _sparse_times(_coo(w, g.dtype).t().coalesce(), g2.t()).t().reshape(x.shape) if needs[0] else None
         grad_w = None
         if needs[1]:
             x_dense = _as_rows(densify_any(x).to(g.dtype))
@@ -195,6 +217,7 @@ def densify_any(value: Any) -> torch.Tensor:
 def mm_sparse_dense_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
     """sparse [M, K] @ dense [K], [K, N] or [..., K, N]."""
     a, b = inputs[:2]
+    _matrices(input=a)
     _check_mm(ctx, a, b)
     (b,) = _amp(b)
     ctx.save_for_backward(a, b)
@@ -213,6 +236,7 @@ def mm_sparse_dense_bwd(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) 
 def mm_dense_sparse_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
     """dense [K], [M, K] or [..., M, K] @ sparse [K, N]."""
     a, b = inputs[:2]
+    _matrices(other=b)
     _check_mm(ctx, a, b)
     (a,) = _amp(a)
     ctx.save_for_backward(a, b)

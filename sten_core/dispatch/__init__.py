@@ -29,7 +29,7 @@ from sten_core.dispatch.autograd import dense_with_grad
 from sten_core.dispatch.call import CallSpecs, OpContext
 from sten_core.dispatch.conversions import conversion_path, convert, wrap
 from sten_core.dispatch.entry import call_op, dispatch_call, sparsified_op
-from sten_core.dispatch.errors import (DispatchError, DispatchWarning, failure_mode, get_dispatch_failure,
+from sten_core.dispatch.errors import (DispatchError, DispatchWarning, Unsupported, failure_mode, get_dispatch_failure,
                                        lossy_fallback, quiet_fallbacks, reset_warnings, set_dispatch_failure)
 from sten_core.dispatch.observers import (add_note_listener, add_observer, listening_to_notes, note, observed,
                                           observing, remove_note_listener, remove_observer)
@@ -46,5 +46,5 @@ __all__ = [
     "remove_note_listener", "remove_observer", "CallSpecs", "DispatchError", "DispatchWarning", "OpContext", "Plan", "PlanKind", "apply_spec", "call_op",
     "compiled", "conversion_path", "convert", "dense_with_grad", "dispatch_call", "failure_mode",
     "get_dispatch_failure", "layout_of", "lossy_fallback", "observed", "plan_for", "plan_of", "quiet_fallbacks",
-    "reset_warnings", "same_format_layout", "set_dispatch_failure", "sparsified_op", "sparsify", "wrap",
+    "reset_warnings", "same_format_layout", "set_dispatch_failure", "sparsified_op", "sparsify", "Unsupported", "wrap",
 ]

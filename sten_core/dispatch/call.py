@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from sten_core.dispatch.conversions import wrap
-from sten_core.dispatch.errors import DispatchWarning, report_missing
+from sten_core.dispatch.errors import DispatchWarning, Unsupported, declined, report_missing
 from sten_core.dispatch.observers import active, notify
 from sten_core.dispatch.plan import Plan, PlanKind, is_inplace, plan_for
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
@@ -292,7 +292,11 @@ class _Call:
         ctx = self.ctx or OpContext(self.op, detach_at(self.bound, self.positions))
         ctx.needs_input_grad = tuple(i in slot_of and needs[slot_of[i]] for i in range(len(self.bound)))
         sparsifiers = [None if s is None else s.inline_sparsifier for s in grad_specs]
-        raw = plan.entry.fn(ctx, tuple(grad_outputs), sparsifiers)
+        try:
+            raw = plan.entry.fn(ctx, tuple(grad_outputs), sparsifiers)
+        except Unsupported as error:  # the dense op's gradients
+            declined(key, plan.entry.fn, error)
+            return self._in_grad_formats(self._dense_backward(grad_outputs, needs))
         raw = (raw,) if not isinstance(raw, (tuple, list)) else tuple(raw)
         raw = tuple(wrap(g) for g in raw)
         if active():
@@ -306,17 +310,28 @@ class _Call:
             if g is not None and needs[k]:
                 per_slot[k].append(g)
         out = []
+        values = self.unique_values
         for k, gs in enumerate(per_slot):
             if not gs:
                 out.append(None)
             elif len(gs) == 1:
-                out.append(apply_spec(gs[0], spec_of[k], inline_done=True))
+                out.append(self._formatted(gs[0], spec_of[k], values[k], inline_done=True))
             else:  # the same tensor at several positions: its gradients add up
                 total = densify(gs[0])
                 for g in gs[1:]:
                     total = total + densify(g)
-                out.append(apply_spec(total, spec_of[k]))
+                out.append(self._formatted(total, spec_of[k], values[k]))
         return tuple(out)
+
+    @staticmethod
+    def _formatted(grad: Any, spec: Any, value: Any, inline_done: bool = False) -> Any:
+        """An implementation's gradient of ``value`` in its ``grad_fmt``; a wrapper's through
+        ``apply_grad_spec`` (a dense gradient for a ``grad_fmt`` naming another layout is held at
+        the wrapper's stored positions, as on the dense path; ``apply_spec`` stored every nonzero
+        of it, pruned positions included)."""
+        if spec is not None and isinstance(value, SparseTensorWrapper):
+            return apply_grad_spec(grad, spec, value, inline_done=inline_done)
+        return apply_spec(grad, spec, inline_done=inline_done)
 
     def differentiable_backward(self, grads: tuple, needs: tuple) -> tuple:
         """Gradients for the node's distinct inputs under ``create_graph=True`` (a gradient

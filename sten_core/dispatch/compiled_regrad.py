@@ -9,7 +9,7 @@ give as the gradient of a graph input. So the compiled backward computes the den
 ``CompiledDenseGrad`` layout (a marker only a compiled step makes), and a tensor hook on the
 weight (``register_hook``: it runs on the incoming gradient *before* autograd accumulates
 it into ``.grad``) re-sparsifies it with the weight's ``grad_fmt`` through the eager
-dispatcher (``apply_spec``, the call eager's backward makes). Autograd then accumulates a
+dispatcher (``apply_grad_spec``, the call eager's backward makes). Autograd then accumulates a
 wrapper of the same layout and pattern as eager's, the same way (first step: stored;
 later steps without zeroing: ``grad += new``, as eager). Gradients that reach the hook in
 any other form (eager's, already in the weight's format, or eager's plain sum when a
@@ -24,12 +24,13 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from sten_core.dispatch.errors import UnsupportedTrainingOp
-from sten_core.dispatch.sparsifier_dispatch import apply_spec
+from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
 from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.spec import OutputSpec
 from sten_core.model.tensor import TRACEABLE_LAYOUTS, WRAPPER_TYPES, SparseTensorWrapper, services
@@ -96,11 +97,15 @@ def pending_grad(dense: torch.Tensor, grad_fmt: Any) -> SparseTensorWrapper:
     return SparseTensorWrapper(CompiledDenseGrad(dense), False, grad_fmt)
 
 
-def resparsify_pending(grad: Any) -> Any:
+def resparsify_pending(grad: Any, weight: Any = None) -> Any:
     """The weight's tensor hook: a ``CompiledDenseGrad`` gradient becomes the weight's gradient
-    format (``apply_spec``, as eager's backward); any other gradient passes unchanged (``None``)."""
+    format (``apply_grad_spec``, as eager's backward: a ``grad_fmt`` naming a layout without
+    sparsifying holds it at ``weight``'s stored positions); any other gradient passes unchanged
+    (``None``)."""
     if type(grad) in WRAPPER_TYPES and type(grad.wrapped_tensor) is CompiledDenseGrad:
-        return apply_spec(grad.wrapped_tensor.dense, OutputSpec.coerce(grad.grad_fmt, "grad_fmt"))
+        spec = OutputSpec.coerce(grad.grad_fmt, "grad_fmt")
+        dense = grad.wrapped_tensor.dense
+        return apply_spec(dense, spec) if weight is None else apply_grad_spec(dense, spec, weight)
     return None
 
 
@@ -114,7 +119,8 @@ def watch_gradient(wrapper: SparseTensorWrapper) -> None:
     with torch._C.DisableTorchFunctionSubclass():
         if not wrapper.is_leaf:  # a non-leaf's gradient is never accumulated: nothing to convert
             return
-        torch.Tensor.register_hook(wrapper, resparsify_pending)
+        ref = weakref.ref(wrapper)  # (the hook lives on the wrapper: no cycle through it)
+        torch.Tensor.register_hook(wrapper, lambda grad: resparsify_pending(grad, ref()))
     wrapper.__dict__["_sten_regrad_hook"] = True
 
 

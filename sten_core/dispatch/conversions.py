@@ -60,9 +60,12 @@ def convert(value: Any, target: type) -> Any:
     Uses registered conversions, then the ``sten_convert`` hook, then a round
     trip through dense, which warns as a lossy step (a ``DispatchWarning`` once per
     pair of layouts; raised in raise mode) when ``target.from_dense`` drops values the
-    wrapper stores. Returns a dense tensor for ``torch.Tensor``.
+    wrapper stores. Returns a dense tensor for ``torch.Tensor``. ``target`` may also be
+    a registered layout name (``"CsrTensor"``).
     """
     plugins.ensure_loaded()
+    if not isinstance(target, type):
+        target = _target_class(target)
     if not active():
         return _convert(value, target)
     source = layout_of(value)
@@ -71,6 +74,21 @@ def convert(value: Any, target: type) -> Any:
     if source is not target:
         notify("convert", OpKey("convert", None, (source,), target), "convert", time.perf_counter() - started)
     return result
+
+
+def _target_class(target: Any) -> type:
+    """The layout class ``target`` names: a registered layout name, else a TypeError.
+
+    >>> _target_class("CooTensor").__name__
+    'CooTensor'
+    """
+    if isinstance(target, str):
+        try:
+            return registry.layout(target)
+        except ValueError as error:
+            raise ValueError(f"target: {error}") from None
+    raise TypeError(f"target must be a layout class (e.g. sten.CsrTensor), torch.Tensor or a registered "
+                    f"layout name, got {target!r}")
 
 
 def _convert(value: Any, target: type) -> Any:
@@ -85,12 +103,15 @@ def _convert(value: Any, target: type) -> Any:
             for fn in path:
                 layout = fn(layout)
             return SparseTensorWrapper(layout)
-        hooked = plugins.get_plugin_manager().hook.sten_convert(tensor=layout, target=target)
+        hooked = plugins.first_result("sten_convert", tensor=layout, target=target)  # a raising plugin: warned
         if hooked is not None:
             return SparseTensorWrapper(hooked)
         return _through_dense(layout, target)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"cannot convert {type(value).__name__} to {target.__name__}")
+    if not callable(getattr(target, "to_dense", None)):
+        raise TypeError(f"target must be a layout class (with to_dense), torch.Tensor or a registered "
+                        f"layout name, got {target!r}")
     if not builds_from_dense(target):
         raise DispatchError(
             f"{target.__name__} has no from_dense, so a dense tensor cannot be converted to it. Register a "

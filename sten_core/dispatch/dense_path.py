@@ -26,6 +26,7 @@ from sten_core.dispatch.errors import report_missing
 from sten_core.dispatch.observers import active, notify
 from sten_core.dispatch.plan import Plan, PlanKind
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
+from sten_core.dispatch.wrapper_views import writable_views
 from sten_core.model.registry import OpKey
 from sten_core.model.signatures import op_name
 from sten_core.model.sparsifiers import SameFormatSparsifier
@@ -44,7 +45,8 @@ def differentiable_dense(tree: Any, grad: bool, made: list | None = None) -> Any
         else:
             d = densify(tensor)
         if made is not None and isinstance(tensor, SparseTensorWrapper):
-            made.append((tensor, d, d._version))
+            # inference tensors have no version counter: a snapshot to compare with instead
+            made.append((tensor, d, d.clone() if d.is_inference() else d._version))
         return d
 
     return map_tensors(dense, tree)
@@ -54,8 +56,8 @@ def write_back_changed(made: list) -> None:
     """Each wrapper whose dense copy an out-of-place operator changed in place gets the change at
     its stored positions: ``F.embedding(..., max_norm=...)`` renormalises the looked-up rows of
     its weight (``embedding_renorm_``), which on the copy alone was lost."""
-    for wrapper, d, version in made:
-        if d._version != version:
+    for wrapper, d, before in made:
+        if before != d._version if isinstance(before, int) else not torch.equal(before, d):
             with torch.no_grad():
                 write_back(wrapper, d.detach())
 
@@ -74,6 +76,8 @@ def composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs:
     dense_args, dense_kwargs = differentiable_dense((args, kwargs), grad, made)
     out = op(*dense_args, **dense_kwargs)
     write_back_changed(made)
+    if not grad:  # a view of a wrapper's copy (w[0], w.view(-1)) writes back into the wrapper
+        out = writable_views(out, made)
     if active():
         notify("op", key, plan.kind, time.perf_counter() - started)
     if specs is None:

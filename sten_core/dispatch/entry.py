@@ -20,7 +20,7 @@ from sten_core.dispatch.autograd import any_requires_grad, record
 from sten_core.dispatch.call import _KEEP_ALL_LIST, CallSpecs, OpContext, _Call, finish_outputs
 from sten_core.dispatch.conversions import converted_inputs, refusals, wrap
 from sten_core.dispatch.dense_path import composite, inplace_with_grad
-from sten_core.dispatch.errors import report_missing
+from sten_core.dispatch.errors import Unsupported, declined, report_missing
 from sten_core.dispatch.observers import active
 from sten_core.dispatch.plan import Plan, PlanKind, is_inplace, plan_for
 from sten_core.model.registry import OpKey, registry
@@ -144,13 +144,19 @@ def dispatch_call(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | None = 
     if hit is not None:
         if not any_requires_grad(*args):  # nothing to track: _Call.forward less the scan and checks
             inputs = [*args[:hit.nargs], *hit.pad]
-            out = hit.fn(OpContext(op, inputs, (args, kwargs)), inputs,
-                         _KEEP_ALL_LIST if specs is None else specs.sparsifiers)
+            try:
+                out = hit.fn(OpContext(op, inputs, (args, kwargs)), inputs,
+                             _KEEP_ALL_LIST if specs is None else specs.sparsifiers)
+            except Unsupported as error:
+                return _dense_instead(op, args, kwargs, specs, hit.key, hit.fn, error)
             if type(out) not in DENSE_TYPES:
                 out = wrap(out)
             return out if specs is None else finish_outputs(out, specs, hit.inplace, True)
         if not hit.inplace and torch.is_grad_enabled():
-            return hit.record(op, args, kwargs, specs)
+            try:
+                return hit.record(op, args, kwargs, specs)
+            except Unsupported as error:
+                return _dense_instead(op, args, kwargs, specs, hit.key, hit.fn, error)
     return _dispatch_general(op, args, kwargs, specs, fast_key)
 
 
@@ -177,9 +183,20 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
         return composite(op, args, kwargs, key, plan, specs, grad)
     call = _Call(op, args, kwargs, bound, positions, key, plan, specs)
     call.converted = converted
-    if grad:
-        return record(call)
-    return call.forward(detach=needs_grad)
+    try:
+        if grad:
+            return record(call)
+        return call.forward(detach=needs_grad)
+    except Unsupported as error:
+        return _dense_instead(op, args, kwargs, specs, key, plan.entry.fn, error)
+
+
+def _dense_instead(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | None, key: OpKey, impl: Any,
+                   error: Unsupported) -> Any:
+    """The dense path for a call whose implementation declined it (``Unsupported``)."""
+    declined(key, impl, error)  # (warned once per key: the fallback's own report is then silent)
+    grad = torch.is_grad_enabled() and any_requires_grad(*args, *kwargs.values())
+    return composite(op, args, kwargs, key, Plan(PlanKind.FALLBACK, key), specs, grad)
 
 
 def call_op(op: Any, args: tuple, kwargs: dict, out_specs: tuple | None = None,

@@ -35,6 +35,25 @@ class DispatchWarning(UserWarning):
     """A dense fallback ran because no sparse implementation is registered."""
 
 
+class Unsupported(Exception):
+    """Raised by an implementation, before it computes anything, for inputs it does not handle
+    (a rank, a dtype, a device its kernel lacks): the call then takes the dense path, with a
+    ``DispatchWarning`` (or, in ``"raise"`` mode, a ``DispatchError``) naming the reason. A
+    backward implementation may raise it too: the gradients are then the dense op's.
+
+    Example (in an implementation):
+        >>> def my_linear(ctx, inputs, output_sparsifiers):
+        ...     if inputs[1].dim() != 2:
+        ...         raise Unsupported(f"a {inputs[1].dim()}-D weight (the kernel takes matrices)")
+    """
+
+
+def declined(key: OpKey, impl: Any, error: Unsupported) -> None:
+    """Warn once per key (or raise) that ``impl`` declined a call and the dense path ran."""
+    name = f"{getattr(impl, '__module__', '')}.{getattr(impl, '__qualname__', impl)}".lstrip(".")
+    report_missing(key, f"{name} declined ({error})")
+
+
 class UnsupportedTrainingOp(TypeError):
     """An operator other than ``F.linear`` on a trainable traceable weight whose ``grad_fmt`` keeps its
     layout or re-sparsifies it, or an in-place operator on a weight that is a graph input: raised

@@ -89,7 +89,7 @@ def resolve(key: OpKey) -> Plan:
         entry = registry.impls.get(key._replace(out=DENSE_OUT))
         if entry is not None:
             return Plan(PlanKind.IMPL, key._replace(out=DENSE_OUT), entry)
-    hooked = plugins.get_plugin_manager().hook.sten_resolve_op(key=key)
+    hooked = plugins.first_result("sten_resolve_op", key=key)  # a raising plugin: warned, skipped
     if hooked is not None:
         entry = hooked if isinstance(hooked, Entry) else Entry(hooked, len(key.inp))
         return Plan(PlanKind.GENERIC, key, entry)

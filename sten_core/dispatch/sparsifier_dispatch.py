@@ -48,7 +48,7 @@ def _resolve_sparsifier(key: OpKey) -> tuple[PlanKind, Callable]:
     entry = registry.impls.get(key)
     if entry is not None:
         return PlanKind.IMPL, _call_sparsifier_entry(entry)
-    hooked = plugins.get_plugin_manager().hook.sten_resolve_op(key=key)
+    hooked = plugins.first_result("sten_resolve_op", key=key)  # a raising plugin: warned, skipped
     if isinstance(hooked, Entry):
         return PlanKind.GENERIC, _call_sparsifier_entry(hooked)
     if hooked is not None:
@@ -151,7 +151,7 @@ def apply_spec(value: Any, spec: OutputSpec, inline_done: bool = False) -> Any:
     return apply_sparsifier(spec.external_sparsifier, value, spec.out_format, None, layout)
 
 
-def apply_grad_spec(grad: Any, spec: OutputSpec, value: Any) -> Any:
+def apply_grad_spec(grad: Any, spec: OutputSpec, value: Any, inline_done: bool = False) -> Any:
     """A dense gradient of ``value`` through its ``grad_fmt`` ``spec``; for a sparse ``value``
     whose ``grad_fmt`` names a layout without sparsifying (``(KeepAll(), L, KeepAll(), L)``) the
     gradient at ``value``'s stored positions, as a registered sparse-gradient backward gives it
@@ -159,7 +159,7 @@ def apply_grad_spec(grad: Any, spec: OutputSpec, value: Any) -> Any:
     another one; not the dense gradient re-sparsified into a new pattern (which for n:m layouts
     picks the gradient's largest entries, and for CSR stores every nonzero). Used where a
     backward ran densely (the dense fallback, ``SparseTensorWrapper`` densified for a dense
-    operator).
+    operator, and an implementation's dense gradient). ``inline_done``: as ``apply_spec``'s.
 
     >>> import torch, sten_core as sten
     >>> w = sten.SparseTensorWrapper(sten.sparsify(sten.KeepAll(), torch.eye(2), sten.CsrTensor).wrapped_tensor,
@@ -180,7 +180,7 @@ def apply_grad_spec(grad: Any, spec: OutputSpec, value: Any) -> Any:
             # gradient at the weight's positions, then converted (warned where that drops values),
             # not the dense gradient re-sparsified into a pattern of its own
             return convert(at_pattern, spec.out_format)
-    return apply_spec(grad, spec)
+    return apply_spec(grad, spec, inline_done=inline_done)
 
 
 _plans: dict[OpKey, tuple] = {}

@@ -15,11 +15,22 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import numbers
+import warnings
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
 from sten_core.model.signatures import op_name, signature_of
+
+
+class OverrideWarning(UserWarning):
+    """A plugin replaced a registration of another plugin (the last one wins
+    while it exists; removing it brings the previous one back)."""
+
+
+_KIND_LABELS = {"impls": "implementation", "layouts": "layout", "conversions": "conversion",
+                "compiled": "compiled implementation"}
 
 
 class OpKey(NamedTuple):
@@ -86,12 +97,24 @@ def _layout_entry(entry: Any, name: str) -> Any:
     return entry
 
 
+_NOT_SPARSIFIERS = (numbers.Number, str, bytes, torch.Tensor)
+
+
 def _sparsifier_class(entry: Any, name: str) -> type:
-    if isinstance(entry, type):
-        return entry
-    if entry is None:
-        raise TypeError(f"{name}: expected a sparsifier class")
-    return type(entry)
+    """The sparsifier class ``entry`` names (a class, or an instance of one).
+
+    Numbers, strings, tensors and their classes are refused: ``0.5`` is a
+    fraction, not a sparsifier (``ScalarFractionSparsifier(0.5)`` is one).
+    """
+    cls = entry if isinstance(entry, type) else type(entry)
+    if entry is None or issubclass(cls, _NOT_SPARSIFIERS) or cls in (object, type(None), bool):
+        raise TypeError(f"{name}: expected a sparsifier class or instance (e.g. sten.KeepAll), got {entry!r}")
+    return cls
+
+
+def _check_callable(fn: Any, name: str, expected: str) -> None:
+    if not callable(fn):
+        raise TypeError(f"{name} must be callable ({expected}), got {fn!r}")
 
 
 def normalize_inp(inp: Any, op: Any, name: str = "inp") -> tuple:
@@ -165,9 +188,15 @@ class Registry:
         self.impls: dict[OpKey, Entry] = {}
         self.conversions: dict[tuple[type, type], Callable] = {}
         self.compiled: dict[tuple, Callable] = {}  # (operator, input layouts) -> traceable kernel
-        self._owners: dict[Any, str] = {}
+        self._owners: dict[Any, str] = {}  # (kind, key) -> the owner of the registration in force
+        self._stacks: dict[Any, list[tuple[str, Any]]] = {}  # (kind, key) -> [(owner, value), ...], in force last
         self._owner = "user"
         self._listeners: list[Callable[[], None]] = []
+        self.silent_owners: set[str] = {"user"}
+        """Owners whose registrations another owner may override without an
+        ``OverrideWarning``: the user context and the core's built-in plugins
+        (loaded first, so a plugin's override of them does not depend on load order)."""
+        self._warned_overrides: set[tuple[str, str]] = set()
 
     # -- bookkeeping -------------------------------------------------------------
     def on_change(self, callback: Callable[[], None]) -> None:
@@ -189,13 +218,31 @@ class Registry:
             self._owner = previous
 
     def remove_owner(self, name: str) -> None:
-        """Undo every registration of plugin ``name``."""
-        for entry, owner in list(self._owners.items()):
-            if owner != name:
+        """Undo every registration of plugin ``name``; a key it had overridden
+        gets back the registration it replaced (the previous owner's).
+
+        >>> reg = Registry()
+        >>> _ = reg.register_conversion(int, float, float)          # user code
+        >>> with reg.owner("plugin"):
+        ...     _ = reg.register_conversion(int, float, lambda x: x / 1)
+        >>> reg.remove_owner("plugin")
+        >>> reg.conversions[(int, float)] is float, reg.owner_of("conversions", (int, float))
+        (True, 'user')
+        """
+        for slot, stack in list(self._stacks.items()):
+            if not any(owner == name for owner, _ in stack):
                 continue
-            kind, key = entry
-            getattr(self, kind).pop(key, None)
-            del self._owners[entry]
+            kind, key = slot
+            table = getattr(self, kind)
+            remaining = [(owner, value) for owner, value in stack if owner != name]
+            if key not in table or not remaining:  # gone (or removed by hand meanwhile): forget it
+                table.pop(key, None)
+                self._owners.pop(slot, None)
+                del self._stacks[slot]
+                continue
+            self._stacks[slot] = remaining
+            self._owners[slot], table[key] = remaining[-1]
+        self._warned_overrides = {pair for pair in self._warned_overrides if name not in pair}
         self.changed()
 
     def owner_of(self, kind: str, key: Any) -> str | None:
@@ -207,9 +254,43 @@ class Registry:
         return [key for (k, key), owner in self._owners.items() if owner == name and k == kind]
 
     def _put(self, kind: str, key: Any, value: Any) -> None:
-        getattr(self, kind)[key] = value
-        self._owners[(kind, key)] = self._owner
+        """Register ``value`` for ``key``, owned by the current owner.
+
+        The last registration wins while it exists: the earlier ones of other
+        owners are kept underneath (a stack per key), and ``remove_owner``
+        brings the previous one back. An owner re-registering replaces its own
+        entry; registering the value already in force (the same layout class
+        under its name) keeps the current owner in force.
+        """
+        table, slot = getattr(self, kind), (kind, key)
+        stack = self._stacks.get(slot, []) if key in table else []  # a key removed by hand starts afresh
+        if key in table and (not stack or stack[-1][1] is not table[key]):  # set by hand: that one is in force
+            stack = stack[:-1] + [(self._owners.get(slot, "user"), table[key])]
+        stack = [(owner, old) for owner, old in stack if owner != self._owner]
+        if stack and stack[-1][1] is value:
+            stack.insert(len(stack) - 1, (self._owner, value))  # the same object: ownership unchanged
+        else:
+            if stack:
+                self._warn_override(kind, key, stack[-1][0])
+            stack.append((self._owner, value))
+        self._stacks[slot] = stack
+        self._owners[slot], table[key] = stack[-1]
         self.changed()
+
+    def _warn_override(self, kind: str, key: Any, previous: str) -> None:
+        """Warn (once per pair of owners) when one plugin replaces another's registration,
+        since which plugin loads last is not specified."""
+        pair = (previous, self._owner)
+        if previous in self.silent_owners or self._owner in self.silent_owners or pair in self._warned_overrides:
+            return
+        self._warned_overrides.add(pair)
+        what = key.describe() if isinstance(key, OpKey) else _names(key)
+        warnings.warn(
+            f"sten plugin {self._owner!r} overrides the {_KIND_LABELS.get(kind, kind)} {what} registered by "
+            f"plugin {previous!r} "
+            f"(further overrides of {previous!r} by {self._owner!r} are not reported); the last registration "
+            f"wins while it exists, and the previous one comes back if {self._owner!r} is removed",
+            OverrideWarning, stacklevel=4)  # the register_* call
 
     # -- layouts -------------------------------------------------------------------
     def register_layout(self, cls: type, name: str | None = None) -> type:
@@ -219,6 +300,8 @@ class Registry:
         for method in ("from_dense", "to_dense"):
             if not callable(getattr(cls, method, None)):
                 raise TypeError(f"layout {cls.__name__} must define {method}()")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise TypeError(f"name must be a non-empty string (the layout's name in checkpoints), got {name!r}")
         name = name or cls.__name__
         previous = self.layouts.get(name)
         if previous is not None and previous is not cls and _qualified(previous) != _qualified(cls):
@@ -247,6 +330,7 @@ class Registry:
             raise TypeError(f"operator must be a callable torch operator, got {operator!r}")
         if isinstance(out, (list, tuple)) and len(out) == 0:
             out = None  # the original STen's out=[]: the default dense output
+        _check_callable(impl, "impl", "impl(ctx, inputs, output_sparsifiers)")
         key = OpKey("fwd", operator, normalize_inp(inp, operator), normalize_out_pairs(out))
         self._put("impls", key, Entry(impl, _full_length(inp)))
         return impl
@@ -254,6 +338,7 @@ class Registry:
     def register_bwd_op_impl(self, operator: Any, grad_out: Any, grad_inp: Any, inp: Any, impl: Callable) -> Callable:
         if not callable(operator):
             raise TypeError(f"operator must be a callable torch operator, got {operator!r}")
+        _check_callable(impl, "impl", "impl(ctx, grad_outputs, input_sparsifiers)")
         grad_out = tuple(_layout_entry(g, "grad_out") for g in (grad_out if isinstance(grad_out, (tuple, list)) else (grad_out,)))
         grads = normalize_out_pairs(grad_inp, "grad_inp")
         pattern = normalize_inp(inp, operator)
@@ -266,12 +351,14 @@ class Registry:
 
     def register_sparsifier_implementation(self, sparsifier: type, inp: type, out: type, impl: Callable) -> Callable:
         sp = _sparsifier_class(sparsifier, "sparsifier")
+        _check_callable(impl, "impl", "impl(sparsifier, tensor, grad_fmt=None)")
         key = OpKey("sparsifier", sp, (_layout_entry(inp, "inp"),), _layout_entry(out, "out"))
         self._put("impls", key, Entry(impl, 1, _count_positional(impl)))
         return impl
 
     def register_conversion(self, src: type, dst: type, fn: Callable[[Any], Any]) -> Callable:
         """Register a lossless conversion ``fn(src_layout_obj) -> dst_layout_obj``."""
+        _check_callable(fn, "fn", "fn(src_layout_obj) -> dst_layout_obj")
         self._put("conversions", (_layout_entry(src, "src"), _layout_entry(dst, "dst")), fn)
         return fn
 

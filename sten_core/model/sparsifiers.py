@@ -95,6 +95,8 @@ class ScalarThresholdSparsifier(Sparsifier):
     def __init__(self, threshold: float):
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
             raise TypeError(f"threshold must be a number, got {type(threshold).__name__}")
+        if math.isnan(threshold):
+            raise ValueError("threshold must be a number, not NaN (it would drop every value)")
         self.threshold = float(threshold)
 
     def mask(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,9 @@ def sten_register(registry: "Registry") -> None:
 
     Historic: called once for each plugin, when it is registered, with
     everything it registers owned by it (a plugin that raises here is removed
-    whole and reported). The return value is ignored.
+    whole and reported; a registration it had replaced comes back). The return
+    value is ignored. For one key the last registration wins while it exists;
+    replacing another installed plugin's registration warns (``OverrideWarning``).
     """
 
 
@@ -48,8 +50,10 @@ def sten_resolve_op(key: "OpKey") -> Callable | None:
     """Return an implementation for a dispatch ``key`` that has no exact
     registration, or ``None`` to pass.
 
-    First result wins (plugins in registration order, ``trylast`` ones at the
-    end). The implementation has the signature registered implementations of
+    First result wins (``tryfirst`` ones first, then the last registered plugin
+    first, ``trylast`` ones at the end). A hook that raises is reported once
+    (``PluginHookWarning``, naming the plugin) and counts as ``None``. The
+    implementation has the signature registered implementations of
     ``key.direction`` have (``impl(ctx, inputs, output_sparsifiers)`` forward,
     ``impl(ctx, grad_outputs, input_sparsifiers)`` backward,
     ``impl(sparsifier, tensor[, grad_fmt])`` for sparsifiers), or is a
@@ -64,7 +68,8 @@ def sten_convert(tensor: Any, target: type) -> Any | None:
     """Convert the layout object ``tensor`` to the layout class ``target``
     losslessly and return the new layout object, or return ``None`` if this
     plugin cannot. Asked only when no chain of registered conversions exists;
-    first result wins."""
+    first result wins, in ``sten_resolve_op``'s order; a hook that raises is
+    reported once (``PluginHookWarning``) and counts as ``None``."""
 
 
 @hookspec

@@ -50,6 +50,13 @@ class PluginLoadError(RuntimeError):
     """A plugin failed to load under ``STEN_STRICT_PLUGINS=1``."""
 
 
+class PluginHookWarning(UserWarning):
+    """A plugin's ``sten_resolve_op`` or ``sten_convert`` hook raised; its answer
+    was taken as ``None`` (warned once per plugin and hook)."""
+
+
+registry.silent_owners.update(BUILTIN_PLUGINS)  # they load first: overriding them is well defined
+
 _pm: pluggy.PluginManager | None = None
 _loaded = False  # set only when every plugin has been loaded (or reported)
 _loading_thread: int | None = None  # the thread loading now (its own re-entry returns at once)
@@ -133,6 +140,60 @@ def _register_into(pm: pluggy.PluginManager, plugin: Any, name: str, deferred: l
     return True
 
 
+_hook_errors_warned: set[tuple[str, str]] = set()
+
+
+def first_result(hook_name: str, **kwargs: Any) -> Any:
+    """The first non-``None`` answer of the firstresult hook ``hook_name``,
+    asking each plugin in pluggy's order (``tryfirst`` ones first, then the
+    last registered first, ``trylast`` ones at the end) on its own: a plugin
+    whose hook raises is warned about once (``PluginHookWarning``, naming the
+    plugin, the hook and the error) and counts as answering ``None``, so one
+    broken plugin never breaks calls on another's layouts. Dispatch asks once
+    per key (plans are cached).
+
+    >>> import torch
+    >>> first_result("sten_convert", tensor=torch.zeros(2), target=torch.Tensor) is None   # no plugin converts it
+    True
+    """
+    caller = getattr(get_plugin_manager().hook, hook_name)
+    impls = caller.get_hookimpls()
+    if any(impl.wrapper or impl.hookwrapper for impl in impls):
+        return _call_with_wrappers(caller, hook_name, impls, kwargs)
+    for impl in reversed(impls):  # pluggy's call order
+        args = [kwargs[arg] for arg in impl.argnames]
+        extra = {arg: kwargs[arg] for arg in impl.kwargnames if arg in kwargs}
+        try:
+            result = impl.function(*args, **extra)
+        except Exception as error:
+            _warn_hook_error(impl.plugin_name, hook_name, error)
+            continue
+        if result is not None:
+            return result
+    return None
+
+
+def _call_with_wrappers(caller: Any, hook_name: str, impls: list, kwargs: dict) -> Any:
+    """A hook with wrapper implementations runs through pluggy (wrappers need its
+    machinery); an error then is warned naming every plugin of the hook."""
+    try:
+        return caller(**kwargs)
+    except Exception as error:
+        names = ", ".join(sorted({impl.plugin_name for impl in impls}))
+        _warn_hook_error(f"one of {names}", hook_name, error)
+        return None
+
+
+def _warn_hook_error(plugin_name: str, hook_name: str, error: Exception) -> None:
+    if (plugin_name, hook_name) in _hook_errors_warned:
+        return
+    _hook_errors_warned.add((plugin_name, hook_name))
+    warnings.warn(
+        f"sten plugin {plugin_name!r}: its {hook_name} hook raised {type(error).__name__}: {error}; "
+        f"its answer is taken as None (this plugin's bug; it is reported once)",
+        PluginHookWarning, stacklevel=user_stacklevel())
+
+
 def register_plugin(plugin: Any, name: str | None = None) -> bool:
     """Register a plugin object or module directly (no entry point needed).
 
@@ -154,6 +215,12 @@ def unregister_plugin(name: str) -> None:
     if plugin is not None:
         pm.unregister(plugin)
     registry.remove_owner(name)
+    _forget_hook_errors(name)
+
+
+def _forget_hook_errors(name: str) -> None:
+    """A plugin registered again under ``name`` gets its hook errors reported again."""
+    _hook_errors_warned.difference_update({pair for pair in _hook_errors_warned if pair[0] == name})
 
 
 def loaded() -> bool:
@@ -223,6 +290,7 @@ def reset() -> None:
                 registry.remove_owner(name)
         _pm, _loaded = None, False
         failed.clear()
+        _hook_errors_warned.clear()
 
 
 def _distribution_version(plugin: Any) -> str | None:

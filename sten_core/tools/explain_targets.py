@@ -9,8 +9,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from typing import Any
+import os
+import sys
+from typing import Any, Iterator
 
 import torch
 
@@ -44,6 +47,27 @@ def example(size: str = "base", batch: int = 2, seq_len: int = 16) -> tuple[torc
 EXAMPLES = {"bert": example}
 
 
+@contextlib.contextmanager
+def working_directory_importable() -> Iterator[None]:
+    """Put the working directory first on ``sys.path`` for the block (as
+    ``python -m`` does; the ``sten`` script's ``sys.path[0]`` is its ``bin/``),
+    and take it off again afterwards if it was not there before.
+
+    >>> with working_directory_importable():
+    ...     os.getcwd() in sys.path or "" in sys.path
+    True
+    """
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
 def load_target(spec: str, **example_args: Any) -> tuple[torch.nn.Module, tuple]:
     """``"bert"`` (built in) or ``"module:factory"``: a callable returning
     ``(model, inputs)`` (inputs: a tensor or a tuple of arguments)."""
@@ -52,14 +76,16 @@ def load_target(spec: str, **example_args: Any) -> tuple[torch.nn.Module, tuple]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"model {spec!r}: expected a built-in example ({', '.join(EXAMPLES)}) or module:factory")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"model {spec!r}: cannot import {module_name!r}: {error}") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ValueError(f"model {spec!r}: {module_name} has no callable {attr!r}")
-    made = factory()
+    with working_directory_importable():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(f"model {spec!r}: cannot import {module_name!r} (from the working directory or "
+                             f"sys.path): {error}") from None
+        factory = getattr(module, attr, None)
+        if not callable(factory):
+            raise ValueError(f"model {spec!r}: {module_name} has no callable {attr!r}")
+        made = factory()  # it may import its neighbours
     if isinstance(made, dict):
         made = (made.get("model"), made.get("inputs"))
     if not (isinstance(made, (tuple, list)) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):

@@ -1,0 +1,79 @@
+"""Views of a wrapper that write back: ``w[0]``, ``w.view(-1)``, ``w.narrow(...)``, ``w.T``.
+
+A view operator on a wrapper runs on its dense copy (the dense path), so the result is a view
+of that copy, not of the wrapper: ``w[0][1] = 5``, ``w.narrow(0, 2, 1).zero_()`` and
+``nn.init.orthogonal_(w)`` (which writes through ``w.view_as(q)``) changed the copy and were
+lost without a word. Outside autograd such a result is a ``WrapperView``: a dense tensor whose
+in-place writes (and ``out=``, ``__setitem__``) are written back into the wrapper at its stored
+positions, as writes into the wrapper itself are; views of it are ``WrapperView``s of the same
+wrapper; every other operator gives plain tensors. Under autograd (a wrapper that requires grad)
+a view stays a plain tensor of the copy, as the dense path's differentiable views are.
+
+Example:
+    >>> import torch, sten_core as sten
+    >>> w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.ones(2, 2)))
+    >>> with torch.no_grad():
+    ...     w[0][1] = 5.0
+    >>> w.to_dense().tolist()
+    [[1.0, 5.0], [1.0, 1.0]]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sten_core.dispatch.plan import is_inplace
+from sten_core.model.tensor import SparseTensorWrapper, map_tensors, write_back
+
+_Plain = torch._C.DisableTorchFunctionSubclass
+
+
+class WrapperView(torch.Tensor):
+    """A view of a wrapper's dense copy whose in-place writes reach the wrapper."""
+
+    _sten_source: tuple  # (the wrapper, its dense copy this is a view of)
+
+    @staticmethod
+    def of(view: torch.Tensor, wrapper: SparseTensorWrapper, root: torch.Tensor) -> "WrapperView":
+        made = torch.Tensor._make_subclass(WrapperView, view)
+        made._sten_source = (wrapper, root)
+        return made
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: tuple, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        with _Plain():
+            out = func(*args, **kwargs)
+        target = kwargs.get("out") if kwargs.get("out") is not None else (args[0] if args else None)
+        source = getattr(target, "_sten_source", None) if is_inplace(func, kwargs) else None
+        if source is not None:
+            wrapper, root = source
+            with torch.no_grad():
+                write_back(wrapper, root)
+            return out
+        first = next((a for a in args if isinstance(a, WrapperView)), None)
+        if first is None:
+            return out
+        return views_of(out, *first._sten_source)
+
+
+def _shares(tensor: Any, root: torch.Tensor) -> bool:
+    return (type(tensor) is torch.Tensor and tensor.device == root.device
+            and tensor.untyped_storage().data_ptr() == root.untyped_storage().data_ptr())
+
+
+def views_of(out: Any, wrapper: SparseTensorWrapper, root: torch.Tensor) -> Any:
+    """``out`` with each tensor that is a view of ``root`` (``wrapper``'s dense copy) made a
+    ``WrapperView`` of ``wrapper``."""
+    return map_tensors(lambda t: WrapperView.of(t, wrapper, root) if _shares(t, root) else t, out)
+
+
+def writable_views(out: Any, made: list) -> Any:
+    """The dense path's result with the views of its wrappers' dense copies made writable
+    (``made``: the path's ``(wrapper, dense copy, version)`` entries)."""
+    for wrapper, root, _ in made:
+        if root.numel():
+            out = views_of(out, wrapper, root)
+    return out
