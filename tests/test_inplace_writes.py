@@ -332,3 +332,22 @@ def test_a_view_of_a_wrapper_computes_like_a_tensor():
     assert type(out) is torch.Tensor
     torch.testing.assert_close(out, torch.tensor([1.0, 3.0, 1.0]))
     torch.testing.assert_close(row.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor, sten.DenseTensor])
+@pytest.mark.parametrize("op", ["w * nan", "w * inf", "w / 0", "w / nan", "w * inf-tensor", "w / 2", "w * 3"])
+def test_out_of_place_mul_and_div_give_dense_torchs_non_finite_values(layout, op):
+    """``w * nan`` and ``w / 0`` ran on the stored values, leaving 0 at the unstored positions
+    where dense torch gives NaN."""
+    run = {"w * nan": lambda t: t * float("nan"), "w * inf": lambda t: t * float("inf"), "w / 0": lambda t: t / 0,
+           "w / nan": lambda t: t / float("nan"), "w * inf-tensor": lambda t: t * torch.full((2, 4), float("inf")),
+           "w / 2": lambda t: t / 2, "w * 3": lambda t: 3 * t}[op]
+    d = torch.tensor([[1.0, 0.0, 2.0, 0.0], [0.0, -3.0, 0.0, 4.0]])
+    w = sten.SparseTensorWrapper(layout.from_dense(d))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        got = run(w)
+    if op in ("w / 2", "w * 3"):  # finite: still on the stored values, the layout kept
+        assert type(got.wrapped_tensor) is layout
+    got = got.to_dense() if isinstance(got, sten.SparseTensorWrapper) else got
+    torch.testing.assert_close(got, run(d), equal_nan=True)

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -39,11 +40,28 @@ ZERO_PRESERVING = {
     T.square, torch.square, T.clone, torch.clone, T.conj, torch.conj, T.mul, torch.mul, T.__mul__,
     T.__rmul__, T.div, torch.div, T.__truediv__, torch.zeros_like, T.type_as, T.contiguous,
 }
+MULS = {T.mul, torch.mul, T.__mul__, T.__rmul__}
+DIVS = {T.div, torch.div, T.__truediv__}
 SAME_PATTERN_ONLY = {T.add, torch.add, T.__add__, T.__radd__, T.sub, torch.sub, T.__sub__, T.maximum, torch.maximum}
 
 
 class _NotOnValues(Exception):
     """The operands do not allow a stored-values computation."""
+
+
+def _fills_zeros(op: Any, operands: tuple) -> bool:
+    """Whether an out-of-place ``mul`` / ``div`` turns the unstored zeros into something else:
+    ``0 * inf``, ``0 * nan``, ``0 / 0`` and ``0 / nan`` are NaN (dense torch's values there)."""
+    div = op in DIVS
+    for value in operands:
+        if isinstance(value, (int, float)):
+            if (value == 0 or math.isnan(value)) if div else not math.isfinite(value):
+                return True
+        elif isinstance(value, torch.Tensor) and not isinstance(value, SparseTensorWrapper):
+            bad = (value == 0) | value.isnan() if div else ~torch.isfinite(value)
+            if bool(bad.any()):
+                return True
+    return False
 
 
 def _operand(value: Any, layout: Any, dense_ok: bool) -> Any:
@@ -79,6 +97,8 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False
             if not supports_values(layout):
                 raise _NotOnValues
             if sparse_only and not all(isinstance(a, SparseTensorWrapper) for a in args[1:]):
+                raise _NotOnValues
+            if not inplace and (op in MULS or op in DIVS) and _fills_zeros(op, (*args[1:], *kwargs.values())):
                 raise _NotOnValues
             values = layout.values()
             rest = tuple(_operand(a, layout, dense_ok) for a in args[1:])

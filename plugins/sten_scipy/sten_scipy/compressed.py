@@ -161,7 +161,7 @@ class ScipyCompressed(Layout):
             rows, cols = self.coords()
             values = self.torch_members[2]
             return values.new_zeros(self.shape).index_put((rows, cols), values)
-        return torch.from_numpy(self.data.toarray())
+        return torch.from_numpy(self.data.toarray(order="C"))  # (CSC gave column-major: views failed)
 
     # -- metadata ---------------------------------------------------------------
     @property

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -42,6 +43,11 @@ def _needs(ctx: Any, i: int) -> bool:
     return needs[i] if i < len(needs) else True
 
 
+def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``t`` as rows of ``k`` (``reshape(-1, k)`` fails when ``k`` or ``t`` is empty)."""
+    return t.reshape(math.prod(t.shape[:-1]), k)
+
+
 # -- F.linear -----------------------------------------------------------------
 
 def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
@@ -53,7 +59,7 @@ def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor
     if x.dim() == 0 or x.shape[-1] != in_f:
         raise ValueError(f"F.linear: input's last dim must equal the weight's in_features {in_f} "
                          f"(weight shape {tuple(layout.shape)}), got input shape {tuple(x.shape)}")
-    x2 = x.reshape(-1, in_f)
+    x2 = _rows(x, in_f)
     y = sparse_times_dense(layout, x2.t()).t()
     if bias is not None:
         bias = check_operand(bias, layout.dtype, "F.linear", "bias")
@@ -70,8 +76,8 @@ def linear_bwd(want_w: type | None) -> Callable:
         x, w = ctx.saved_tensors
         layout = w.wrapped_tensor
         out_f, in_f = layout.shape
-        g2 = dense_of(grad_outputs[0]).reshape(-1, out_f).to(layout.dtype)
-        x2 = x.reshape(-1, in_f)
+        g2 = _rows(dense_of(grad_outputs[0]), out_f).to(layout.dtype)
+        x2 = _rows(x, in_f)
         grad_x = dense_times_sparse(g2, layout).reshape(x.shape) if _needs(ctx, 0) else None
         grad_w = grad_of(w, want_w, lambda: g2.t() @ x2, lambda lay: sampled(lay, g2.t(), x2)) if _needs(ctx, 1) else None
         has_bias = len(ctx.inputs) > 2 and ctx.inputs[2] is not None
@@ -140,7 +146,7 @@ def dense_sparse_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.
     _check_mm(ctx, tuple(a.shape), tuple(layout.shape), False)
     ctx.save_for_backward(a, b)
     k, n = layout.shape
-    y = dense_times_sparse(a.reshape(-1, k), layout)
+    y = dense_times_sparse(_rows(a, k), layout)
     return y if a.dim() == 2 else y.reshape(*a.shape[:-1], n)
 
 
@@ -149,8 +155,8 @@ def dense_sparse_bwd(want_b: type | None) -> Callable:
         a, b = ctx.saved_tensors
         layout = b.wrapped_tensor
         k, n = layout.shape
-        g2 = dense_of(grad_outputs[0]).to(layout.dtype).reshape(-1, n)
-        a2 = a.reshape(-1, k)
+        g2 = _rows(dense_of(grad_outputs[0]).to(layout.dtype), n)
+        a2 = _rows(a, k)
         grad_a = dense_times_sparse(g2, layout.transpose()).reshape(a.shape) if _needs(ctx, 0) else None
         grad_b = grad_of(b, want_b, lambda: a2.t() @ g2, lambda lay: sampled(lay, a2.t(), g2)) if _needs(ctx, 1) else None
         return grad_a, grad_b

@@ -1,5 +1,7 @@
 """F.linear, torch.mm and torch.matmul: values and gradients against dense."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +10,7 @@ import sten_core as sten
 from sten_core.testing import check_linear
 
 from conftest import LAYOUTS, check_against_dense, sample, sparse_fmt, sparse_param
+from sten_scipy import ScipyCscTensor, ScipyCsrTensor
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -125,3 +128,26 @@ def test_matmul_broadcasts_like_dense(layout, shape):
     ref.backward(g)
     torch.testing.assert_close(b.grad, ref_b.grad)
     torch.testing.assert_close(w.grad, ref_w.grad)
+
+
+@pytest.mark.parametrize("shape", [(8, 0), (0, 16)])
+@pytest.mark.parametrize("layout", [ScipyCsrTensor, ScipyCscTensor])
+def test_linear_with_an_empty_weight_is_dense_torchs(layout, shape):
+    """``x.reshape(-1, 0)`` raised for a weight with a 0-sized dimension."""
+    w = sten.SparseTensorWrapper(layout.from_dense(torch.zeros(*shape)), requires_grad=True)
+    x = torch.randn(3, shape[1], requires_grad=True)
+    y = F.linear(x, w)
+    y.sum().backward()
+    assert y.shape == (3, shape[0])
+    assert x.grad.shape == x.shape and not x.grad.any()
+
+
+def test_a_csc_wrappers_dense_form_is_row_major():
+    """Its ``to_dense()`` was column-major, so ``w.view(-1)`` raised on a wrapper that reports
+    itself contiguous."""
+    d = torch.randn(4, 6)
+    w = sten.SparseTensorWrapper(ScipyCscTensor.from_dense(d))
+    assert w.to_dense().is_contiguous()
+    with sten.dispatch.failure_mode("warn"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)  # (view runs densely)
+        torch.testing.assert_close(w.view(-1), d.reshape(-1))
