@@ -188,7 +188,7 @@ def test_failing_layout_is_reported_and_exit_1(tmp_path, capsys):
         sten.plugins.unregister_plugin("test_cli_broken")
     assert rc == 1
     text = capsys.readouterr().out
-    assert "failed: RuntimeError: cannot build BrokenLayout" in text
+    assert "failed: RuntimeError: set_weight('weight'" in text and "cannot build BrokenLayout" in text
     rows = json.loads((tmp_path / "linear.json").read_text())["results"]
     assert rows[0]["median_ms"] > 0 and rows[1]["median_ms"] is None
 

@@ -12,11 +12,65 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import torch
 
+from sten_core.model.layouts import Layout
 from sten_core.model.sparsifiers import KeepAll
+
+#: Values that are never a sparsifier: a number or a string where a sparsifier instance belongs
+#: (``0.9`` for ``ScalarFractionSparsifier(0.9)``), a tensor, or a container (a spec given one level too deep).
+_NOT_SPARSIFIERS = (numbers.Number, str, bytes, torch.Tensor, tuple, list, dict, set)
+
+
+def check_sparsifier(value: Any, name: str) -> Any:
+    """``value`` if it can be a sparsifier, else a ``TypeError`` naming ``name``.
+
+    A sparsifier is any object whose class has implementations
+    (``register_sparsifier_implementation``): the built-in ones derive from
+    ``Sparsifier``, user-defined ones may be plain classes (the paper's
+    ``MyRandomFractionSparsifier``). Rejected: ``None``, a class instead of an
+    instance, numbers, strings, tensors and containers.
+
+    Example:
+        >>> check_sparsifier(0.9, "inline_sparsifier")
+        Traceback (most recent call last):
+        ...
+        TypeError: inline_sparsifier must be a sparsifier instance (e.g. sten.ScalarFractionSparsifier(0.9)), got 0.9 (float)
+    """
+    if value is None or isinstance(value, type) or isinstance(value, _NOT_SPARSIFIERS):
+        what = "a class; pass an instance" if isinstance(value, type) else type(value).__name__
+        raise TypeError(f"{name} must be a sparsifier instance (e.g. sten.ScalarFractionSparsifier(0.9)), "
+                        f"got {value!r} ({what})")
+    return value
+
+
+def is_layout_class(value: Any) -> bool:
+    """Whether ``value`` is a layout class: ``torch.Tensor`` (dense, or a subclass),
+    a ``Layout`` subclass, or any class with ``to_dense`` (registered layouts must
+    have it; an unregistered one such as the paper's ``MyCscTensor`` too).
+
+    Example:
+        >>> import sten_core as sten
+        >>> is_layout_class(sten.CsrTensor), is_layout_class(int), is_layout_class(sten.KeepAll)
+        (True, False, False)
+    """
+    if not isinstance(value, type):
+        return False
+    if issubclass(value, (torch.Tensor, Layout)):
+        return True
+    return callable(getattr(value, "to_dense", None)) and not issubclass(value, torch.nn.Module)
+
+
+def check_layout(value: Any, name: str) -> type:
+    """``value`` if it is a layout class (``is_layout_class``), else a ``TypeError`` naming ``name``."""
+    if not is_layout_class(value):
+        got = f"the class {value.__name__}, which is not a layout" if isinstance(value, type) else repr(value)
+        raise TypeError(f"{name} must be a layout class (torch.Tensor, sten.CsrTensor, a registered layout or "
+                        f"any class with from_dense/to_dense), got {got}")
+    return value
 
 
 class OutputSpec(NamedTuple):
@@ -36,12 +90,10 @@ class OutputSpec(NamedTuple):
                 f"out_format), got {value!r}"
             )
         inline, tmp, external, out = value
-        for part, label in ((inline, "inline_sparsifier"), (external, "external_sparsifier")):
-            if isinstance(part, type) or part is None:
-                raise TypeError(f"{name}: {label} must be a sparsifier instance, got {part!r}")
-        for part, label in ((tmp, "tmp_format"), (out, "out_format")):
-            if not isinstance(part, type):
-                raise TypeError(f"{name}: {label} must be a layout class, got {part!r}")
+        check_sparsifier(inline, f"{name}: inline_sparsifier")
+        check_layout(tmp, f"{name}: tmp_format")
+        check_sparsifier(external, f"{name}: external_sparsifier")
+        check_layout(out, f"{name}: out_format")
         return cls(inline, tmp, external, out)
 
 

@@ -5,9 +5,12 @@ tensors are named ``"<submodule path>.<fx node name>"`` (e.g.
 ``"intermediate.gelu"``): the output of that call inside the submodule's
 forward. The named call becomes a sparse operator with the given output spec.
 Calls are matched at run time by a ``TorchFunctionMode`` that is active only
-while that submodule runs, so modules that ``torch.fx`` cannot trace (data-
-dependent control flow, ``is_causal`` arguments) work as well; where fx can
-trace the submodule, names are checked against its graph up front.
+while that submodule runs. Where fx can trace the submodule, names are checked
+against its graph up front, and each call the mode sees is identified with its
+fx node by data flow (the node's inputs are the values the call receives), so a
+name selects exactly the node it names. Modules that ``torch.fx`` cannot trace
+(data-dependent control flow, ``is_causal`` arguments) work as well: there the
+names are the run-time call names, counted per base name (``add``, ``add_1``).
 
 Example:
     >>> import torch, sten_core as sten
@@ -31,79 +34,538 @@ from __future__ import annotations
 
 import collections
 import copy
-from typing import Any
+import inspect
+import sys
+import threading
+import warnings
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from sten_core.dispatch import call_op, sparsify
 from sten_core.model.sparsifiers import KeepAll
-from sten_core.model.spec import OutputSpec
+from sten_core.model.spec import OutputSpec, check_sparsifier
 from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper
 
 
 def _spec(inline: Any, tmp: Any, external: Any, out: Any, what: str) -> OutputSpec:
-    return OutputSpec.coerce((inline, tmp, external, out), what)
+    """The output spec of a builder setting; ``None`` sparsifiers mean ``KeepAll()``."""
+    return OutputSpec.coerce((_or_keep_all(inline), tmp, _or_keep_all(external), out), what)
+
+
+def _or_keep_all(sparsifier: Any) -> Any:
+    """``KeepAll()`` for ``None`` (an argument left out), else the argument itself
+    (``0`` or ``0.0`` is not a sparsifier: ``OutputSpec.coerce`` rejects it)."""
+    return KeepAll() if sparsifier is None else sparsifier
+
+
+# -- names of calls ---------------------------------------------------------------
+
+_ARITHMETIC = ("add", "sub", "mul", "div", "truediv", "floordiv", "matmul", "pow", "mod", "and", "or", "xor",
+               "lshift", "rshift")
+#: The run-time names of calls fx names after the ``operator`` function (``x / y`` runs ``Tensor.div``).
+_CANONICAL = {"div": "truediv", "remainder": "mod", "positive": "pos"}
+#: Calls that turn a tensor into a Python value: the branch a forward takes may depend on the data.
+_CONVERSIONS = frozenset({"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "__complex__",
+                          "equal", "allclose", "is_nonzero"})
+#: fx nodes whose value is not a tensor: nothing to sparsify.
+_NOT_TENSOR_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "item", "tolist", "stride",
+                                 "element_size", "data_ptr", "is_contiguous", "get_device", "storage_offset"})
+
+
+def _base_name(name: str) -> str:
+    """The base name of a call named ``name``: dunders and the reflected / in-place
+    prefix of arithmetic dunders dropped (``__radd__`` → ``add``)."""
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name[:1] in ("r", "i") and name[1:] in _ARITHMETIC:
+            name = name[1:]
+    return name
 
 
 def _call_name(func: Any) -> str:
-    """The fx-style base name of a called function or method."""
+    """The fx-style base name of a called function or method (``x.shape`` → ``getattr``)."""
     name = getattr(func, "__name__", None) or type(func).__name__
-    if name.startswith("__") and name.endswith("__"):
-        name = name[2:-2]
-        if name[:1] in ("r", "i") and name[1:] in ("add", "sub", "mul", "truediv", "matmul"):
+    if name == "__get__":
+        return "getattr"
+    return _base_name(name)
+
+
+def _canonical(name: str) -> str:
+    """One name for the spellings of an operation (``div`` and fx's ``truediv``)."""
+    return _CANONICAL.get(name, name)
+
+
+def _node_base(op: str, target: Any) -> str:
+    """The canonical base name of the call an fx node makes, as the run-time mode
+    sees it (``operator.and_`` → ``and``, ``operator.truediv`` → ``truediv``)."""
+    if op == "call_method":
+        return _canonical(_base_name(target))
+    name = getattr(target, "__name__", None) or str(target)
+    if getattr(target, "__module__", None) in ("_operator", "operator"):
+        name = name.rstrip("_")
+        if name[:1] == "i" and name[1:] in _ARITHMETIC:
             name = name[1:]
-    return name
+    return _canonical(_base_name(name))
+
+
+# -- the fx graph of a submodule ----------------------------------------------------
+
+class _Ref(NamedTuple):
+    """An fx node used as an argument of another node (by name)."""
+
+    name: str
+
+
+class _Node(NamedTuple):
+    """One fx node, detached from its graph (picklable, cheap to copy)."""
+
+    name: str
+    op: str
+    target: Any
+    args: tuple
+    kwargs: dict
+    base: str
+    leaves: tuple = ()   # the leaves of the arguments a call receives (constants and _Refs)
+
+
+class _Graph:
+    """A submodule's fx graph: its nodes in order, found by name and by run-time base name."""
+
+    def __init__(self, nodes: list[_Node]):
+        self.nodes = {n.name: n for n in nodes}
+        self.order = [n.name for n in nodes]
+        self.by_base: dict[str, list[str]] = collections.defaultdict(list)
+        for n in nodes:
+            if n.op in ("call_function", "call_method"):
+                self.by_base[n.base].append(n.name)
+        self.modules = [n.name for n in nodes if n.op == "call_module"]
+
+    @classmethod
+    def trace(cls, module: torch.nn.Module) -> "_Graph | None":
+        """The graph of ``module`` (``None`` where ``torch.fx.symbolic_trace`` fails).
+        The attributes fx adds to the module it traces (``_tensor_constant0``) are removed."""
+        before = set(vars(module))
+        try:
+            graph = torch.fx.symbolic_trace(module).graph
+        except Exception:
+            return None
+        finally:
+            for added in set(vars(module)) - before:
+                delattr(module, added)
+        return cls([_detach(node) for node in graph.nodes])
+
+    def calls(self) -> list[str]:
+        """The names of the function and method calls (what ``set_interm`` may name)."""
+        return [name for name in self.order if self.nodes[name].op in ("call_function", "call_method")]
+
+
+def _detach(node: torch.fx.Node) -> _Node:
+    """``node`` as a ``_Node``: its node arguments become ``_Ref``s."""
+    args = _detach_arg(tuple(node.args))
+    kwargs = _detach_arg(dict(node.kwargs))
+    base = _node_base(node.op, node.target) if node.op in ("call_function", "call_method") else node.op
+    received = args[:1] if base == "getattr" else args   # x.shape: the getter runs on x alone
+    return _Node(node.name, node.op, node.target, tuple(args), kwargs, base, tuple(_leaves((received, kwargs), [])))
+
+
+def _fx_node_names(module: torch.nn.Module) -> list[str] | None:
+    """The fx names of ``module``'s function and method calls (``None``: fx cannot trace it)."""
+    graph = _Graph.trace(module)
+    return None if graph is None else graph.calls()
+
+
+def _traces(module: torch.nn.Module) -> dict[bool, _Graph | None]:
+    """``module``'s graph in training and in eval mode (``self.training`` branches differ);
+    the training flags of ``module`` and of its submodules are restored afterwards."""
+    flags = [(m, m.training) for m in module.modules()]
+    graphs: dict[bool, _Graph | None] = {}
+    try:
+        for mode in (True, False):
+            module.train(mode)
+            graphs[mode] = _Graph.trace(module)
+    finally:
+        for m, flag in flags:
+            m.training = flag
+    return graphs
+
+
+# -- identifying the calls of one forward ---------------------------------------------
+
+class _Missing:
+    """A value the matcher does not have: ``_UNKNOWN`` can never be known (a tensor
+    constant fx folded: it matches any argument); ``_PENDING`` is a call's that has not
+    been seen (yet): nothing matches it."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __repr__(self) -> str:
+        return f"<{self.what}>"
+
+
+_UNKNOWN = _Missing("unknown")
+_PENDING = _Missing("pending")
+#: Immutable non-tensor values whose methods may be re-run to learn a value (shapes, numbers).
+_IMMUTABLE = (tuple, int, float, bool, str, type(None), torch.dtype, torch.device, slice)
+_PURE_BUILTINS = frozenset({"getattr", "len", "min", "max", "abs", "round", "int", "float", "bool", "tuple"})
+
+
+_CONTAINERS = (tuple, list, dict, slice)
+
+
+def _leaves(value: Any, out: list) -> list:
+    """The leaves of ``value`` (tuples, lists, dicts, slices and shapes flattened)."""
+    if isinstance(value, _Ref) or not isinstance(value, _CONTAINERS):
+        out.append(value)
+        return out
+    if isinstance(value, dict):
+        value = value.values()
+    elif isinstance(value, slice):
+        value = (value.start, value.stop, value.step)
+    for v in value:
+        if isinstance(v, _CONTAINERS) and not isinstance(v, _Ref):
+            _leaves(v, out)
+        else:
+            out.append(v)
+    return out
+
+
+def _map_refs(value: Any, fn: Callable[[str], Any]) -> Any:
+    """``value`` with each ``_Ref`` replaced by ``fn(name)``."""
+    if isinstance(value, _Ref):
+        return fn(value.name)
+    if isinstance(value, tuple):
+        return tuple(_map_refs(v, fn) for v in value)
+    if isinstance(value, list):
+        return [_map_refs(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: _map_refs(v, fn) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(*(_map_refs(v, fn) for v in (value.start, value.stop, value.step)))
+    return value
+
+
+def _detach_arg(arg: Any) -> Any:
+    """An fx argument with its nodes as ``_Ref``s and fx's immutable containers as plain ones."""
+    if isinstance(arg, torch.fx.Node):
+        return _Ref(arg.name)
+    if isinstance(arg, tuple) and type(arg) is not tuple and hasattr(arg, "_fields"):
+        return type(arg)(*(_detach_arg(a) for a in arg))
+    if isinstance(arg, tuple):
+        return tuple(_detach_arg(a) for a in arg)
+    if isinstance(arg, list):
+        return [_detach_arg(a) for a in arg]
+    if isinstance(arg, dict):
+        return {k: _detach_arg(v) for k, v in arg.items()}
+    if isinstance(arg, slice):
+        return slice(*(_detach_arg(a) for a in (arg.start, arg.stop, arg.step)))
+    return arg
+
+
+def _same(want: Any, got: Any) -> bool:
+    """Whether a node's argument ``want`` is the call's argument ``got``: tensors by
+    identity, other values by equality."""
+    if want is got:
+        return True
+    if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
+        return want is got
+    try:
+        return bool(want == got)
+    except Exception:
+        return False
+
+
+def _fetch(module: torch.nn.Module, target: str) -> Any:
+    """The live attribute ``target`` (dotted) of ``module``, or ``_UNKNOWN`` (fx's tensor constants)."""
+    obj: Any = module
+    for part in target.split("."):
+        obj = getattr(obj, part, _UNKNOWN)
+        if obj is _UNKNOWN:
+            break
+    return obj
+
+
+def _pure(node: _Node) -> bool:
+    """Whether ``node`` is a side-effect-free Python call (on shapes, tuples, numbers) that may be re-run."""
+    if node.op == "call_method":
+        return True   # checked on the value of self: immutable non-tensors only
+    module = getattr(node.target, "__module__", None)
+    name = getattr(node.target, "__name__", "")
+    if module in ("_operator", "operator"):
+        return not (name in ("setitem", "delitem", "iconcat") or name[:1] == "i" and name[1:].rstrip("_") in _ARITHMETIC)
+    return module == "math" or (module == "builtins" and name in _PURE_BUILTINS)
+
+
+class _FxCalls:
+    """Identifies the calls one forward of a traced submodule makes with its fx nodes, by
+    data flow: a call is the first open node with the call's base name whose arguments
+    (placeholders bound to the forward's arguments, live attributes, earlier calls'
+    outputs, shape arithmetic re-run here) are the call's arguments. Calls with no node
+    (constants fx folded) match none, so they shift no name. Where no node fits exactly
+    (a branch fx traced was not taken, so a node's input was never made), an argument
+    not made yet stands for any tensor this forward's nodes made, never for a constant."""
+
+    def __init__(self, graph: _Graph, module: torch.nn.Module, args: tuple, kwargs: dict,
+                 signature: inspect.Signature | None = None):
+        self.graph, self.module = graph, module
+        self.env: dict[str, Any] = {}
+        self.open = {base: list(names) for base, names in graph.by_base.items()}
+        self.open_modules = list(graph.modules)
+        self.produced: set[str] = set()
+        self.evaluated: set[str] = set()
+        self.made: dict[int, torch.Tensor] = {}   # id → the tensors the nodes hold (kept alive: ids stay unique)
+        self._wants: dict[str, list] = {}          # node → its arguments' values, once all are known
+        self._bind(args, kwargs, signature)
+
+    def _bind(self, args: tuple, kwargs: dict, signature: inspect.Signature | None) -> None:
+        """The placeholders' values: the forward's arguments, defaults applied."""
+        try:
+            signature = signature or inspect.signature(self.module.forward)
+            bound = signature.bind(*args, **kwargs)
+        except (TypeError, ValueError):
+            return
+        bound.apply_defaults()
+        for name in self.graph.order:
+            node = self.graph.nodes[name]
+            if node.op == "placeholder" and str(node.target).lstrip("*") in bound.arguments:
+                self.record(name, bound.arguments[str(node.target).lstrip("*")])
+
+    def value(self, name: str) -> Any:
+        """Node ``name``'s value in this forward, or a ``_Missing`` (``_UNKNOWN``, ``_PENDING``)."""
+        if name in self.env:
+            return self.env[name]
+        node = self.graph.nodes[name]
+        value: Any = _PENDING
+        if node.op == "get_attr":
+            value = _fetch(self.module, node.target)
+        elif node.op in ("call_function", "call_method") and _pure(node):
+            value = self._evaluate(node)
+        if not isinstance(value, _Missing):
+            self.record(name, value)
+        return value
+
+    def _evaluate(self, node: _Node) -> Any:
+        """Re-run a call the mode does not see (shape and tuple arithmetic) from its inputs' values."""
+        args, kwargs = _map_refs(node.args, self.value), _map_refs(node.kwargs, self.value)
+        direct = list(args) + list(kwargs.values())
+        if any(isinstance(v, (_Missing, torch.Tensor)) for v in direct):
+            return _PENDING   # a tensor operand: the mode sees that call (or it has not run yet)
+        if node.op == "call_method" and not isinstance(args[0], _IMMUTABLE):
+            return _PENDING
+        if any(isinstance(v, _Missing) for v in _leaves((args, kwargs), [])):
+            return _PENDING
+        try:
+            out = getattr(args[0], node.target)(*args[1:], **kwargs) if node.op == "call_method" \
+                else node.target(*args, **kwargs)
+        except Exception:
+            return _PENDING
+        self.evaluated.add(node.name)
+        return out
+
+    def identify(self, func: Any, args: tuple, kwargs: dict) -> str | None:
+        """The fx node this call is (``None``: no node, e.g. a constant fx folded)."""
+        names = self.open.get(_canonical(_call_name(func)))
+        if not names:
+            return None
+        got = list(args) if not kwargs and not any(isinstance(a, _CONTAINERS) for a in args) \
+            else _leaves((args, kwargs), [])
+        attr = getattr(getattr(func, "__self__", None), "__name__", None)
+        for exact in (True, False):
+            for i, name in enumerate(names):
+                if self._fits(self.graph.nodes[name], got, attr, exact):
+                    del names[i]
+                    self.produced.add(name)
+                    return name
+        return None
+
+    def _fits(self, node: _Node, got: list, attr: str | None, exact: bool) -> bool:
+        """Whether ``node``'s arguments are the call's: its known ones equal, an unknown one
+        (a constant) matches anything; a pending one fails unless not ``exact``, where it
+        matches tensors that this forward's nodes made."""
+        if node.base == "getattr" and (len(node.args) < 2 or node.args[1] != attr):
+            return False   # x.shape: the call is the attribute's getter
+        want = self._want(node)
+        if len(want) == len(got) and all(_same(w, g) for w, g in zip(want, got)):
+            return True   # the usual case: the same arguments in the same order
+        if exact and len(want) != len(got) and not any(w is _UNKNOWN for w in want):
+            return False
+        remaining, unknown, pending = list(got), 0, 0
+        for w in want:
+            if w is _PENDING:
+                if exact:
+                    return False
+                pending += 1
+            elif w is _UNKNOWN:
+                unknown += 1
+            else:
+                j = next((j for j, g in enumerate(remaining) if _same(w, g)), None)
+                if j is None:
+                    return False
+                del remaining[j]
+        if not remaining or unknown:
+            return True
+        return pending > 0 and all(id(g) in self.made for g in remaining if isinstance(g, torch.Tensor))
+
+    def _want(self, node: _Node) -> list:
+        """The leaves of ``node``'s arguments' values in this forward (cached once known)."""
+        want = self._wants.get(node.name)
+        if want is None:
+            want = []
+            for leaf in node.leaves:
+                value = self.value(leaf.name) if isinstance(leaf, _Ref) else leaf
+                if isinstance(value, _CONTAINERS):
+                    _leaves(value, want)
+                else:
+                    want.append(value)
+            if not any(isinstance(w, _Missing) for w in want):
+                self._wants[node.name] = want
+        return want
+
+    def record(self, name: str, out: Any) -> None:
+        """Node ``name`` produced ``out``."""
+        self.env[name] = out
+        for leaf in (out,) if isinstance(out, torch.Tensor) else _leaves(out, []):
+            if isinstance(leaf, torch.Tensor):
+                self.made[id(leaf)] = leaf
+
+    def module_done(self, module: torch.nn.Module, output: Any) -> None:
+        """A submodule the graph calls (a ``call_module`` node) returned ``output``."""
+        for i, name in enumerate(self.open_modules):
+            if _fetch(self.module, self.graph.nodes[name].target) is module:
+                del self.open_modules[i]
+                self.record(name, output)
+                return
+
+    def describe(self) -> str:
+        """The calls fx lists for this submodule (for messages)."""
+        return ", ".join(self.graph.calls())
+
+
+class _CountedCalls:
+    """Names the calls of a submodule fx cannot trace: run-time base name, counted
+    (``add``, ``add_1``, ...) in the order the forward makes them."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter = collections.Counter()
+        self.seen: list[str] = []
+        self.produced: set[str] = set()
+
+    def identify(self, func: Any, args: tuple, kwargs: dict) -> str:
+        base = _call_name(func)
+        n = self.counts[base]
+        self.counts[base] += 1
+        name = base if n == 0 else f"{base}_{n}"
+        self.seen.append(name)
+        self.produced.add(name)
+        return name
+
+    def record(self, name: str, out: Any) -> None:
+        pass
+
+    def module_done(self, module: torch.nn.Module, output: Any) -> None:
+        pass
+
+    def describe(self) -> str:
+        return ", ".join(self.seen)
+
+
+_active = threading.local()   # .modes: the _IntermediateModes entered, outermost first
+
+
+def _active_modes() -> list:
+    """The ``_IntermediateMode``s of the submodules now running, outermost first."""
+    if not hasattr(_active, "modes"):
+        _active.modes = []
+    return _active.modes
 
 
 class _IntermediateMode(TorchFunctionMode):
     """Turns the named calls inside one submodule's forward into sparse ops. Calls made
     inside the torch.nn modules it calls (``paused``: fx shows each as one ``call_module``
     node) are neither counted nor matched; a custom module's calls are, as fx traces
-    through it."""
+    through it. ``branched``: the forward turned a tensor into a Python value (its
+    branches may depend on the data)."""
 
-    def __init__(self, targets: dict[str, tuple[OutputSpec, OutputSpec | None]]):
+    def __init__(self, targets: dict[str, tuple[OutputSpec, OutputSpec | None]],
+                 calls: _FxCalls | _CountedCalls | None = None):
         super().__init__()
         self.targets = targets
-        self.counts: collections.Counter = collections.Counter()
-        self.seen: list[str] = []
+        self.calls = _CountedCalls() if calls is None else calls
         self.paused = 0
+        self.branched = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)
-        base = _call_name(func)
-        n = self.counts[base]
-        self.counts[base] += 1
-        name = base if n == 0 else f"{base}_{n}"
-        self.seen.append(name)
-        target = self.targets.get(name)
+        if getattr(func, "__name__", None) in _CONVERSIONS:
+            self.branched = True
+        name = self.calls.identify(func, args, kwargs)
+        target = None if name is None else self.targets.get(name)
         if target is None:
-            return func(*args, **kwargs)
-        out_spec, grad_spec = target
-        return call_op(func, args, kwargs, (out_spec,), (grad_spec,) if grad_spec else None)
+            out = func(*args, **kwargs)   # the enclosing submodules' modes see this call next
+        else:
+            out = self._sparse_call(func, args, kwargs, target)
+        if name is not None:
+            self.calls.record(name, out)
+        return out
 
+    def _sparse_call(self, func: Any, args: tuple, kwargs: dict, target: tuple) -> Any:
+        """Run a named call as a sparse op. The modes of the enclosing submodules (a
+        parent with intermediates of its own) see it as the one call it is, with the
+        sparse output, not the dispatcher's calls inside it."""
+        modes = _active_modes()
+        outer = [m for m in modes[:modes.index(self)] if not m.paused] if self in modes else []
+        for mode in outer:
+            mode.paused += 1
+        try:
+            out_spec, grad_spec = target
+            out = call_op(func, args, kwargs, (out_spec,), (grad_spec,) if grad_spec else None)
+        finally:
+            for mode in outer:
+                mode.paused -= 1
+        for mode in reversed(outer):
+            mode.observe(func, args, kwargs, out)
+        return out
 
-def _fx_node_names(module: torch.nn.Module) -> list[str] | None:
-    try:
-        graph = torch.fx.symbolic_trace(module).graph
-    except Exception:
-        return None
-    return [node.name for node in graph.nodes if node.op in ("call_function", "call_method")]
+    def observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """An inner submodule's mode ran this call as a sparse op: name it, as if seen."""
+        name = self.calls.identify(func, args, kwargs)
+        if name is not None:
+            self.calls.record(name, out)
 
 
 class _Intermediates:
-    """Forward hooks that activate an ``_IntermediateMode`` around a submodule."""
+    """Forward hooks that activate an ``_IntermediateMode`` around a submodule.
 
-    def __init__(self, path: str, targets: dict):
+    ``graphs``: the submodule's fx graph in training and in eval mode (``None`` where fx
+    cannot trace it: run-time names then). A name that a forward does not produce is
+    reported once, as a warning, when the name is an fx node (a branch not taken) or the
+    forward took a data-dependent branch; for a submodule fx cannot trace whose forward
+    took none, it is a ``ValueError`` (the same calls run every time: a wrong name).
+    """
+
+    def __init__(self, path: str, targets: dict, graphs: dict[bool, _Graph | None] | None = None):
         self.path, self.targets = path, targets
-        self.checked = False
+        self.graphs = graphs or {}
+        self.produced: set[str] = set()   # the names some forward produced
+        self.reported: set[str] = set()   # the names warned about
+        self._signature: inspect.Signature | None = None   # of the module's forward, once known
         self._stack: list[_IntermediateMode] = []
 
-    def pre(self, module: torch.nn.Module, args: Any) -> None:
-        mode = _IntermediateMode(self.targets)
+    def pre(self, module: torch.nn.Module, args: Any, kwargs: Any = None) -> None:
+        graph = self.graphs.get(module.training)
+        if graph is not None and self._signature is None:
+            try:
+                self._signature = inspect.signature(module.forward)
+            except (TypeError, ValueError):
+                pass
+        calls = _CountedCalls() if graph is None else _FxCalls(graph, module, args, kwargs or {}, self._signature)
+        mode = _IntermediateMode(self.targets, calls)
         self._stack.append(mode)
+        _active_modes().append(mode)
         mode.__enter__()
 
     def inner_pre(self, module: torch.nn.Module, args: Any) -> None:
@@ -113,19 +575,63 @@ class _Intermediates:
 
     def inner_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._stack:
-            self._stack[-1].paused -= 1
+            mode = self._stack[-1]
+            mode.paused -= 1
+            if not mode.paused:
+                mode.calls.module_done(module, output)
 
     def post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         mode = self._stack.pop()
         mode.__exit__(None, None, None)
-        if not self.checked:
-            self.checked = True
-            missing = sorted(set(self.targets) - set(mode.seen))
-            if missing:
-                raise ValueError(
-                    f"intermediate {self.path + '.' if self.path else ''}{missing[0]} was not produced by "
-                    f"{self.path or 'the model'}'s forward; its calls are: {', '.join(mode.seen)}"
-                )
+        modes = _active_modes()
+        if mode in modes:
+            modes.remove(mode)
+        if sys.exc_info()[0] is not None:
+            return   # the forward raised: that error is the one to see
+        self.produced |= mode.calls.produced & set(self.targets)
+        for name in sorted(set(self.targets) - self.produced - self.reported):
+            self._missing(name, mode, module.training)
+
+    def _missing(self, name: str, mode: _IntermediateMode, training: bool) -> None:
+        """Report that this forward did not produce target ``name`` (none before it did either)."""
+        full = f"{self.path}.{name}" if self.path else name
+        where = self.path or "the model"
+        calls = mode.calls
+        if isinstance(calls, _FxCalls):
+            if name in calls.graph.nodes:
+                calls.value(name)
+                if name in calls.evaluated:
+                    raise ValueError(
+                        f"intermediate {full!r} is not a tensor operation: fx node {name} computes on shapes or "
+                        f"tuples, which have nothing to sparsify; name a call that produces a tensor")
+                why = "in a branch this call did not take, or with an input fx did not see"
+            else:
+                why = f"fx has no node {name} when {where} is in {'training' if training else 'eval'} mode"
+            self._warn(f"intermediate {full!r} (fx node {name}) was not produced by this forward of {where} "
+                       f"({why}); it is sparsified on the calls that produce it")
+        elif mode.branched:
+            self._warn(f"intermediate {full!r} was not produced by this forward of {where}, which fx cannot trace "
+                       f"and which took a data-dependent branch (a branch not taken?); it is sparsified on the calls "
+                       f"that produce it; this call's calls are: {calls.describe()}")
+        else:
+            raise ValueError(
+                f"intermediate {full} was not produced by {where}'s forward (fx cannot trace it: names are its "
+                f"run-time calls); its calls are: {calls.describe()}")
+        self.reported.add(name)
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _with_context(error: Exception, context: str) -> Exception:
+    """``error`` again, its message prefixed by ``context`` (same type where it can be made)."""
+    message = f"{context}: {error}"
+    try:
+        new = type(error)(message)
+    except Exception:
+        new = RuntimeError(f"{context}: {type(error).__name__}: {error}")
+    return new
 
 
 class SparsityBuilder:
@@ -168,17 +674,20 @@ class SparsityBuilder:
         """Store weight ``name`` in ``out_format``, sparsified by
         ``initial_sparsifier`` then the inline and external sparsifiers."""
         self._check_weight(name)
-        spec = _spec(inline_sparsifier or KeepAll(), tmp_format, external_sparsifier or KeepAll(), out_format, "set_weight")
-        self.weights[name] = (initial_sparsifier or KeepAll(), spec)
+        initial = check_sparsifier(_or_keep_all(initial_sparsifier), "set_weight: initial_sparsifier")
+        spec = _spec(inline_sparsifier, tmp_format, external_sparsifier, out_format, "set_weight")
+        self.weights[name] = (initial, spec)
 
     def set_weight_grad(self, name: str, inline_sparsifier: Any = None, tmp_format: type = torch.Tensor,
                         external_sparsifier: Any = None, out_format: type = torch.Tensor) -> None:
         """The format of weight ``name``'s gradient (``.grad``)."""
         self._check_weight(name)
-        self.weight_grads[name] = _spec(inline_sparsifier or KeepAll(), tmp_format,
-                                        external_sparsifier or KeepAll(), out_format, "set_weight_grad")
+        self.weight_grads[name] = _spec(inline_sparsifier, tmp_format, external_sparsifier, out_format,
+                                        "set_weight_grad")
 
     def _check_interm(self, name: str, model: torch.nn.Module | None = None) -> tuple[str, str]:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"intermediate name must be a non-empty string '<submodule>.<fx node>', got {name!r}")
         path, _, node = name.rpartition(".")
         model = self.model if model is None else model
         if model is None:
@@ -186,39 +695,46 @@ class SparsityBuilder:
         modules = dict(model.named_modules())
         if path not in modules:
             raise ValueError(f"unknown intermediate {name!r}: no submodule {path!r}; submodules: {', '.join(m for m in modules if m)}")
-        names = _fx_node_names(modules[path])
-        if names is not None and node not in names:
-            if names:
-                listed = f"the fx nodes of {path or 'the model'} are: {', '.join(names)}"
-            else:
-                listed = f"{path or 'the model'} has no function or method calls of its own (only submodule calls)"
-            hint = ""
-            child = dict(modules[path].named_children()).get(node)
-            if child is not None:   # a submodule named, not one of its calls
-                inner = _fx_node_names(child) or []
-                hint = (f"; {name!r} is a submodule: its intermediates are named '{name}.<fx node>'"
-                        + (f", here {', '.join(repr(f'{name}.{n}') for n in inner)}" if inner else ""))
-            raise ValueError(f"unknown intermediate {name!r}; {listed}{hint}")
+        graph = _Graph.trace(modules[path])
+        if graph is None:
+            return path, node   # fx cannot trace it: names are checked at run time
+        names = graph.calls()
+        if node not in names:
+            raise ValueError(f"unknown intermediate {name!r}; {_listing(path, names)}"
+                             f"{_submodule_hint(name, modules[path], node)}{_builtin_hint(node, names)}")
+        found = graph.nodes[node]
+        if found.base == "getattr" or (found.op == "call_method" and found.target in _NOT_TENSOR_METHODS):
+            raise ValueError(f"intermediate {name!r} is not a tensor operation: fx node {node} is "
+                             f"{found.target if found.op == 'call_method' else 'getattr'}, whose value is not a "
+                             f"tensor; {_listing(path, names)}")
         return path, node
 
     def set_interm(self, name: str, inline_sparsifier: Any = None, tmp_format: type = torch.Tensor,
                    external_sparsifier: Any = None, out_format: type = torch.Tensor) -> None:
-        """Sparsify the intermediate ``"<submodule>.<fx node>"``."""
+        """Sparsify the intermediate ``"<submodule>.<fx node>"`` (a call returning
+        several tensors has its first one sparsified)."""
         self._check_interm(name)
-        self.interms[name] = _spec(inline_sparsifier or KeepAll(), tmp_format,
-                                   external_sparsifier or KeepAll(), out_format, "set_interm")
+        self.interms[name] = _spec(inline_sparsifier, tmp_format, external_sparsifier, out_format, "set_interm")
 
     def set_interm_grad(self, name: str, inline_sparsifier: Any = None, tmp_format: type = torch.Tensor,
                         external_sparsifier: Any = None, out_format: type = torch.Tensor) -> None:
         """The format of the gradient flowing into intermediate ``name``."""
         self._check_interm(name)
-        self.interm_grads[name] = _spec(inline_sparsifier or KeepAll(), tmp_format,
-                                        external_sparsifier or KeepAll(), out_format, "set_interm_grad")
+        self.interm_grads[name] = _spec(inline_sparsifier, tmp_format, external_sparsifier, out_format,
+                                        "set_interm_grad")
 
     # -- building -------------------------------------------------------------
     def sparse_weight(self, name: str, dense: torch.Tensor) -> SparseParameterWrapper:
-        """The sparse parameter for weight ``name`` made from ``dense``."""
+        """The sparse parameter for weight ``name`` made from ``dense``; an error names
+        the weight and its formats."""
         initial, spec = self.weights[name]
+        try:
+            return self._sparse_weight(name, dense, initial, spec)
+        except Exception as e:
+            raise _with_context(e, f"set_weight({name!r}, initial_sparsifier={initial!r}, tmp_format="
+                                   f"{spec.tmp_format.__name__}, out_format={spec.out_format.__name__})") from e
+
+    def _sparse_weight(self, name: str, dense: torch.Tensor, initial: Any, spec: OutputSpec) -> Any:
         with torch.no_grad():
             if type(spec.inline_sparsifier) is KeepAll and type(spec.external_sparsifier) is KeepAll:
                 # straight into the output layout: it sees the initial sparsifier's structure
@@ -247,40 +763,47 @@ class SparsityBuilder:
                         f"set one of them: the setting applies to both names, which stay tied"
                     )
 
-    def _apply(self, model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
-        """Replace weights and hook intermediates in ``model``; returns old id → new param."""
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self._check_all(model)
-        replaced = {}
+    def _build_weights(self, model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(old, new)`` for every weight set, all built before any is swapped in."""
+        built = []
         for name in self.weights:
             path, _, attr = name.rpartition(".")
-            module = model.get_submodule(path)
-            old = getattr(module, attr)
+            old = getattr(model.get_submodule(path), attr)
             new = self.sparse_weight(name, old)
             if not isinstance(new, SparseTensorWrapper):
                 new = torch.nn.Parameter(new, requires_grad=old.requires_grad)
+            built.append((old, new))
+        return built
+
+    def _apply(self, model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
+        """Replace weights and hook intermediates in ``model``; returns old id → new param.
+        All or nothing: every new weight is built (and every graph traced) before the
+        model is changed, so an error leaves it as it was."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self._check_all(model)
+        built = self._build_weights(model)
+        hooks = self._intermediate_hooks(model)
+        replaced = {}
+        for old, new in built:
             for owner, owner_attr in _places_of(model, old):  # every name of a tied weight
                 setattr(owner, owner_attr, new)
             replaced[id(old)] = new
         for name in set(self.weight_grads) - set(self.weights):
             path, _, attr = name.rpartition(".")
             getattr(model.get_submodule(path), attr).grad_fmt = self.weight_grads[name]
+        for path, hook in hooks.items():
+            _install(model.get_submodule(path), hook)
+        return replaced
+
+    def _intermediate_hooks(self, model: torch.nn.Module) -> dict[str, _Intermediates]:
+        """One ``_Intermediates`` per submodule with intermediates set (its fx graphs traced)."""
         by_module: dict[str, dict] = collections.defaultdict(dict)
         for name, spec in self.interms.items():
             path, _, node = name.rpartition(".")
             by_module[path][node] = (spec, self.interm_grads.get(name))
-        for path, targets in by_module.items():
-            hooks = _Intermediates(path, targets)
-            module = model.get_submodule(path)
-            module.register_forward_pre_hook(hooks.pre)
-            module.register_forward_hook(hooks.post, always_call=True)
-            tracer = torch.fx.Tracer()   # its leaf modules are fx's call_module nodes: calls inside are theirs
-            for qualname, inner in module.named_modules():
-                if inner is not module and tracer.is_leaf_module(inner, qualname):
-                    inner.register_forward_pre_hook(hooks.inner_pre)
-                    inner.register_forward_hook(hooks.inner_post, always_call=True)
-        return replaced
+        return {path: _Intermediates(path, targets, _traces(model.get_submodule(path)))
+                for path, targets in by_module.items()}
 
     def _model(self, model: torch.nn.Module | None, method: str) -> torch.nn.Module:
         model = self.model if model is None else model
@@ -295,7 +818,8 @@ class SparsityBuilder:
         return model
 
     def sparsify_model_inplace(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
-        """Sparsify ``model`` (default: the builder's) in place and return it.
+        """Sparsify ``model`` (default: the builder's) in place and return it (on an
+        error, the model is left unchanged).
 
         An optimizer built on the model still holds the old dense parameters; use
         ``sparsify_model_and_optimizer_inplace`` then.
@@ -309,23 +833,66 @@ class SparsityBuilder:
                                              ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
         """Sparsify ``model`` (default: the builder's) in place, and make
         ``optimizer`` hold the new sparse parameters, its state sparsified
-        like them. Returns ``(model, optimizer)``, as the original STen."""
+        like them. Returns ``(model, optimizer)``, as the original STen. On an
+        error neither the model nor the optimizer is changed."""
         model = self._model(model, "sparsify_model_and_optimizer_inplace")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         replaced = self._apply(model)
         if optimizer is not None:
-            for group in optimizer.param_groups:
-                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
-            for old_id, new in replaced.items():
-                old = next((p for p in list(optimizer.state) if id(p) == old_id), None)
-                if old is None:
-                    continue
-                state = optimizer.state.pop(old)
-                optimizer.state[new] = {
-                    k: _like(new, v) for k, v in state.items()
-                }
+            _swap_in_optimizer(optimizer, replaced)
         return model, optimizer
+
+
+def _swap_in_optimizer(optimizer: torch.optim.Optimizer, replaced: dict[int, Any]) -> None:
+    """Make ``optimizer`` hold the new parameters (``old id → new``), its state like them."""
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    for old_id, new in replaced.items():
+        old = next((p for p in list(optimizer.state) if id(p) == old_id), None)
+        if old is None:
+            continue
+        state = optimizer.state.pop(old)
+        optimizer.state[new] = {k: _like(new, v) for k, v in state.items()}
+
+
+def _install(module: torch.nn.Module, hooks: _Intermediates) -> None:
+    """Register ``hooks`` on ``module`` and on the leaf modules it calls (fx's
+    ``call_module`` nodes: the calls inside them are theirs)."""
+    module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
+    module.register_forward_hook(hooks.post, always_call=True)
+    tracer = torch.fx.Tracer()
+    for qualname, inner in module.named_modules():
+        if inner is not module and tracer.is_leaf_module(inner, qualname):
+            inner.register_forward_pre_hook(hooks.inner_pre)
+            inner.register_forward_hook(hooks.inner_post, always_call=True)
+
+
+def _listing(path: str, names: list[str]) -> str:
+    """The valid intermediate names of submodule ``path`` (for messages)."""
+    if names:
+        return f"the fx nodes of {path or 'the model'} are: {', '.join(names)}"
+    return f"{path or 'the model'} has no function or method calls of its own (only submodule calls)"
+
+
+def _builtin_hint(node: str, names: list[str]) -> str:
+    """A hint when ``node`` is the run-time spelling of a call fx renamed (``sum`` → ``sum_1``)."""
+    import builtins
+
+    renamed = f"{node}_1" if hasattr(builtins, node) else f"{node}_"
+    if renamed in names and node not in names:
+        return (f"; fx renames calls that shadow Python names: the first {node!r} call is {renamed!r}")
+    return ""
+
+
+def _submodule_hint(name: str, module: torch.nn.Module, node: str) -> str:
+    """A hint when ``name`` names a submodule rather than one of its calls."""
+    child = dict(module.named_children()).get(node)
+    if child is None:
+        return ""
+    inner = _fx_node_names(child) or []
+    return (f"; {name!r} is a submodule: its intermediates are named '{name}.<fx node>'"
+            + (f", here {', '.join(repr(f'{name}.{n}') for n in inner)}" if inner else ""))
 
 
 def _tied_names(model: torch.nn.Module) -> dict[str, str]:
