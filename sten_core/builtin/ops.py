@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from sten_core.dispatch.compiled_products import WEIGHT_FIRST_MATMULS, WEIGHT_FIRST_MMS
 from sten_core.dispatch.errors import Unsupported
 from sten_core.model.helpers import register_weight_product
 from sten_core.model.sparsifiers import KeepAll
@@ -140,8 +141,7 @@ def _from_columns(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return y.reshape(y.shape[0], *like.shape[:-2], like.shape[-1]).movedim(0, -2)
 
 
-MM_OPS = (torch.mm, T.mm)
-MATMUL_OPS = (torch.matmul, T.matmul, T.__matmul__)
+MM_OPS, MATMUL_OPS = WEIGHT_FIRST_MMS, WEIGHT_FIRST_MATMULS  # every spelling of the two products
 
 
 def _check_mm(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -326,7 +326,7 @@ def register(registry: Any) -> None:
     keep = (KeepAll, T)
     for L in SPARSE_2D:
         register_weight_product(registry, F.linear, L, linear_fwd, linear_bwd(False), linear_bwd(True))
-        for op in MM_OPS + MATMUL_OPS:  # the method forms too (``W @ x`` is ``Tensor.matmul``)
+        for op in MM_OPS | MATMUL_OPS:  # the method forms too (``W @ x`` is ``Tensor.matmul``)
             registry.register_fwd_op_impl(op, (L, T), [keep], mm_sparse_dense_fwd)
             registry.register_bwd_op_impl(op, (T,), (keep, keep), (L, T), mm_sparse_dense_bwd)
             registry.register_fwd_op_impl(op, (T, L), [keep], mm_dense_sparse_fwd)

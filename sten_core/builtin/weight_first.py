@@ -34,11 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from sten_core.dispatch.compiled_products import WEIGHT_FIRST_MATMULS, WEIGHT_FIRST_MMS
+from sten_core.dispatch.plan import DENSE_OUT
 from sten_core.model.registry import Entry, OpKey, registry, trim
-from sten_core.model.sparsifiers import KeepAll
 
 T = torch.Tensor
-DENSE_OUT = ((KeepAll, T),)
 PRODUCTS = WEIGHT_FIRST_MATMULS | WEIGHT_FIRST_MMS
 _VIEW = "_sten_as_linear"  # where the forward leaves the linear's context for the backward
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import numbers
 import warnings
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
 from sten_core.model.signatures import op_name, signature_of
+from sten_core.model.sparsifiers import NOT_SPARSIFIERS
 
 
 class OverrideWarning(UserWarning):
@@ -97,7 +97,6 @@ def _layout_entry(entry: Any, name: str) -> Any:
     return entry
 
 
-_NOT_SPARSIFIERS = (numbers.Number, str, bytes, torch.Tensor)
 
 
 def _sparsifier_class(entry: Any, name: str) -> type:
@@ -107,7 +106,7 @@ def _sparsifier_class(entry: Any, name: str) -> type:
     fraction, not a sparsifier (``ScalarFractionSparsifier(0.5)`` is one).
     """
     cls = entry if isinstance(entry, type) else type(entry)
-    if entry is None or issubclass(cls, _NOT_SPARSIFIERS) or cls in (object, type(None), bool):
+    if entry is None or issubclass(cls, NOT_SPARSIFIERS) or cls in (object, type(None), bool):
         raise TypeError(f"{name}: expected a sparsifier class or instance (e.g. sten.KeepAll), got {entry!r}")
     return cls
 

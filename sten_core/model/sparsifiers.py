@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, ClassVar, Sequence
 
 import torch
@@ -38,6 +39,11 @@ def _check_tensor(tensor: Any, name: str = "tensor") -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     return tensor
+
+
+#: Values that are never a sparsifier nor its class: a number or a string where a sparsifier
+#: belongs (``0.9`` for ``ScalarFractionSparsifier(0.9)``), a tensor.
+NOT_SPARSIFIERS = (numbers.Number, str, bytes, torch.Tensor)
 
 
 class Sparsifier:

@@ -12,17 +12,16 @@ Example:
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, NamedTuple
 
 import torch
 
 from sten_core.model.layouts import Layout
-from sten_core.model.sparsifiers import KeepAll
+from sten_core.model.sparsifiers import NOT_SPARSIFIERS, KeepAll
 
-#: Values that are never a sparsifier: a number or a string where a sparsifier instance belongs
-#: (``0.9`` for ``ScalarFractionSparsifier(0.9)``), a tensor, or a container (a spec given one level too deep).
-_NOT_SPARSIFIERS = (numbers.Number, str, bytes, torch.Tensor, tuple, list, dict, set)
+
+#: what is never a sparsifier instance: ``NOT_SPARSIFIERS``, and containers (a spec given one level too deep)
+_NOT_INSTANCES = NOT_SPARSIFIERS + (tuple, list, dict, set)
 
 
 def check_sparsifier(value: Any, name: str) -> Any:
@@ -40,7 +39,7 @@ def check_sparsifier(value: Any, name: str) -> Any:
         ...
         TypeError: inline_sparsifier must be a sparsifier instance (e.g. sten.ScalarFractionSparsifier(0.9)), got 0.9 (float)
     """
-    if value is None or isinstance(value, type) or isinstance(value, _NOT_SPARSIFIERS):
+    if value is None or isinstance(value, type) or isinstance(value, _NOT_INSTANCES):
         what = "a class; pass an instance" if isinstance(value, type) else type(value).__name__
         raise TypeError(f"{name} must be a sparsifier instance (e.g. sten.ScalarFractionSparsifier(0.9)), "
                         f"got {value!r} ({what})")
