@@ -104,7 +104,9 @@ class BlockSparseTensor(Layout):
         tiles = torch.zeros(mb, kb, bh, bw, dtype=self.dtype, device=self.device)
         tiles[self.block_rows().long(), self.col.long()] = self.blocks
         dense = tiles.permute(0, 2, 1, 3).reshape(mb * bh, kb * bw)
-        return dense[: self._shape[0], : self._shape[1]]
+        # contiguous: a padded grid cut to the logical shape would be a strided view, and a
+        # dense tensor's strides are visible (``view``, ``as_strided``) to the ops run on it
+        return dense[: self._shape[0], : self._shape[1]].contiguous()
 
     def block_mask(self) -> torch.Tensor:
         mb, kb = self.grid

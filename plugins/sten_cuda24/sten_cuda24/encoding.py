@@ -29,6 +29,17 @@ import torch
 GROUP = 4
 GROUPS_PER_WORD = 4
 WORD = GROUP * GROUPS_PER_WORD  # 16 logical columns per int16 metadata word
+
+
+def as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as ``[R, K]``: ``R`` the product of the leading dims, ``K`` the last.
+
+    Unlike ``reshape(-1, K)`` this also holds for empty tensors (``K == 0``, or no rows).
+    """
+    rows = 1
+    for d in tensor.shape[:-1]:
+        rows *= d
+    return tensor.reshape(rows, tensor.shape[-1])
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Nonzero-mask of a group (bit i = position i is nonzero) -> (idx0, idx1).
@@ -92,7 +103,7 @@ def unpack_codes(meta: torch.Tensor) -> torch.Tensor:
     """``[R, W]`` int16 words -> ``[R, 4 * W]`` 4-bit codes (int64)."""
     words = meta.to(torch.int64) & 0xFFFF
     shifts = torch.arange(0, 16, 4, device=meta.device)
-    return ((words.unsqueeze(-1) >> shifts) & 0xF).reshape(meta.shape[0], -1)
+    return ((words.unsqueeze(-1) >> shifts) & 0xF).reshape(meta.shape[0], 4 * meta.shape[1])
 
 
 def compress(dense: torch.Tensor, *, strict: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +252,7 @@ def transposable_mask(dense: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"transposable_mask expects a 2-D tensor, got {dense.dim()}-D")
     r, k = dense.shape
     rp, kp = -(-r // 4) * 4, -(-k // 4) * 4
-    a = torch.nn.functional.pad(dense.detach().abs().float(), (0, kp - k, 0, rp - r))
+    a = torch.nn.functional.pad(_magnitude(dense), (0, kp - k, 0, rp - r))
     tiles = a.reshape(rp // 4, 4, kp // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)
     order = torch.sort(-tiles, dim=1, stable=True).indices
     t = tiles.shape[0]
@@ -260,13 +271,21 @@ def transposable_mask(dense: torch.Tensor) -> torch.Tensor:
     return mask[:r, :k].contiguous()
 
 
+def _magnitude(dense: torch.Tensor) -> torch.Tensor:
+    """``|dense|`` in float32 with NaN as the largest magnitude (as sten_nm's n:m masks):
+    compared as NaN, it would beat nothing and be beaten by nothing, and a group
+    holding one would keep three values."""
+    a = dense.detach().abs().float()
+    return a.masked_fill(a.isnan(), float("inf"))
+
+
 def row_mask(dense: torch.Tensor) -> torch.Tensor:
     """2:4 magnitude mask along the last dim: the two largest |x| of each group of 4
-    (ties: the lower index), the reference of the sparsifier kernels."""
+    (ties: the lower index; NaN counts as largest), the reference of the sparsifier kernels."""
     shape = dense.shape
     k = shape[-1]
     kp = -(-k // 4) * 4
-    a = torch.nn.functional.pad(dense.detach().abs().float().reshape(-1, k), (0, kp - k), value=-1.0)
+    a = torch.nn.functional.pad(as_rows(_magnitude(dense)), (0, kp - k), value=-1.0)
     g = a.reshape(a.shape[0], kp // 4, 4)
     # rank_i = #{j : |x_j| > |x_i| or (|x_j| == |x_i| and j < i)}
     gi, gj = g.unsqueeze(-1), g.unsqueeze(-2)
@@ -281,8 +300,8 @@ def row_mask(dense: torch.Tensor) -> torch.Tensor:
 def is_one_of_two(dense: torch.Tensor) -> bool:
     """Whether every pair of consecutive values along the last dim has at most one nonzero."""
     k = dense.shape[-1]
-    rows = torch.nn.functional.pad(dense.reshape(-1, k), (0, k % 2))
-    return bool(((rows.reshape(rows.shape[0], -1, 2) != 0).sum(-1) <= 1).all())
+    rows = torch.nn.functional.pad(as_rows(dense), (0, k % 2))
+    return bool(((rows.reshape(rows.shape[0], rows.shape[1] // 2, 2) != 0).sum(-1) <= 1).all())
 
 
 def fp32_to_cutlass(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

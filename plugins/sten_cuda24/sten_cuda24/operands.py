@@ -76,7 +76,7 @@ def fp32_codes_ok(meta: torch.Tensor) -> bool:
 def fp32_meta(meta: torch.Tensor) -> torch.Tensor:
     """Plain 2:4 metadata whose slots are one per pair -> CUTLASS fp32 metadata (reordered)."""
     codes = encoding.unpack_codes(meta)
-    first = torch.stack(((codes & 3) == 0, (codes >> 2) == 2), dim=-1).reshape(codes.shape[0], -1)
+    first = torch.stack(((codes & 3) == 0, (codes >> 2) == 2), dim=-1).reshape(codes.shape[0], 2 * codes.shape[1])
     return encoding.cutlass_reorder(encoding.pack_codes(torch.where(first, 0b0100, 0b1110)))
 
 

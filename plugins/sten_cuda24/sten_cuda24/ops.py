@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from sten_core.plugin_api import bias_grad, linear_inputs, needs_grad, register_weight_product, wrap_layout
 
-from . import _compat, paths
+from . import _compat, encoding, paths
 from .blocksparse import BlockSparseTensor
 from .sparse24 import Sparse24Tensor
 
@@ -113,8 +113,8 @@ def _linear_bwd(grad_input: Any, weight_grad: Any, sparse_weight_grad: bool) -> 
         x, w = ctx.saved_tensors
         (g,) = grad_outputs
         layout = w.wrapped_tensor
-        g2 = g.reshape(-1, g.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1]).to(g2.dtype)
+        g2 = encoding.as_rows(g)
+        x2 = encoding.as_rows(x).to(g2.dtype)
         grad_x = grad_input(g2, layout).reshape(x.shape).to(x.dtype) if needs_grad(ctx, 0) else None
         grad_w = weight_grad(g2, x2, layout, sparse_weight_grad) if needs_grad(ctx, 1) else None
         has_bias = len(ctx.inputs) > 2 and ctx.inputs[2] is not None
@@ -184,13 +184,19 @@ def _weight_grad24(g2: torch.Tensor, x2: torch.Tensor, layout: Sparse24Tensor, s
     return wrap_layout(layout.with_values(sampled() if choice == "sampled" else gemm_gather()))
 
 
+def _rows_last(t: torch.Tensor) -> torch.Tensor:
+    """``B`` of ``A @ B`` (``[K]``, ``[K, N]`` or ``[..., K, N]``) with ``K`` last: ``F.linear``'s input."""
+    return t if t.dim() == 1 else t.mT
+
+
 def mm24_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor:
-    """``A @ B`` with ``A`` 2:4 ``[M, K]`` (2:4 along K) and ``B`` dense ``[K, N]``."""
+    """``A @ B`` with ``A`` 2:4 ``[M, K]`` (2:4 along K) and ``B`` dense ``[K]``, ``[K, N]``
+    or (``matmul``) a batch ``[..., K, N]``: ``F.linear(B.mT, A).mT``."""
     a, b = inputs[:2]
     layout = a.wrapped_tensor
     _check_weight_2d(layout)
     ctx.save_for_backward(a, b)
-    return linear24(b.t(), layout).t()
+    return _rows_last(linear24(_rows_last(b), layout))
 
 
 def mm24_bwd(sparse_grad: bool) -> Any:
@@ -198,8 +204,13 @@ def mm24_bwd(sparse_grad: bool) -> Any:
         a, b = ctx.saved_tensors
         (g,) = grad_outputs
         layout = a.wrapped_tensor
-        grad_a = _weight_grad24(g.t(), b.t().to(g.dtype), layout, sparse_grad)   # g @ b.T, sampled when sparse
-        grad_b = _grad_input24(g.t(), layout).t()
+        x = _rows_last(b)                                  # [..., K]: F.linear's input
+        g2 = encoding.as_rows(_rows_last(g))               # [T, M]: its output gradient as rows
+        grad_a = grad_b = None
+        if needs_grad(ctx, 0):  # g @ b.T summed over the batch, sampled when sparse
+            grad_a = _weight_grad24(g2, encoding.as_rows(x).to(g2.dtype), layout, sparse_grad)
+        if needs_grad(ctx, 1):
+            grad_b = _rows_last(_grad_input24(g2, layout).reshape(x.shape).to(b.dtype))
         return grad_a, grad_b
 
     return impl
@@ -218,8 +229,8 @@ def act24_linear(layout: Sparse24Tensor, w: torch.Tensor, bias: torch.Tensor | N
 
 def act24_linear_grads(g: torch.Tensor, layout: Sparse24Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dense gradient of the activation, gradient of w)`` of ``act24_linear``."""
-    g2 = g.reshape(-1, g.shape[-1])
-    xd = layout.to_dense().reshape(-1, layout.shape[-1]).to(g2.dtype)
+    g2 = encoding.as_rows(g)
+    xd = encoding.as_rows(layout.to_dense()).to(g2.dtype)
     return (g2 @ w.to(g2.dtype)).reshape(layout.shape), g2.t() @ xd
 
 

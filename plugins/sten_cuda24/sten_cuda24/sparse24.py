@@ -87,7 +87,7 @@ class Sparse24Tensor(Layout):
                 raise ValueError(f"the transposed pair needs a 2-D tensor, got {tensor.dim()}-D")
             encoding.compress(tensor.t())  # raises, naming the group, when not 2:4 along dim 0
             return cls.from_dense_masked(tensor, tensor != 0, transposable=True)
-        packed, meta = encoding.compress(tensor.reshape(-1, tensor.shape[-1]))
+        packed, meta = encoding.compress(encoding.as_rows(tensor))
         return cls(packed, meta, tensor.shape)
 
     @classmethod
@@ -105,10 +105,10 @@ class Sparse24Tensor(Layout):
         mask = mask.to(device=tensor.device, dtype=torch.bool)
         k = tensor.shape[-1]
         kp = encoding.padded_k(k)
-        rows = torch.nn.functional.pad(tensor.detach().reshape(-1, k), (0, kp - k))
-        mrows = torch.nn.functional.pad(mask.reshape(-1, k), (0, kp - k))
+        rows = torch.nn.functional.pad(encoding.as_rows(tensor.detach()), (0, kp - k))
+        mrows = torch.nn.functional.pad(encoding.as_rows(mask), (0, kp - k))
         codes = encoding.group_codes(mrows.to(torch.uint8))
-        values = encoding.gather_codes(rows * mrows, codes)
+        values = encoding.gather_codes(rows.masked_fill(~mrows, 0), codes)  # not rows * mask: inf * 0 is NaN
         meta = encoding.pack_codes(codes)
         live = encoding.live_slots(meta, mrows)
         meta_t = None
@@ -133,8 +133,10 @@ class Sparse24Tensor(Layout):
 
     # -- dense ------------------------------------------------------------------------
     def to_dense(self) -> torch.Tensor:
+        # contiguous: the padded columns cut off would leave a strided view, and a dense
+        # tensor's strides are visible (``view``, ``as_strided``) to the ops run on it
         dense = encoding.decompress(self.packed, self.meta, self._shape[-1])
-        return dense.reshape(self._shape)
+        return dense.reshape(self._shape).contiguous()
 
     def mask(self) -> torch.Tensor:
         """Boolean mask of the stored, trainable positions (logical shape; fillers excluded)."""
@@ -191,7 +193,7 @@ class Sparse24Tensor(Layout):
         if tuple(dense.shape) != tuple(self._shape):
             raise ValueError(f"gather expects shape {tuple(self._shape)}, got {tuple(dense.shape)}")
         k = self._shape[-1]
-        rows = dense.reshape(-1, k)
+        rows = encoding.as_rows(dense)
         kp = encoding.padded_k(k)
         if kp != k:
             rows = torch.nn.functional.pad(rows, (0, kp - k))

@@ -50,6 +50,12 @@ if triton is not None:
         x2 = _act(tl.load(x_ptr + col + 2, mask=rmask & (col + 2 < K), other=0.0).to(tl.float32), ACT)
         x3 = _act(tl.load(x_ptr + col + 3, mask=rmask & (col + 3 < K), other=0.0).to(tl.float32), ACT)
         a0, a1, a2, a3 = tl.abs(x0), tl.abs(x1), tl.abs(x2), tl.abs(x3)
+        # NaN ranks as the largest magnitude (as encoding.row_mask): compared as NaN it
+        # would neither beat nor be beaten, and three values of its group would rank < 2
+        a0 = tl.where(a0 != a0, float("inf"), a0)
+        a1 = tl.where(a1 != a1, float("inf"), a1)
+        a2 = tl.where(a2 != a2, float("inf"), a2)
+        a3 = tl.where(a3 != a3, float("inf"), a3)
         r0 = (a1 > a0).to(tl.int32) + (a2 > a0).to(tl.int32) + (a3 > a0).to(tl.int32)
         r1 = (a0 >= a1).to(tl.int32) + (a2 > a1).to(tl.int32) + (a3 > a1).to(tl.int32)
         r2 = (a0 >= a2).to(tl.int32) + (a1 >= a2).to(tl.int32) + (a3 > a2).to(tl.int32)
@@ -132,7 +138,7 @@ def sparsify24(
         raise ValueError("sparsify24 needs at least a 1-D tensor")
     _check_runnable(x, "the Triton 2:4 sparsifier")
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
+    x2 = encoding.as_rows(x)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     r = x2.shape[0]
@@ -158,4 +164,4 @@ def reference_sparsify24(x: torch.Tensor, activation: str | None = None) -> torc
         y = torch.nn.functional.gelu(y)
     elif activation == "silu":
         y = torch.nn.functional.silu(y)
-    return (y * encoding.row_mask(y)).to(x.dtype)
+    return y.masked_fill(~encoding.row_mask(y), 0).to(x.dtype)  # not y * mask: a pruned inf would give NaN

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any, List, Optional
 
 import torch
@@ -70,7 +71,7 @@ def from_members(tensors: List[Tensor], consts: List[int]) -> ScipyCompressed:
 
 
 def _rows2(x: Tensor) -> Tensor:
-    return x.reshape(-1, x.shape[-1])
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # reshape(-1, 0) raises for K == 0
 
 
 @torch.library.custom_op("sten_scipy::linear", mutates_args=())

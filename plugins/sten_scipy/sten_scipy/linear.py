@@ -107,7 +107,8 @@ def _columns(b: torch.Tensor) -> torch.Tensor:
     """``b`` ([K], [K, N] or [..., K, N]: ``matmul`` broadcasts) as one [K, R] matrix."""
     if b.dim() == 1:
         return b.unsqueeze(1)
-    return b if b.dim() == 2 else b.movedim(-2, 0).reshape(b.shape[-2], -1)
+    # not reshape(K, -1): that raises for an empty batch or N == 0 ([5, 0, 0] @ ...)
+    return b if b.dim() == 2 else b.movedim(-2, 0).reshape(b.shape[-2], math.prod(b.shape[:-2]) * b.shape[-1])
 
 
 def _uncolumns(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

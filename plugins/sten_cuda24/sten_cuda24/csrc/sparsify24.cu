@@ -71,6 +71,7 @@ __global__ void rows_kernel(const T* __restrict__ x, T* __restrict__ packed, int
     for (int i = 0; i < 4; ++i) {
       v[i] = (c0 + i < K) ? xr[c0 + i] : zero<T>();
       a[i] = fabsf(to_f(v[i]));
+      if (isnan(a[i])) a[i] = INFINITY;  // NaN ranks largest (as encoding.row_mask): else 3 kept
     }
     bool keep[4];
 #pragma unroll
@@ -118,6 +119,7 @@ __global__ void transposable_kernel(const T* __restrict__ x, T* __restrict__ pac
           bool in = (r0 + i < R) && (c0 + j < K);
           v[i][j] = in ? x[(long long)(r0 + i) * K + c0 + j] : zero<T>();
           a[i * 4 + j] = fabsf(to_f(v[i][j]));
+          if (isnan(a[i * 4 + j])) a[i * 4 + j] = INFINITY;  // NaN ranks largest, as on the CPU
         }
       // greedy: repeatedly take the largest remaining (lowest index on ties)
       bool keep[4][4] = {};
