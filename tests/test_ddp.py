@@ -2,6 +2,7 @@
 
 import gc
 import os
+import re
 import sys
 import socket
 
@@ -234,5 +235,111 @@ def test_sparse_ddp_on_nccl_single_rank(tmp_path):
                         if isinstance(p, sten.SparseTensorWrapper) else torch.nn.Parameter(dense))
         ddp = sparse_ddp(model)
         ddp(torch.randn(4, 12, device="cuda")).sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- gradient formats whose pattern differs per rank: reduced densely, then formatted ----------
+
+def grad_format(kind):
+    """A weight-gradient format that chooses its own pattern (sparsifier) or layout."""
+    if kind == "topk-csr":     # the 10 % largest entries of the (averaged) gradient, in CSR
+        return (sten.ScalarFractionSparsifier(0.9), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor)
+    if kind == "topk-dense":   # a masked dense gradient
+        return (sten.ScalarFractionSparsifier(0.8), torch.Tensor, sten.KeepAll(), torch.Tensor)
+    if kind == "coo":          # a CSR weight's gradient at its positions, as COO (another layout)
+        return (sten.KeepAll(), sten.CooTensor, sten.KeepAll(), sten.CooTensor)
+    if kind == "random-csr":   # not deterministic: the ranks must still agree
+        return (sten.RandomFractionSparsifier(0.7), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor)
+    raise ValueError(kind)
+
+
+def format_model(kind):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    sb = sten.SparsityBuilder(model)
+    sb.set_weight("0.weight", initial_sparsifier=sten.ScalarFractionSparsifier(0.5), out_format=sten.CsrTensor)
+    sb.set_weight_grad("0.weight", *grad_format(kind))
+    return sb.get_sparse_model()
+
+
+def format_worker(rank, world, port, kind, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = format_model(kind)
+        xs, ys = data()
+        per = xs.shape[1] // world
+        ddp = sparse_ddp(model)
+        x, y = xs[0, rank * per:(rank + 1) * per], ys[0, rank * per:(rank + 1) * per]
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        grad = model[0].weight.grad
+        first = {"grad": grad.to_dense() if isinstance(grad, sten.SparseTensorWrapper) else grad.clone(),
+                 "grad_layout": type(getattr(grad, "wrapped_tensor", grad)).__name__}
+        model.zero_grad()
+        params = train(model, xs[:, rank * per:(rank + 1) * per], ys[:, rank * per:(rank + 1) * per], ddp)
+        params.pop("live_tensors")
+        torch.save({**params, **first}, f"{out_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+    _leave()
+
+
+@pytest.mark.parametrize("kind", ["topk-csr", "topk-dense", "coo", "random-csr"])
+def test_sparse_ddp_reduces_re_sparsified_gradients_before_formatting(tmp_path, kind):
+    """Each rank's re-sparsified gradient has its own pattern: averaging stored values by
+    position mixed positions (rank 0 got rank 1's values at its own positions) and the ranks
+    drifted apart. The dense gradient is averaged first, then formatted once."""
+    out = str(tmp_path / "fmt")
+    mp.start_processes(format_worker, args=(2, free_port(), kind, out), nprocs=2, join=True, start_method="spawn")
+    ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    for name in ranks[0]:
+        if name == "grad_layout":
+            assert ranks[0][name] == ranks[1][name]
+            continue
+        assert torch.equal(ranks[0][name], ranks[1][name]), f"{name} differs between the ranks"
+    if kind == "random-csr":
+        return
+    xs, ys = data()
+    single = format_model(kind)
+    torch.nn.functional.cross_entropy(single(xs[0]), ys[0]).backward()
+    grad = single[0].weight.grad
+    assert ranks[0].pop("grad_layout") == type(getattr(grad, "wrapped_tensor", grad)).__name__
+    want = grad.to_dense() if isinstance(grad, sten.SparseTensorWrapper) else grad
+    torch.testing.assert_close(ranks[0].pop("grad"), want, rtol=1e-5, atol=1e-6)
+    single.zero_grad()
+    reference = train(single, xs, ys)
+    reference.pop("live_tensors")
+    for name in reference:
+        torch.testing.assert_close(ranks[0][name], reference[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["topk-csr", "topk-dense", "coo", "random-csr"])
+def test_reduces_in_place_only_for_one_pattern_across_ranks(kind):
+    from sten_core.training.distributed import reduces_in_place
+
+    assert not reduces_in_place(format_model(kind)[0].weight)
+    assert all(reduces_in_place(make_model(layout)[0].weight) for layout in (None, sten.CsrTensor))
+
+
+def test_scheduler_add_after_ddp_wrapping_is_a_clear_error(tmp_path):
+    """Swapping a dense parameter that DDP already reduces used to surface one iteration later
+    as DDP's "Expected to have finished reduction in the prior iteration"."""
+    from sten_core.training.schedule import OneShot, SparsityScheduler
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        for scheduled, name in ((model, "0.weight"), (ddp, "module.0.weight")):
+            sched = SparsityScheduler(scheduled, torch.optim.SGD(model.parameters(), lr=0.1))
+            with pytest.raises(ValueError, match=rf"weight '{re.escape(name)}' is a dense parameter that "
+                                                 r"DistributedDataParallel already reduces.*before wrapping the model"):
+                sched.add(name, OneShot(0.5))
+            assert type(model[0].weight) is torch.nn.Parameter and not sched.entries
+        sched.add("module.2.weight", OneShot(0.5), layout=torch.Tensor)   # a masked dense weight stays the parameter
+        ddp(torch.randn(4, 12)).sum().backward()
     finally:
         dist.destroy_process_group()

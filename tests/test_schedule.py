@@ -382,3 +382,228 @@ def test_gradual_pruning_into_nm_layout():
         sched.step()
         opt.zero_grad()
     assert sched.sparsity("0.weight") == pytest.approx(0.9)
+
+
+# -- optimizer state on the weight's own pattern (layouts whose from_dense drops zeros) -------
+
+def dead_unit_mlp(seed: int = 0) -> torch.nn.Module:
+    """``mlp`` with 4 hidden units that never fire: their weight rows get exactly zero
+    gradient, so their optimizer state holds exact zeros."""
+    model = mlp(seed)
+    with torch.no_grad():
+        model[0].bias[:4] = -100.0
+    return model
+
+
+def masked_reference_step(ref: torch.nn.Module, opt: torch.optim.Optimizer, i: int, mask: torch.Tensor) -> None:
+    """The dense reference of a sparse ``0.weight``: its gradient is zero off the mask."""
+    x, y = batch(i)
+    F.cross_entropy(ref(x), y).backward()
+    ref[0].weight.grad.mul_(mask)
+    opt.step()
+    opt.zero_grad()
+
+
+def remask_reference(ref: torch.nn.Module, opt: torch.optim.Optimizer, mask: torch.Tensor) -> None:
+    """Drop the positions off ``mask`` from the dense reference's weight and state."""
+    w = ref[0].weight
+    with torch.no_grad():
+        w.mul_(mask)
+        for value in opt.state[w].values():
+            if isinstance(value, torch.Tensor) and value.shape == w.shape:
+                value.mul_(mask)
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.Adam(p, lr=1e-2),
+    lambda p: torch.optim.Rprop(p, lr=1e-2),
+], ids=["adam", "rprop"])
+@pytest.mark.parametrize("layout_name", ["ScipyCsrTensor", "ScipyCscTensor"])
+def test_state_keeps_the_weight_pattern_with_layouts_that_drop_zeros(layout_name, make_opt):
+    """sten_scipy's ``from_dense`` keeps only nonzeros: the state used to be rebuilt with
+    ``from_dense(state * mask)``, losing the positions whose state is exactly 0 (a dead unit's
+    Adam moments, Rprop's ``prev``). Adam then gave NaN weights, Rprop drifted from the dense
+    reference. Now every state tensor has the weight's pattern and the run is the reference."""
+    layout = getattr(pytest.importorskip("sten_scipy"), layout_name)
+    model, ref = dead_unit_mlp(), dead_unit_mlp()
+    opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
+    sched = SparsityScheduler(model, opt)
+    sched.add("0.weight", GradualPruning(0.0, 0.75, start=0, end=4, every=2), layout=layout)
+    w, mask = model[0].weight, sched.mask("0.weight")
+    for i in range(7):
+        train_step(model, opt, i)
+        masked_reference_step(ref, ref_opt, i, mask)
+        sched.step()
+        opt.zero_grad()
+        mask = sched.mask("0.weight")
+        remask_reference(ref, ref_opt, mask)
+        assert w.wrapped_tensor.nnz == sched.target_nnz("0.weight") == int(mask.sum())
+        torch.testing.assert_close(w.to_dense(), ref[0].weight.detach(), rtol=1e-5, atol=1e-6)
+        for key, value in opt.state[w].items():
+            if key == "step":
+                continue
+            if isinstance(value, sten.SparseTensorWrapper):  # (Rprop's step_size is full_like the dense grad)
+                assert type(value.wrapped_tensor) is layout and value.wrapped_tensor.same_pattern(w.wrapped_tensor), key
+                value = value.to_dense()
+            torch.testing.assert_close(value[mask], ref_opt.state[ref[0].weight][key][mask], rtol=1e-5, atol=1e-7)
+    assert sched.sparsity("0.weight") == 0.75 and not w.to_dense().isnan().any()
+
+
+def test_prune_regrow_with_a_layout_that_drops_zeros_matches_csr():
+    """Regrown weights start at 0, which ``ScipyCsrTensor.from_dense`` drops: PruneRegrow failed
+    with "configure a sparsifier whose structure it holds". It now stores the regrown zeros and
+    trains as the CSR run does."""
+    sten_scipy = pytest.importorskip("sten_scipy")
+    runs = {}
+    for layout in (sten.CsrTensor, sten_scipy.ScipyCsrTensor):
+        model = mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = SparsityScheduler(model, opt)
+        sched.add("0.weight", PruneRegrow(0.75, drop_fraction=0.3, start=0, end=20, every=2), layout=layout)
+        masks = []
+        for i in range(9):
+            train_step(model, opt, i)
+            sched.step()
+            opt.zero_grad()
+            w = model[0].weight
+            assert w.wrapped_tensor.nnz == 48 == sched.nnz("0.weight")
+            masks.append(sched.mask("0.weight"))
+        state = {k: v.to_dense() for k, v in opt.state[w].items() if k != "step"}
+        runs[layout] = (masks, w.to_dense(), state)
+    (m1, w1, s1), (m2, w2, s2) = runs.values()
+    assert all(torch.equal(a, b) for a, b in zip(m1, m2)) and not torch.equal(m1[0], m1[-1])
+    torch.testing.assert_close(w2, w1, rtol=1e-6, atol=1e-7)
+    for key in s1:
+        torch.testing.assert_close(s2[key], s1[key], rtol=1e-6, atol=1e-9)
+
+
+class NonzerosOnly(sten.Layout):
+    """A layout without the stored-values protocol whose ``from_dense`` keeps nonzeros only."""
+
+    def __init__(self, dense: torch.Tensor):
+        self.index, self.vals, self._shape = dense.nonzero(), dense[dense != 0], dense.shape
+
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor) -> "NonzerosOnly":
+        return cls(tensor.detach().clone())
+
+    def to_dense(self) -> torch.Tensor:
+        out = torch.zeros(self._shape, dtype=self.vals.dtype)
+        out[tuple(self.index.t())] = self.vals
+        return out
+
+    @property
+    def nnz(self) -> int:
+        return self.vals.numel()
+
+
+def test_prune_regrow_into_a_layout_that_cannot_store_zeros_names_the_cause():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = SparsityScheduler(model, opt)
+    sched.add("0.weight", PruneRegrow(0.75, drop_fraction=0.3, start=0, end=20, every=2), layout=NonzerosOnly)
+    train_step(model, opt, 0)
+    sched.step()
+    train_step(model, opt, 1)
+    with pytest.raises(ValueError, match=r"layout NonzerosOnly cannot store '0.weight'.*dropping those whose value "
+                                         r"is 0.*regrown weights start at 0.*stored-values protocol") as err:
+        sched.step()
+    assert "configure a sparsifier" not in str(err.value)
+
+
+# -- regrown positions get the optimizer's fresh state ------------------------------------------
+
+@pytest.mark.parametrize("make_opt, key, fresh", [
+    (lambda p: torch.optim.Rprop(p, lr=1e-2), "step_size", 1e-2),
+    (lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1), "sum", 0.1),
+], ids=["rprop", "adagrad"])   # (AdamW: test_regrown_adamw_step_matches_fresh_state; its step counter stays)
+@pytest.mark.parametrize("layout", [sten.CsrTensor, torch.Tensor], ids=["csr", "masked-dense"])
+def test_regrown_positions_start_with_fresh_optimizer_state(layout, make_opt, key, fresh):
+    """Regrown positions had their state multiplied by 0: Rprop's step size became 0 (then
+    its 1e-6 floor, so regrown weights barely moved), Adagrad's sum 0 instead of
+    ``initial_accumulator_value``. Now they hold a new parameter's state, and their first
+    step is a new parameter's first step."""
+    model = mlp()
+    opt = make_opt(model.parameters())
+    sched = SparsityScheduler(model, opt)
+    sched.add("0.weight", PruneRegrow(0.75, drop_fraction=0.5, start=0, end=30, every=3, decay="constant"),
+              layout=layout)
+    w = model[0].weight
+    for i in range(3):
+        train_step(model, opt, i)
+        old = sched.mask("0.weight")
+        sched.step()
+        opt.zero_grad()
+    grown = sched.mask("0.weight") & ~old
+    assert grown.any()
+    state = opt.state[w][key]
+    state = state.to_dense() if isinstance(state, sten.SparseTensorWrapper) else state
+    torch.testing.assert_close(state[grown], torch.full_like(state[grown], fresh))
+    x, y = batch(50)
+    F.cross_entropy(model(x), y).backward()
+    grad = (w.grad.to_dense() if isinstance(w.grad, sten.SparseTensorWrapper) else w.grad).clone()
+    opt.step()
+    new = torch.nn.Parameter(torch.zeros(w.shape))   # the dense reference: a new parameter, same gradient
+    new_opt = make_opt([new])
+    new.grad = grad
+    new_opt.step()
+    after = w.to_dense() if isinstance(w, sten.SparseTensorWrapper) else w.detach()
+    torch.testing.assert_close(after[grown], new.detach()[grown], rtol=1e-5, atol=1e-8)
+    assert after[grown].abs().max() > 1e-3
+
+
+def test_fresh_state_is_read_from_the_optimizer():
+    from sten_core.training.schedule import fresh_state
+
+    w = torch.nn.Parameter(torch.ones(3, 3))
+    assert fresh_state(torch.optim.Rprop([w], lr=0.05), w)["step_size"].item() == pytest.approx(0.05)
+    assert fresh_state(torch.optim.Adagrad([w], initial_accumulator_value=0.3), w)["sum"].item() == pytest.approx(0.3)
+    assert fresh_state(torch.optim.AdamW([w], fused=True), w) == {"exp_avg": 0.0, "exp_avg_sq": 0.0}
+    groups = torch.optim.Rprop([{"params": [w], "lr": 0.2}, {"params": [torch.nn.Parameter(torch.ones(2))]}], lr=0.1)
+    assert fresh_state(groups, w)["step_size"].item() == pytest.approx(0.2)   # the parameter's own group
+
+
+# -- structured sparsifiers: n:m targets and non-nested masks ------------------------------------
+
+def test_nm_schedule_whose_target_rounds_to_n0_is_refused_at_add():
+    sten_nm = pytest.importorskip("sten_nm")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    sched = SparsityScheduler(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"'0.weight' \(layout NMTensor, GradualPruning\(.*final=0.9.*\).*"
+                                         r"cannot reach sparsity 0.9: .*= 0 of every 4.*highest sparsity is 0.75"):
+        sched.add("0.weight", GradualPruning(0.25, 0.9, start=0, end=40, every=10), layout=sten_nm.NMTensor,
+                  sparsifier=sten_nm.NMSparsifier(3, 4))
+    assert "0.weight" not in sched.entries and type(model[0].weight) is torch.nn.Parameter
+    sched.add("0.weight", GradualPruning(0.25, 0.75, start=0, end=40, every=10), layout=sten_nm.NMTensor,
+              sparsifier=sten_nm.NMSparsifier(3, 4))   # 1:4 is the sparsest it holds
+
+
+def test_grouped_nm_gradual_pruning_says_masks_are_not_nested():
+    """Grouped n:m regroups rows for every n, so its next mask is not inside the last one:
+    that was reported as "already sparser than 0.60" at 25 % sparsity."""
+    sten_nm = pytest.importorskip("sten_nm")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = SparsityScheduler(model, opt)
+    sched.add("0.weight", GradualPruning(0.25, 0.75, start=0, end=6, every=2), layout=sten_nm.GroupedNMTensor,
+              sparsifier=sten_nm.GroupedNMSparsifier(3, 4))
+    with pytest.raises(ValueError) as err:
+        for _ in range(3):
+            model(torch.randn(8, 32)).square().mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    message = str(err.value)
+    assert "already sparser" not in message and sched.sparsity("0.weight") == 0.25
+    for part in ("'0.weight' (layout GroupedNMTensor", "GroupedNMSparsifier(n=2", "not nested", "OneShot"):
+        assert part in message, message
+
+
+def test_pruning_a_weight_already_sparser_than_the_schedule():
+    model = sten.SparsityBuilder(mlp())
+    model.set_weight("0.weight", sten.ScalarFractionSparsifier(0.75), out_format=sten.CsrTensor)
+    model = model.get_sparse_model()
+    with pytest.raises(ValueError, match=r"'0.weight' is already sparser than 0.5 \(keeps 48 of 192, the schedule 96\)"):
+        SparsityScheduler(model).add("0.weight", OneShot(0.5))

@@ -62,6 +62,9 @@ def _or_keep_all(sparsifier: Any) -> Any:
     return KeepAll() if sparsifier is None else sparsifier
 
 
+_DENSE = OutputSpec.coerce((KeepAll(), torch.Tensor, KeepAll(), torch.Tensor), "set_interm")
+"""The forward spec of an intermediate with only ``set_interm_grad``: the call's dense output."""
+
 _active = threading.local()   # .modes: the _IntermediateModes entered, outermost first
 
 
@@ -309,7 +312,20 @@ class SparsityBuilder:
 
     def set_interm_grad(self, name: str, inline_sparsifier: Any = None, tmp_format: type = torch.Tensor,
                         external_sparsifier: Any = None, out_format: type = torch.Tensor) -> None:
-        """The format of the gradient flowing into intermediate ``name``."""
+        """The format of the gradient flowing into intermediate ``name``; without a
+        ``set_interm`` for ``name`` its forward value stays dense.
+
+        >>> import torch, sten_core as sten
+        >>> class M(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return torch.relu(x) * 2
+        >>> sb = sten.SparsityBuilder(M())
+        >>> sb.set_interm_grad("relu", sten.ScalarFractionSparsifier(0.75))
+        >>> x = torch.tensor([1., 2., 3., 4.], requires_grad=True)
+        >>> sb.get_sparse_model()(x).backward(torch.tensor([1., 2., 3., 4.]))   # dL/d relu = [2, 4, 6, 8]
+        >>> x.grad                                                  # its largest quarter flows back
+        tensor([0., 0., 0., 8.])
+        """
         self._check_interm(name)
         self.interm_grads[name] = _spec(inline_sparsifier, tmp_format, external_sparsifier, out_format,
                                         "set_interm_grad")
@@ -388,11 +404,14 @@ class SparsityBuilder:
         return replaced
 
     def _intermediate_hooks(self, model: torch.nn.Module) -> dict[str, _Intermediates]:
-        """One ``_Intermediates`` per submodule with intermediates set (its fx graphs traced)."""
+        """One ``_Intermediates`` per submodule with intermediates set (its fx graphs traced).
+        A name with only ``set_interm_grad`` keeps its forward value dense (``_DENSE``) and
+        gets its gradient sparsified: the paper's error signals have layouts and
+        sparsifiers independent of their forward tensors."""
         by_module: dict[str, dict] = collections.defaultdict(dict)
-        for name, spec in self.interms.items():
+        for name in dict.fromkeys([*self.interms, *self.interm_grads]):
             path, _, node = name.rpartition(".")
-            by_module[path][node] = (spec, self.interm_grads.get(name))
+            by_module[path][node] = (self.interms.get(name, _DENSE), self.interm_grads.get(name))
         return {path: _Intermediates(path, targets, _traces(model.get_submodule(path)))
                 for path, targets in by_module.items()}
 

@@ -3,11 +3,23 @@
 ``DistributedDataParallel`` reduces gradients through flat buckets of dense
 storage, which sparse wrappers do not have. ``sparse_ddp(model)`` therefore
 hands DDP the dense parameters only and reduces each sparse parameter's
-gradient itself, in its layout: the stored values are all-reduced (same
-pattern on every rank) and averaged like DDP does; a dense gradient of a sparse
-parameter is all-reduced densely. Sparse parameters are broadcast from rank 0
-at the start. Gradients are reduced when they are accumulated, so call
-``optimizer.zero_grad()`` every step (no ``no_sync`` accumulation).
+gradient itself, averaged like DDP does:
+
+* a dense gradient (``grad_fmt`` None, or a dense ``out_format`` without
+  sparsifiers) is all-reduced densely;
+* a gradient kept in the weight's layout (``(KeepAll(), L, KeepAll(), L)`` with
+  ``L`` the weight's layout: the gradient at the weight's stored positions, the
+  same pattern on every rank) has its stored values all-reduced (O(nnz));
+* any other ``grad_fmt`` (a sparsifier, which chooses each rank's pattern from
+  its own values, or another layout) is reduced before it is applied:
+  ``sparse_ddp`` sets the parameter's ``grad_fmt`` to ``None`` (dense), all-reduces
+  the dense gradient, then applies the format once, identically on every rank
+  (random sparsifiers draw from one seed shared by the ranks). The result equals
+  one process on the whole batch for a deterministic format.
+
+Sparse parameters are broadcast from rank 0 at the start. Gradients are
+reduced when they are accumulated, so call ``optimizer.zero_grad()`` every step
+(no ``no_sync`` accumulation).
 
 Every rank must hold the same patterns (build the sparse model with the same
 seed and sparsifiers everywhere): ``sparse_ddp`` compares a fingerprint of each
@@ -27,6 +39,7 @@ Example (inside an initialised process group):
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from typing import Any
 
@@ -35,7 +48,10 @@ import torch
 import torch.distributed as dist
 
 from sten_core.model.layouts import supports_values
+from sten_core.model.sparsifiers import KeepAll
+from sten_core.model.spec import OutputSpec
 from sten_core.model.tensor import SparseTensorWrapper
+from sten_core.training.masks import stored_mask
 
 
 def _sparse_parameters(model: torch.nn.Module) -> list[tuple[str, SparseTensorWrapper]]:
@@ -51,17 +67,95 @@ def _payload(tensor: Any) -> torch.Tensor:
     return tensor
 
 
+def reduces_in_place(param: SparseTensorWrapper) -> bool:
+    """Whether ``param``'s gradient, as its ``grad_fmt`` gives it, can be averaged as is:
+    dense (a dense ``out_format`` without sparsifiers), or kept in the weight's layout at
+    its stored positions (the same pattern on every rank). Otherwise the ranks' patterns
+    may differ, and the gradient is reduced densely before its format is applied.
+
+    >>> import torch, sten_core as sten
+    >>> w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.eye(2)))
+    >>> w.grad_fmt = (sten.KeepAll(), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor)
+    >>> reduces_in_place(w)
+    True
+    >>> w.grad_fmt = (sten.ScalarFractionSparsifier(0.5), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor)
+    >>> reduces_in_place(w)
+    False
+    """
+    if param.grad_fmt is None:
+        return True
+    spec = OutputSpec.coerce(param.grad_fmt, "grad_fmt")
+    if not (isinstance(spec.inline_sparsifier, KeepAll) and isinstance(spec.external_sparsifier, KeepAll)):
+        return False
+    if spec.out_format is torch.Tensor:
+        return True  # a dense gradient: the dense sum is the sum
+    layout = type(param.wrapped_tensor)
+    return spec.out_format is layout and spec.tmp_format is layout and supports_values(param.wrapped_tensor)
+
+
 def _reduce_grad(param: SparseTensorWrapper, group: Any = None) -> None:
+    """Average ``param``'s gradient over the ranks in place (dense, or its stored values)."""
     grad = param.grad
     if grad is None:
         return
+    if isinstance(grad, SparseTensorWrapper) and not _same_structure(grad, param):
+        raise RuntimeError(
+            f"sparse_ddp: the gradient of a {type(param.wrapped_tensor).__name__} parameter is a "
+            f"{type(grad.wrapped_tensor).__name__} with {grad.wrapped_tensor.nnz} stored values, not the weight's "
+            f"pattern ({param.wrapped_tensor.nnz}); its stored values cannot be averaged by position")
     payload = _payload(grad)
     dist.all_reduce(payload, group=group)
     payload.div_(dist.get_world_size(group))
 
 
-def _reducer(group: Any) -> Any:
-    return lambda param: _reduce_grad(param, group)
+def _same_structure(grad: SparseTensorWrapper, param: SparseTensorWrapper) -> bool:
+    """A cheap check that a pattern-keeping gradient has the weight's layout and size."""
+    return type(grad.wrapped_tensor) is type(param.wrapped_tensor) and grad.wrapped_tensor.nnz == param.wrapped_tensor.nnz
+
+
+class _ReduceThenFormat:
+    """The gradient hook of a parameter whose ``grad_fmt`` does not keep one pattern
+    across ranks: average the dense gradient, then apply the format (``apply_grad_spec``,
+    as eager's backward does), identically on every rank.
+
+    Random sparsifiers draw from ``seed`` (shared by the ranks) plus a call counter."""
+
+    def __init__(self, grad_fmt: Any, group: Any, seed: int):
+        self.spec = OutputSpec.coerce(grad_fmt, "grad_fmt")
+        self.group, self.seed, self.calls = group, seed, 0
+
+    def __call__(self, param: SparseTensorWrapper) -> None:
+        from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec
+
+        grad = param.grad
+        if grad is None:
+            return
+        dense = grad.to_dense() if isinstance(grad, SparseTensorWrapper) else grad
+        dense = dense.contiguous()
+        dist.all_reduce(dense, group=self.group)
+        dense.div_(dist.get_world_size(self.group))
+        self.calls += 1
+        devices = [dense.device] if dense.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.seed + self.calls)
+            param.grad = apply_grad_spec(dense, self.spec, param)
+
+
+def _hook(param: SparseTensorWrapper, group: Any, seed: int) -> Any:
+    """The gradient hook reducing ``param`` (see ``reduces_in_place``); a
+    ``_ReduceThenFormat`` also makes the parameter's own gradient dense."""
+    if reduces_in_place(param):
+        return _reduce_grad if group is None else (lambda p: _reduce_grad(p, group))
+    hook = _ReduceThenFormat(param.grad_fmt, group, seed)
+    param.grad_fmt = None
+    return hook
+
+
+def _shared_seed(group: Any) -> int:
+    """Rank 0's ``torch.initial_seed()``, broadcast to every rank (no random number is drawn)."""
+    seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=collective_device(group))
+    dist.broadcast(seed, src=_group_rank0(group), group=group)
+    return int(seed.item())
 
 
 def _group_rank0(group: Any) -> int:
@@ -89,8 +183,6 @@ def pattern_fingerprint(tensor: SparseTensorWrapper) -> tuple[int, int]:
     >>> pattern_fingerprint(a)[0] == pattern_fingerprint(b)[0], pattern_fingerprint(a) == pattern_fingerprint(b)
     (True, False)
     """
-    from sten_core.training.schedule import stored_mask
-
     mask = stored_mask(tensor).detach().to("cpu", torch.bool).contiguous()
     layout = type(tensor.wrapped_tensor)
     digest = hashlib.blake2b(digest_size=8)
@@ -132,12 +224,36 @@ def check_same_patterns(model: torch.nn.Module, group: Any = None) -> None:
         )
 
 
+def ddp_wrappers(model: torch.nn.Module) -> list[torch.nn.parallel.DistributedDataParallel] | None:
+    """The ``DistributedDataParallel`` modules that hold ``model``: ``model`` itself or its
+    submodules, else those built on it (looked for among the live objects, O(heap): call it
+    once); ``None`` without an initialised process group.
+
+    >>> ddp_wrappers(torch.nn.Linear(2, 2)) is None   # no process group
+    True
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ddp = torch.nn.parallel.DistributedDataParallel
+    wrappers = [m for m in model.modules() if isinstance(m, ddp)]
+    return wrappers or [o for o in gc.get_objects() if issubclass(type(o), ddp) and o.module is model]
+
+
+def reduces(wrapper: torch.nn.parallel.DistributedDataParallel, param: torch.Tensor) -> bool:
+    """Whether DDP ``wrapper`` reduces ``param`` (DDP keeps the parameter objects it was
+    built with: a parameter swapped in afterwards is one it never reduces)."""
+    return any(p is param for p in getattr(wrapper, "_module_parameters", None) or wrapper.parameters())
+
+
 def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.parallel.DistributedDataParallel:
     """Wrap a sparse model for data-parallel training (gloo or nccl).
 
     Args:
         model: a model whose sparse parameters are ``SparseParameterWrapper``.
         ddp_kwargs: passed to ``DistributedDataParallel``.
+
+    A sparse parameter whose ``grad_fmt`` re-sparsifies (``reduces_in_place`` is
+    False) gets ``grad_fmt = None``: its gradient is averaged densely, then formatted.
     """
     if not dist.is_initialized():
         raise RuntimeError("sparse_ddp needs an initialised process group (torch.distributed.init_process_group)")
@@ -148,8 +264,9 @@ def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.parallel.D
     ignore(model, [name for name, _ in sparse])
     group = ddp_kwargs.get("process_group")
     check_same_patterns(model, group)
+    seed = _shared_seed(group)
     for name, param in sparse:
         with torch.no_grad():
             dist.broadcast(_payload(param), src=_group_rank0(group), group=group)
-        param.register_post_accumulate_grad_hook(_reduce_grad if group is None else _reducer(group))
+        param.register_post_accumulate_grad_hook(_hook(param, group, seed))
     return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)

@@ -4,9 +4,10 @@ A *schedule* says, for every training step, the target sparsity of a weight
 and whether its kept positions are recomputed at that step. The scheduler
 re-applies a weight sparsifier on that schedule, stores the weight in the
 configured layout, and keeps the optimizer's state consistent: state at
-dropped positions is removed, state at newly kept positions starts at zero
-(the optimizer's step counter is kept). Masks move one tensor at a time, each
-in O(size of that tensor).
+dropped positions is removed, state at newly kept positions starts as a new
+parameter's would (``fresh_state``; the optimizer's step counter is kept), and
+sparse state is always stored on the weight's own pattern (``state_like``).
+Masks move one tensor at a time, each in O(size of that tensor).
 
 Step semantics: ``add`` applies the schedule of step 0; ``step()`` (call it
 once per training step, after ``optimizer.step()``) advances to the next step
@@ -20,7 +21,7 @@ Schedules:
   ``s_t = s_f + (s_i - s_f) (1 - (t - start) / (end - start))**3``.
 * ``PruneRegrow(sparsity, drop_fraction, start, end, every)``: RigL (Evci et
   al. 2020): drop the smallest magnitudes, regrow by gradient magnitude, at
-  constant sparsity; regrown weights and their optimizer state start at 0.
+  constant sparsity; regrown weights start at 0, their optimizer state fresh.
 
 Example:
     >>> import torch, sten_core as sten
@@ -40,12 +41,15 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from sten_core.model.layouts import supports_values, to_dense_tensor
+from sten_core.training.masks import stored_mask
 from sten_core.training.scores import ScoreSparsifier, check_inputs, needs_of
 from sten_core.model.sparsifiers import ScalarFractionSparsifier, Sparsifier
 from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper
@@ -196,7 +200,11 @@ def selector_at(sparsifier: Any, sparsity: float) -> Any:
 
     Fraction sparsifiers get ``fraction=sparsity``; n:m ones (``n``, ``m``
     attributes) keep ``n = round(m * (1 - sparsity))`` of every ``m``; score
-    sparsifiers choose unstructured.
+    sparsifiers choose unstructured. A sparsity whose ``n`` rounds to 0 is a ``ValueError``.
+
+    >>> from sten_core.model.sparsifiers import PerBlockFractionSparsifier
+    >>> selector_at(PerBlockFractionSparsifier(3, 4), 0.5).n
+    2
     """
     if sparsity == 0.0:
         return None
@@ -210,6 +218,10 @@ def selector_at(sparsifier: Any, sparsity: float) -> Any:
         n = round(sparsifier.m * (1.0 - sparsity))
         if n >= sparsifier.m:
             return None
+        if n < 1:
+            raise ValueError(f"{sparsifier!r} cannot reach sparsity {sparsity:.4g}: that keeps n = round({sparsifier.m} * "
+                             f"(1 - {sparsity:.4g})) = {n} of every {sparsifier.m}, and an n:m pattern keeps n >= 1 "
+                             f"(its highest sparsity is {1 - 1 / sparsifier.m:.4g})")
         new = copy.copy(sparsifier)
         new.n = n
         return new
@@ -232,27 +244,16 @@ def ranks(scores: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Te
     return out
 
 
-def stored_mask(value: Any) -> torch.Tensor:
-    """Boolean mask of the positions a wrapper (or dense tensor) stores."""
-    if not isinstance(value, SparseTensorWrapper):
-        return torch.ones(value.shape, dtype=torch.bool, device=value.device)
-    layout = value.wrapped_tensor
-    mask_fn = getattr(layout, "mask", None)
-    if callable(mask_fn):
-        return mask_fn().to(torch.bool)
-    if supports_values(layout):
-        ones = layout.with_values(torch.ones_like(layout.values()))
-        return to_dense_tensor(ones) != 0
-    return to_dense_tensor(layout) != 0
-
-
 def layout_from_mask(layout: type, dense: torch.Tensor, mask: torch.Tensor, params: dict | None = None) -> Any:
     """A ``layout`` object storing exactly the positions of ``mask`` (kept zeros
     included) with the values of ``dense``.
 
     Built in for COO, CSR and CSC; a layout whose ``from_dense`` takes ``mask``
     gets it (with the keyword arguments of ``params`` it accepts, e.g. ``n``,
-    ``m``, ``dim``); any other is ``from_dense(dense * mask)``.
+    ``m``, ``dim``); a layout with the stored-values protocol gets its pattern
+    from ``from_dense`` of a tensor that is nonzero exactly on ``mask``, then the
+    values of ``dense`` (``with_values``, so zeros stay stored); any other is
+    ``from_dense(dense * mask)``, which keeps only the nonzeros.
 
     >>> import sten_core as sten
     >>> layout_from_mask(sten.CsrTensor, torch.zeros(2, 2), torch.eye(2, dtype=torch.bool)).nnz
@@ -263,27 +264,113 @@ def layout_from_mask(layout: type, dense: torch.Tensor, mask: torch.Tensor, para
     dense = dense.detach()
     mask = mask.to(device=dense.device, dtype=torch.bool)
     if layout in (CsrTensor, CscTensor, CooTensor):
-        source = dense.t() if layout is CscTensor else dense
-        keep = mask.t() if layout is CscTensor else mask
-        idx = keep.nonzero().t()
-        values = source[keep]
-        if layout is CooTensor:
-            return CooTensor(torch.sparse_coo_tensor(idx, values, dense.shape, is_coalesced=True, check_invariants=False))
-        counts = keep.sum(1)
-        crow = torch.zeros(keep.shape[0] + 1, dtype=torch.int64, device=dense.device)
-        crow[1:] = torch.cumsum(counts, 0)
-        make = torch.sparse_csr_tensor if layout is CsrTensor else torch.sparse_csc_tensor
-        return layout(make(crow, idx[1].contiguous(), values, dense.shape, check_invariants=False))
-    params = dict(params or {})
+        return _torch_layout_from_mask(layout, dense, mask)
+    kwargs, takes_mask = _from_dense_kwargs(layout, params)
+    masked = dense * mask
+    if takes_mask:
+        return layout.from_dense(masked, mask=mask, **kwargs)
+    pattern = layout.from_dense(mask.to(dense.dtype), **kwargs)
+    if supports_values(pattern):
+        return pattern.with_values(pattern.gather(masked).to(dense.dtype))
+    return layout.from_dense(masked, **kwargs)
+
+
+def _torch_layout_from_mask(layout: type, dense: torch.Tensor, mask: torch.Tensor) -> Any:
+    """``layout_from_mask`` for the builtin ``CsrTensor``, ``CscTensor`` and ``CooTensor``."""
+    from sten_core.builtin.torch_layouts import CooTensor, CscTensor, CsrTensor
+
+    source = dense.t() if layout is CscTensor else dense
+    keep = mask.t() if layout is CscTensor else mask
+    idx = keep.nonzero().t()
+    values = source[keep]
+    if layout is CooTensor:
+        return CooTensor(torch.sparse_coo_tensor(idx, values, dense.shape, is_coalesced=True, check_invariants=False))
+    counts = keep.sum(1)
+    crow = torch.zeros(keep.shape[0] + 1, dtype=torch.int64, device=dense.device)
+    crow[1:] = torch.cumsum(counts, 0)
+    make = torch.sparse_csr_tensor if layout is CsrTensor else torch.sparse_csc_tensor
+    return layout(make(crow, idx[1].contiguous(), values, dense.shape, check_invariants=False))
+
+
+def _from_dense_kwargs(layout: type, params: dict | None) -> tuple[dict, bool]:
+    """The entries of ``params`` that ``layout.from_dense`` takes, and whether it takes ``mask``."""
     try:
         accepted = inspect.signature(layout.from_dense).parameters
     except (TypeError, ValueError):
         accepted = {}
-    kwargs = {k: v for k, v in params.items() if k in accepted and k != "mask"}
-    masked = dense * mask
-    if "mask" in accepted:
-        return layout.from_dense(masked, mask=mask, **kwargs)
-    return layout.from_dense(masked, **kwargs)
+    return {k: v for k, v in (params or {}).items() if k in accepted and k != "mask"}, "mask" in accepted
+
+
+def state_like(weight: SparseTensorWrapper, dense: torch.Tensor, grad_fmt: Any = None,
+               params: dict | None = None) -> SparseTensorWrapper:
+    """Optimizer state with the values of ``dense`` stored on ``weight``'s own pattern
+    (stored zeros included), so that state and weight always share one pattern.
+
+    Layouts without the stored-values protocol (which cannot tell a stored zero from
+    an absent value) get ``layout_from_mask`` at the weight's nonzeros.
+
+    >>> import sten_core as sten
+    >>> w = sten.SparseTensorWrapper(layout_from_mask(sten.CsrTensor, torch.zeros(2, 2), torch.eye(2, dtype=torch.bool)))
+    >>> state_like(w, torch.ones(2, 2)).wrapped_tensor.same_pattern(w.wrapped_tensor)
+    True
+    """
+    layout = weight.wrapped_tensor
+    if supports_values(layout):
+        values = layout.gather(dense.to(layout.values().device)).to(dense.dtype)
+        return SparseTensorWrapper(layout.with_values(values), False, grad_fmt)
+    return SparseTensorWrapper(layout_from_mask(type(layout), dense, stored_mask(weight), params), False, grad_fmt)
+
+
+def fresh_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The value every position of a new parameter like ``param`` starts with, per
+    element-wise state entry of ``optimizer`` (``{}`` when that cannot be found).
+
+    Found from the optimizer itself: a copy of its class, with the hyperparameters of
+    ``param``'s group, takes one step with a zero gradient on a one-element zero
+    parameter (for torch's optimizers the state then is the initial one: Rprop's
+    ``step_size`` is ``lr``, Adagrad's ``sum`` is ``initial_accumulator_value``,
+    Adam's moments are 0). Scalar state (the ``step`` counter) is not included.
+
+    >>> w = torch.nn.Parameter(torch.ones(2, 2))
+    >>> fresh_state(torch.optim.Rprop([w], lr=0.5), w)["step_size"].item()
+    0.5
+    """
+    group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), None)
+    if group is None:
+        return {}
+    dummy = torch.nn.Parameter(torch.zeros((1,) * param.dim(), dtype=param.dtype, device=param.device))
+    try:
+        probe = type(optimizer)([dummy], **_init_kwargs(type(optimizer), optimizer.defaults))
+        probe.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
+        dummy.grad = torch.zeros_like(dummy)
+        probe.step()
+    except Exception as err:  # an optimizer that cannot be rebuilt this way: zero state, said once
+        _warn_once(type(optimizer), f"SparsityScheduler: cannot find the initial state of {type(optimizer).__name__} "
+                                    f"({type(err).__name__}: {err}); regrown positions start with zero state")
+        return {}
+    return {k: v.detach().reshape(()) for k, v in probe.state[dummy].items()
+            if isinstance(v, torch.Tensor) and v.shape == dummy.shape}
+
+
+def _init_kwargs(cls: type, defaults: dict) -> dict:
+    """The entries of an optimizer's ``defaults`` that its constructor takes (AdamW's
+    ``defaults`` hold ``decoupled_weight_decay``, which its constructor fixes)."""
+    try:
+        accepted = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return dict(defaults)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in accepted}
+
+
+_warned: set = set()
+
+
+def _warn_once(key: Any, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 # -- the scheduler -------------------------------------------------------------------
@@ -325,6 +412,7 @@ class SparsityScheduler:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.model, self.optimizer = model, optimizer
         self.step_count = 0
+        self._ddp: list | None = None  # weak references to the DDPs holding the model, once looked for
         self.entries: dict[str, _Entry] = {}
 
     # -- configuration ----------------------------------------------------------
@@ -365,10 +453,12 @@ class SparsityScheduler:
             raise TypeError(f"layout must be a layout class, got {layout!r}")
         if layout is not torch.Tensor and not callable(getattr(layout, "from_dense", None)):
             raise TypeError(f"layout {layout.__name__} has no from_dense")
+        self._check_not_in_ddp(name, param, layout)
         if schedule.regrows and not isinstance(selector_at(sparsifier, 0.5), ScalarFractionSparsifier):
             raise ValueError(f"PruneRegrow needs an unstructured sparsifier (magnitude or score), got {sparsifier!r}")
         path, _, attr = name.rpartition(".")
         entry = _Entry(name, self.model.get_submodule(path), attr, schedule, layout, sparsifier)
+        self._check_final(entry)
         entry.mask = stored_mask(param)
         self.entries[name] = entry
         try:
@@ -545,7 +635,7 @@ class SparsityScheduler:
             dense = param.to_dense() if isinstance(param, SparseTensorWrapper) else param.detach()
             old = entry.mask.to(dense.device)
             sparsity = schedule.sparsity(step)
-            selector = selector_at(entry.sparsifier, sparsity)
+            selector = self._selector(entry, sparsity)
             if schedule.regrows and not force:
                 new = self._regrow(entry, dense, old, step)
             elif selector is None:
@@ -553,10 +643,7 @@ class SparsityScheduler:
                 if not bool(new.all()):
                     raise ValueError(f"{entry.name!r} is already sparser than {sparsity} and {type(schedule).__name__} only prunes")
             else:
-                new = selector.mask(ranks(self._scores(entry, dense), old)).to(torch.bool)
-                if bool((new & ~old).any()):
-                    raise ValueError(f"{entry.name!r} is already sparser than {sparsity} (keeps {int(old.sum())} of "
-                                     f"{old.numel()}); {type(schedule).__name__} only prunes")
+                new = self._prune(entry, selector, ranks(self._scores(entry, dense), old), old, sparsity)
             self._install(entry, dense, old, new, selector)
         entry.history.append((step, int(new.sum())))
 
@@ -578,9 +665,69 @@ class SparsityScheduler:
         grown[torch.topk(grow_rank, drop).indices] = True
         return (survivors | grown).view(old.shape)
 
+    def _where(self, entry: _Entry, sparsity: float | None = None) -> str:
+        """How messages name a scheduled weight: ``'fc.weight' (layout CsrTensor, OneShot(...)) at sparsity 0.5``."""
+        layout = getattr(entry.layout, "__name__", repr(entry.layout))
+        at = "" if sparsity is None else f" at sparsity {sparsity:.4g}"
+        return f"{entry.name!r} (layout {layout}, {entry.schedule!r}){at}"
+
+    def _check_not_in_ddp(self, name: str, param: torch.Tensor, layout: type) -> None:
+        """Refuse to swap a dense parameter that DistributedDataParallel already reduces
+        (DDP would wait for its gradient forever: "Expected to have finished reduction").
+        The DDPs holding the model are looked for once per scheduler."""
+        from sten_core.training.distributed import ddp_wrappers, reduces
+
+        if layout is torch.Tensor or isinstance(param, SparseTensorWrapper):
+            return
+        if self._ddp is None:
+            found = ddp_wrappers(self.model)
+            if found is None:
+                return  # no process group (yet): no DDP
+            self._ddp = [weakref.ref(w) for w in found]
+        if not any(w() is not None and reduces(w(), param) for w in self._ddp):
+            return
+        raise ValueError(
+            f"weight {name!r} is a dense parameter that DistributedDataParallel already reduces; add() would replace "
+            "it with a sparse parameter that DDP never sees, and DDP's next iteration would fail. Call "
+            "SparsityScheduler.add() before wrapping the model (then wrap it with sparse_ddp), or schedule it as a "
+            "masked dense weight (layout=torch.Tensor)")
+
+    def _check_final(self, entry: _Entry) -> None:
+        """Refuse at ``add`` a schedule whose final sparsity the sparsifier cannot reach (n:m rounding to n = 0)."""
+        final = getattr(entry.schedule, "final", None)
+        if isinstance(final, float):
+            self._selector(entry, final, "; choose a final sparsity the layout holds")
+
+    def _selector(self, entry: _Entry, sparsity: float, hint: str = "") -> Any:
+        """``selector_at`` for ``entry``; its error names the weight, layout and schedule."""
+        try:
+            return selector_at(entry.sparsifier, sparsity)
+        except ValueError as err:
+            raise ValueError(f"{self._where(entry)}: {err}{hint}") from err
+
+    def _prune(self, entry: _Entry, selector: Any, ranked: torch.Tensor, old: torch.Tensor, sparsity: float) -> torch.Tensor:
+        """A pruning schedule's new mask: ``selector`` on scores ranked within ``old``; it
+        must keep a subset of ``old`` (a pruned position never comes back)."""
+        try:
+            new = selector.mask(ranked).to(torch.bool)
+        except ValueError as err:
+            raise ValueError(f"{self._where(entry, sparsity)}: {err}") from err
+        if not bool((new & ~old).any()):
+            return new
+        kept, wanted, name = int(old.sum()), int(new.sum()), type(entry.schedule).__name__
+        if wanted > kept:
+            raise ValueError(f"{entry.name!r} is already sparser than {sparsity:.4g} (keeps {kept} of {old.numel()}, "
+                             f"the schedule {wanted}); {name} only prunes")
+        raise ValueError(
+            f"{self._where(entry, sparsity)}: {selector!r} chose {int((new & ~old).sum())} positions that an earlier step "
+            f"pruned, although it keeps {wanted} of the {kept} still kept: its masks at successive sparsities are not "
+            f"nested (it chooses its structure anew each time, as grouped n:m regroups rows), and {name} only prunes (a "
+            "pruned position never comes back). Prune such a structure at one step (OneShot), or use a sparsifier "
+            "whose masks nest (unstructured, or n:m such as NMSparsifier with NMTensor)")
+
     def _install(self, entry: _Entry, dense: torch.Tensor, old: torch.Tensor, new: torch.Tensor, selector: Any) -> None:
         """Store the weight with mask ``new``; dropped values and state go, newly
-        kept positions start at zero. One tensor at a time."""
+        kept positions start at zero weight and fresh state. One tensor at a time."""
         param = entry.param
         keep = new & old
         params = selector.params() if selector is not None else (entry.sparsifier.params() if entry.sparsifier is not None else {})
@@ -590,39 +737,66 @@ class SparsityScheduler:
             param.data.mul_(keep.to(param.dtype))
             entry.masked_dense = True
         else:
-            try:
-                layout_obj = layout_from_mask(entry.layout, dense * keep, new, params)
-            except ValueError as err:
-                raise ValueError(f"layout {entry.layout.__name__} cannot store {entry.name!r} at sparsity "
-                                 f"{1 - int(new.sum()) / new.numel():.4g}: {err}") from err
+            layout_obj = self._build(entry, dense * keep, new, params)
             nnz = getattr(layout_obj, "nnz", None)
-            if nnz is not None and nnz < int(new.sum()):
-                raise ValueError(f"layout {entry.layout.__name__} cannot store {entry.name!r} at sparsity "
-                                 f"{1 - int(new.sum()) / new.numel():.4g} (it stores {nnz} of the {int(new.sum())} "
-                                 f"kept positions; configure a sparsifier whose structure it holds)")
             entry.masked_dense = nnz is not None and nnz != int(new.sum())
             if isinstance(param, SparseTensorWrapper):
                 param.wrapped_tensor = layout_obj
             else:
                 self._replace_param(entry, param, SparseParameterWrapper(layout_obj, requires_grad=param.requires_grad))
         entry.mask = new
-        self._remap_state(entry, keep, new, params)
+        self._remap_state(entry, old, new, params)
         if entry.masked_dense:
             self._remask(entry, stored_too=True)
 
-    def _remap_state(self, entry: _Entry, keep: torch.Tensor, new: torch.Tensor, params: dict) -> None:
+    def _build(self, entry: _Entry, dense: torch.Tensor, new: torch.Tensor, params: dict) -> Any:
+        """The layout object of ``entry`` storing the positions of ``new``; an error says
+        why the layout cannot."""
+        kept = int(new.sum())
+        where = f"layout {entry.layout.__name__} cannot store {entry.name!r} at sparsity {1 - kept / new.numel():.4g}"
+        try:
+            layout_obj = layout_from_mask(entry.layout, dense, new, params)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from err
+        nnz = getattr(layout_obj, "nnz", None)
+        if nnz is None or nnz >= kept:
+            return layout_obj
+        zeros = int((new & (dense == 0)).sum())
+        if nnz + zeros >= kept:
+            raise ValueError(f"{where}: it stores {nnz} of the {kept} kept positions, dropping those whose value is 0 "
+                             f"({zeros} here; regrown weights start at 0): its from_dense keeps only nonzeros, and it has "
+                             "neither the stored-values protocol (values, with_values, gather) nor a from_dense(mask=) "
+                             "through which the scheduler stores kept zeros")
+        raise ValueError(f"{where} (it stores {nnz} of the {kept} kept positions; configure a sparsifier whose "
+                         "structure it holds)")
+
+    def _remap_state(self, entry: _Entry, old: torch.Tensor, new: torch.Tensor, params: dict) -> None:
+        """Optimizer state of the weight's shape follows the mask: kept positions keep
+        their state, dropped ones lose it, regrown ones (``new & ~old``) get the
+        optimizer's fresh state (``fresh_state``). Sparse state is rebuilt on the
+        weight's own pattern (``state_like``)."""
         param = entry.param
         if self.optimizer is None or param not in self.optimizer.state:
             return
         state = self.optimizer.state[param]
+        keep, grown = new & old, new & ~old
+        fresh = None
         for key, value in list(state.items()):
             if not isinstance(value, torch.Tensor) or value.shape != param.shape:
                 continue  # the step counter and scalars stay
-            if isinstance(value, SparseTensorWrapper):
-                layout_obj = layout_from_mask(type(param.wrapped_tensor), value.to_dense() * keep, new, params)
-                state[key] = SparseTensorWrapper(layout_obj, False, value.grad_fmt)
+            if fresh is None:
+                fresh = fresh_state(self.optimizer, param) if bool(grown.any()) else {}
+            sparse = isinstance(value, SparseTensorWrapper)
+            dense = (value.to_dense() if sparse else value.detach()) * keep.to(value.device)
+            if key in fresh and bool(fresh[key] != 0):
+                dense = dense.masked_fill(grown.to(dense.device), fresh[key].to(dense.dtype))
+            if not sparse:
+                value.copy_(dense)
+            elif isinstance(param, SparseTensorWrapper):
+                state[key] = state_like(param, dense, value.grad_fmt, params)
             else:
-                value.mul_(keep.to(value.dtype))
+                state[key] = SparseTensorWrapper(layout_from_mask(type(value.wrapped_tensor), dense, new, params), False,
+                                                 value.grad_fmt)
 
     def _remask(self, entry: _Entry, stored_too: bool) -> None:
         """Zero the dropped positions of dense optimizer state (SGD's momentum
@@ -666,6 +840,6 @@ def _class_name(cls: type) -> str:
 
 
 __all__ = [
-    "GradualPruning", "OneShot", "PruneRegrow", "Schedule", "SparsityScheduler", "layout_from_mask", "ranks",
-    "selector_at", "stored_mask",
+    "GradualPruning", "OneShot", "PruneRegrow", "Schedule", "SparsityScheduler", "fresh_state", "layout_from_mask",
+    "ranks", "selector_at", "state_like", "stored_mask",
 ]
