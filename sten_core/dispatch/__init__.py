@@ -14,7 +14,7 @@ call meets them: ``entry`` (the call and its fast path), ``plan`` (resolution),
 ``conversions``, ``sparsifier_dispatch``, ``call`` (a call with an implementation, forward and
 backward), ``autograd`` (its node), ``dense_path`` (native and fallback calls),
 ``errors`` (failure mode, warnings), ``observers`` (``explain``), ``compiled``
-(``torch.compile``).
+(``torch.compile``), ``eager_only`` (the dispatcher is never a compiled frame).
 
 Example:
     >>> import torch, sten_core as sten
@@ -28,6 +28,7 @@ from sten_core.dispatch import compiled
 from sten_core.dispatch.autograd import dense_with_grad
 from sten_core.dispatch.call import CallSpecs, OpContext
 from sten_core.dispatch.conversions import conversion_path, convert, wrap
+from sten_core.dispatch.eager_only import never_compiled
 from sten_core.dispatch.entry import call_op, dispatch_call, sparsified_op
 from sten_core.dispatch.errors import (DispatchError, DispatchWarning, Unsupported, failure_mode, get_dispatch_failure,
                                        lossy_fallback, quiet_fallbacks, reset_warnings, set_dispatch_failure)
@@ -38,6 +39,7 @@ from sten_core.dispatch.sparsifier_dispatch import apply_spec, same_format_layou
 from sten_core.dispatch.writes import accumulate
 from sten_core.model.tensor import layout_of, services
 
+never_compiled(dispatch_call)  # eager_only: Dynamo must not compile it as a frame of its own
 services.install(dispatch_call=dispatch_call, dense_with_grad=dense_with_grad,
                  same_format_layout=same_format_layout, convert=convert, accumulate=accumulate)
 
