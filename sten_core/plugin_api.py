@@ -7,7 +7,10 @@ plugins in this repository).
   (``DenseConvertible``, ``StoredValues``, ``StateTensors``, ``Movable``;
   ``implements(layout, Protocol)`` checks them), the wrappers, sparsifiers,
   the registry and its keys, the built-in torch layouts;
-- dispatch: ``sparsify``, ``convert``, errors and the failure mode; ``note(text)``
+- dispatch: ``sparsify``, ``convert``, errors and the failure mode; the warnings a plugin
+  may filter (``DispatchWarning``; ``OverrideWarning``: a registration replaced another
+  plugin's; ``PluginHookWarning``: a plugin's hook raised; ``PluginLoadWarning``: a plugin
+  failed to load); ``note(text)``
   says which variant an implementation picked (a tuned kernel, say): ``sten explain``
   shows it under the running call's row (``observing()``: whether anyone listens);
 - one-shot pruning, for layouts with their own masks: ``CalibratedSparsifier``,
@@ -45,7 +48,8 @@ from sten_core.model.helpers import (FLOAT_DTYPES, bias_grad, check_nm, check_te
 from sten_core.model.layouts import (DenseConvertible, Layout, Movable, StateTensors, StoredValues,
                                      builds_from_dense, implements, layout_metadata, supports_values,
                                      to_dense_tensor)
-from sten_core.model.registry import Entry, OpKey, Registry, normalize_inp, normalize_out_pairs, registry, trim
+from sten_core.model.registry import (Entry, OpKey, OverrideWarning, Registry, normalize_inp, normalize_out_pairs,
+                                      registry, trim)
 from sten_core.model.signatures import op_name
 from sten_core.model.sparsifiers import (BLOCKING, BUILTIN_SPARSIFIERS, BlockwiseFractionSparsifier, KeepAll,
                                          PerBlockFractionSparsifier, RandomFractionSparsifier,
@@ -54,6 +58,7 @@ from sten_core.model.sparsifiers import (BLOCKING, BUILTIN_SPARSIFIERS, Blockwis
 from sten_core.model.spec import OutputSpec
 from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper, densify
 from sten_core.plugins import register_plugin, unregister_plugin
+from sten_core.plugins.manager import PluginHookWarning, PluginLoadWarning
 from sten_core.training.pruning import METHODS, CalibratedSparsifier, SparseGPTSparsifier, WandaSparsifier, sparsegpt
 from sten_core.training.pruning.sparsegpt import ChunkRule, NMRule
 from sten_core.plugins.bench_layouts import BenchLayout, nm_for_sparsity, nm_label
@@ -72,7 +77,8 @@ __all__ = [
     "CalibratedSparsifier", "ChunkRule", "METHODS", "NMRule", "SparseGPTSparsifier", "WandaSparsifier", "sparsegpt",
     "BLOCKING", "BUILTIN_SPARSIFIERS", "BenchLayout", "BlockwiseFractionSparsifier", "CooTensor", "CscTensor",
     "CsrTensor", "DenseConvertible", "DenseTensor", "DispatchError", "DispatchWarning", "Entry", "FLOAT_DTYPES",
-    "KeepAll", "Layout", "Movable", "OpKey", "OutputSpec", "PerBlockFractionSparsifier",
+    "KeepAll", "Layout", "Movable", "OpKey", "OutputSpec", "OverrideWarning", "PerBlockFractionSparsifier",
+    "PluginHookWarning", "PluginLoadWarning",
     "RandomFractionSparsifier", "Registry", "SameFormatSparsifier", "ScalarFractionSparsifier",
     "ScalarThresholdSparsifier", "SparseParameterWrapper", "SparseTensorWrapper", "Sparsifier", "StateTensors",
     "StoredValues", "bias_grad", "block_keep_mask", "builds_from_dense", "check_nm", "check_tensor", "convert", "cpu_model",

@@ -87,6 +87,14 @@ def test_bad_block_shape():
         sten.BlockwiseFractionSparsifier(0.5, ())
 
 
+@pytest.mark.parametrize("bad", ["x", 2.5, None, (2, "x"), (True, 2)])
+def test_block_shape_of_wrong_type(bad):
+    """A float or ``None`` raised ``'float' object is not iterable``; a string was split into
+    characters and rejected as a ValueError."""
+    with pytest.raises(TypeError, match="^block_shape must be an int or a tuple of ints, got "):
+        sten.BlockwiseFractionSparsifier(0.5, bad)
+
+
 def test_threshold_must_be_a_number():
     with pytest.raises(TypeError, match="threshold"):
         sten.ScalarThresholdSparsifier("1")
@@ -108,6 +116,50 @@ def test_non_tensor_to_helpers():
 def test_wrapper_of_a_plain_tensor():
     with pytest.raises(TypeError, match="wrapped_tensor must be a layout object"):
         sten.SparseTensorWrapper(torch.ones(2))
+
+
+@pytest.mark.parametrize("make", [sten.SparseTensorWrapper, sten.SparseParameterWrapper,
+                                  lambda v: sten.SparseTensorWrapper.wrapped_from_dense(v, torch.ones(2))],
+                         ids=["SparseTensorWrapper", "SparseParameterWrapper", "wrapped_from_dense"])
+@pytest.mark.parametrize("bad, got", [(3, "got int$"), (None, "got NoneType$"), ("csr", "got str$"),
+                                      (sten.CsrTensor, r"CsrTensor.from_dense\(t\)\), got the class CsrTensor$")])
+def test_a_wrapper_of_something_that_is_not_a_layout_object(make, bad, got):
+    """``SparseTensorWrapper(3)`` raised ``AttributeError: 'int' object has no attribute 'to_dense'``
+    from deep inside; the class itself (``SparseTensorWrapper(CsrTensor)``), a TypeError about
+    ``self``."""
+    with pytest.raises(TypeError, match="^wrapped_tensor must be a layout object .*" + got):
+        make(bad)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_a_wrapper_s_requires_grad_must_be_a_bool(bad):
+    with pytest.raises(TypeError, match="^requires_grad must be a bool, got "):
+        sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(2)), bad)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"ref": 3}, "ref"), ({"ref": "w"}, "ref"), ({"ref_sp_ten": 2.0}, "ref_sp_ten"),
+                                          ({"ref": sten.CsrTensor}, "ref")])
+def test_same_format_sparsifier_needs_a_reference_tensor(kwargs, name):
+    """``SameFormatSparsifier(3)`` was accepted, and failed only where it was used."""
+    with pytest.raises(TypeError, match=f"^SameFormatSparsifier: {name} must be the reference tensor"):
+        sten.SameFormatSparsifier(**kwargs)
+    layout = sten.CsrTensor.from_dense(torch.eye(2))
+    for ref in (layout, sten.SparseTensorWrapper(layout), torch.eye(2)):   # what it takes
+        assert sten.SameFormatSparsifier(ref).ref is ref
+
+
+@pytest.mark.parametrize("layout", [sten.DenseTensor, sten.CooTensor, sten.CsrTensor, sten.CscTensor])
+@pytest.mark.parametrize("bad", [3, "dense", "wrong torch layout"])
+def test_a_torch_layout_constructor_names_what_it_takes(layout, bad):
+    """``CooTensor(3)`` raised ``AttributeError: 'int' object has no attribute '_indices'``,
+    ``CsrTensor(dense)`` one about ``crow_indices``, and ``DenseTensor(3)`` was accepted."""
+    if bad == "dense":
+        bad = torch.eye(2) if layout is not sten.DenseTensor else torch.eye(2).to_sparse()
+    elif bad == "wrong torch layout":
+        bad = torch.eye(2).to_sparse_csr() if layout is not sten.CsrTensor else torch.eye(2).to_sparse()
+    with pytest.raises(TypeError, match=rf"^{layout.__name__}\(data\): data must be a torch\.\w+ torch\.Tensor, "
+                                        rf"got .*{layout.__name__}\.from_dense"):
+        layout(bad)
 
 
 def test_wrapped_from_dense_needs_a_tensor():

@@ -210,3 +210,35 @@ def test_plugin_notes_attach_to_the_running_call():
     assert "chose: outside any call (1 calls)" in str(report)
     assert report.as_dicts()[0]["notes"] == {"outside any call": 1}
     assert not plugin_api.observing()
+
+
+def test_an_observed_conversion_is_described_by_its_layouts():
+    """A conversion reaches observers with an ``OpKey`` whose operator is ``None``: its
+    ``describe()`` read ``convert torch.None inp=(DenseTensor,) out=CooTensor`` (``op_name``
+    took ``getattr(torch, "None", None) is None`` for a match), so a ``sten demo`` or a custom
+    observer printed it."""
+    w = sten.SparseTensorWrapper(sten.DenseTensor.from_dense(torch.eye(3)))
+    seen = []
+    with dispatch.observed(lambda event: seen.append((event["kind"], event["key"].describe()))):
+        torch.mm(w, torch.ones(3, 2))
+    conversions = [text for kind, text in seen if kind == "convert"]
+    assert conversions == ["convert DenseTensor -> CooTensor"]
+    assert not any("torch.None" in text for _, text in seen)
+
+
+def test_op_names_of_operators_without_a_torch_name():
+    """What explain rows, warnings and the fix decorators call an operator."""
+    import functools
+
+    from sten_core.model.signatures import op_name
+
+    class Scale:
+        def __call__(self, x):
+            return 2 * x
+
+    assert op_name(None) == "None"
+    assert op_name(functools.partial(torch.mul, other=2)) == "functools.partial(torch.mul)"
+    assert op_name(Scale()) == f"{__name__}.test_op_names_of_operators_without_a_torch_name.<locals>.Scale object"
+    assert op_name(torch.ops.aten.add.Tensor) == "torch.ops.aten.add.Tensor"   # was torch._ops.aten.aten::add.Tensor
+    assert (op_name(torch.add), op_name(torch.Tensor.add_), op_name(F.linear)) == (
+        "torch.add", "Tensor.add_", "torch.nn.functional.linear")

@@ -85,3 +85,55 @@ def test_set_weight_grad_in_another_layout_holds_the_gradient_at_the_stored_posi
     assert type(w.grad.wrapped_tensor) is sten.CooTensor
     assert w.grad.wrapped_tensor.nnz <= int(stored.sum())
     torch.testing.assert_close(w.grad.to_dense(), dense.grad * stored)
+
+
+HALF_OPS = {
+    "F.linear": lambda w, x: F.linear(x, w),
+    "W @ x.T": lambda w, x: w @ x.t(),
+    "torch.mm(x, W.t())": lambda w, x: torch.mm(x, w.t()),
+}
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor, sten.CooTensor], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op", HALF_OPS)
+def test_a_half_precision_weight_keeps_its_layout_in_its_gradient(layout, dtype, op):
+    """A bf16 / fp16 CSR weight whose ``grad_fmt`` keeps its layout failed in backward inside
+    torch (``sparse_sampled_addmm``: "Expected self to be a floating-point or complex tensor, but
+    got BFloat16": no half kernel on the CPU); it now samples in float32. The gradient is dense
+    torch's (float32 reference, rounded) at the stored positions, in the weight's layout and dtype."""
+    torch.manual_seed(0)
+    dense = (torch.randn(6, 8) * (torch.rand(6, 8) > 0.5)).to(dtype)
+    fmt = (sten.KeepAll(), layout, sten.KeepAll(), layout)
+    w = sten.SparseParameterWrapper(layout.from_dense(dense), grad_fmt=fmt)
+    x, t = torch.randn(5, 8, dtype=dtype), torch.randn(6, 5).t().contiguous().to(dtype)
+    ref = dense.float().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)  # (W @ x, x @ W.t(): the dense backward, re-stored)
+        out = HALF_OPS[op](w, x)
+        (out.float() * (t if out.shape == t.shape else t.t()).float()).sum().backward()
+    ref_out = HALF_OPS[op](ref, x.float())
+    (ref_out * (t if ref_out.shape == t.shape else t.t()).float()).sum().backward()
+    assert type(w.grad.wrapped_tensor) is layout and w.grad.dtype == dtype
+    torch.testing.assert_close(w.grad.to_dense().float(), ref.grad * (dense != 0), atol=2e-2, rtol=2e-2)
+
+
+def test_set_weight_grad_keeping_a_bf16_csr_layout_trains():
+    """The builder's spelling of the same (``set_weight_grad`` naming ``CsrTensor``), one SGD step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4)).to(torch.bfloat16)
+    sb = sten.SparsityBuilder(model)
+    sb.set_weight("0.weight", initial_sparsifier=sten.ScalarFractionSparsifier(0.5), out_format=sten.CsrTensor)
+    sb.set_weight_grad("0.weight", inline_sparsifier=sten.KeepAll(), tmp_format=sten.CsrTensor,
+                       external_sparsifier=sten.KeepAll(), out_format=sten.CsrTensor)
+    sparse = sb.get_sparse_model()
+    w = sparse[0].weight
+    before = w.to_dense().float()
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    sparse(x).float().sum().backward()
+    assert type(w.grad.wrapped_tensor) is sten.CsrTensor and w.grad.dtype == torch.bfloat16
+    expected = (torch.ones(3, 4).t() @ x.float()) * (before != 0)
+    torch.testing.assert_close(w.grad.to_dense().float(), expected, atol=3e-2, rtol=2e-2)
+    torch.optim.SGD(sparse.parameters(), lr=0.1).step()
+    assert type(w.wrapped_tensor) is sten.CsrTensor
+    torch.testing.assert_close(w.to_dense().float(), before - 0.1 * w.grad.to_dense().float(), atol=3e-2, rtol=2e-2)

@@ -116,3 +116,26 @@ def test_gradcheck_registered_implementation(case):
 
     assert torch.autograd.gradcheck(f, tuple(gc_inputs), eps=1e-6, atol=1e-5, rtol=1e-4)
 
+
+
+WRAPPER_INPUT_FUNCTIONS = {
+    "sin": torch.sin,
+    "pow": lambda w: w.pow(2),
+    "to_dense() * 3": lambda w: w.to_dense() * 3,
+    "exp": torch.exp,
+    "mm": lambda w: torch.mm(w, torch.linspace(-1, 1, 12, dtype=torch.float64).view(4, 3)),
+}
+
+
+@pytest.mark.parametrize("fn", WRAPPER_INPUT_FUNCTIONS)
+def test_gradcheck_takes_a_dense_tensor_wrapper_as_input(fn):
+    """gradcheck perturbs its inputs through ``x.data``; with a ``DenseTensor`` wrapper as the
+    input, that write bumped the version of the dense tensor ``sin`` / ``pow`` had saved (the
+    layout's own storage), and gradcheck raised "modified by an inplace operation"."""
+    torch.manual_seed(0)
+    w = sten.SparseTensorWrapper(sten.DenseTensor.from_dense(torch.randn(3, 4, dtype=torch.float64)),
+                                 requires_grad=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)  # gradcheck's own indexing of the wrapper
+        assert torch.autograd.gradcheck(WRAPPER_INPUT_FUNCTIONS[fn], (w,), eps=1e-6, atol=1e-5, rtol=1e-4)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import sten_core as sten
 from sten_core import dispatch
+from sten_core.model.tensor import densify
 from sten_nm import ColumnGroupedNMTensor, NMTensor
 from sten_scipy import ScipyCsrTensor
 
@@ -351,3 +352,95 @@ def test_out_of_place_mul_and_div_give_dense_torchs_non_finite_values(layout, op
         assert type(got.wrapped_tensor) is layout
     got = got.to_dense() if isinstance(got, sten.SparseTensorWrapper) else got
     torch.testing.assert_close(got, run(d), equal_nan=True)
+
+
+DATA_WRITES = {  # (write, undo): gradcheck's pattern (perturb an entry through x.data, restore it)
+    "w.data.mul_(2)": (lambda d, keep: d.mul_(2.0), lambda d, keep: d.div_(2.0)),
+    "w.data[0] = 1": (lambda d, keep: d.__setitem__(0, 1.0), lambda d, keep: d.__setitem__(0, keep[0])),
+    "w.data.copy_(t)": (lambda d, keep: d.copy_(torch.full(tuple(d.shape), 3.0)), lambda d, keep: d.copy_(keep)),
+}
+DATA_LOSSES = {
+    "sin": lambda w: torch.sin(w).sum(),
+    "pow": lambda w: w.pow(2).sum(),
+    "to_dense() ** 2": lambda w: (w.to_dense() ** 2).sum(),
+    "w * w": lambda w: (w * w).sum(),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("write", DATA_WRITES)
+@pytest.mark.parametrize("loss", DATA_LOSSES)
+def test_writes_through_data_between_forward_and_backward(layout, write, loss):
+    """Dense torch does not bump the version counter for writes through ``t.data``. A
+    ``DenseTensor``'s dense form was its own storage, saved by ``sin`` / ``pow``: a write through
+    ``w.data`` bumped it, and backward raised "modified by an inplace operation" (so ``gradcheck``
+    failed on DenseTensor wrappers). Now each write lands in ``w`` at its stored positions,
+    ``w``'s version stays, and backward gives dense torch's gradient."""
+    d = sparse_dense()
+    w = sten.SparseTensorWrapper(layout.from_dense(d.clone()), requires_grad=True)
+    ref = w.to_dense().detach().clone().requires_grad_()
+    do, undo = DATA_WRITES[write]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        out, ref_out = DATA_LOSSES[loss](w), DATA_LOSSES[loss](ref)
+        keep, ref_keep = w.to_dense().detach().clone(), ref.detach().clone()
+        do(w.data, keep)
+        do(ref.data, ref_keep)
+        torch.testing.assert_close(w.to_dense().detach(), ref.detach() * kept(w))
+        undo(w.data, keep)
+        undo(ref.data, ref_keep)
+        out.backward()
+        ref_out.backward()
+    assert w._version == ref._version == 0
+    torch.testing.assert_close(w.to_dense().detach(), ref.detach())
+    at = kept(w) if isinstance(w.grad, sten.SparseTensorWrapper) else True  # a sparse gradient: at w's positions
+    torch.testing.assert_close(densify(w.grad), ref.grad * at)
+
+
+@pytest.mark.parametrize("loss", ["w * x", "sin(w * x)"])
+def test_a_write_through_data_of_a_frozen_weight_does_not_break_backward(loss):
+    """A frozen wrapper whose dense form is its own storage (here a layout without the
+    stored-values protocol, so the product runs densely) saved for ``x``'s gradient."""
+    from fake_layouts import DenseCopyLayout
+
+    w = sten.SparseTensorWrapper(DenseCopyLayout.from_dense(torch.full((3, 3), 2.0)))
+    x = torch.randn(3, 3, requires_grad=True)
+    ref = x.detach().clone().requires_grad_()
+    f = (lambda a, b: (a * b).sum()) if loss == "w * x" else (lambda a, b: torch.sin(a * b).sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        out = f(w, x)
+        w.data.mul_(2.0)
+        out.backward()
+    f(torch.full((3, 3), 2.0), ref).backward()
+    torch.testing.assert_close(x.grad, ref.grad)
+    torch.testing.assert_close(w.to_dense(), torch.full((3, 3), 4.0))
+
+
+@pytest.mark.parametrize("layout", [sten.DenseTensor, sten.CsrTensor, sten.CooTensor, sten.CscTensor])
+def test_assigning_data_is_no_in_place_change(layout):
+    """``w.data = t`` bumped ``w``'s version, so a backward that held ``w`` raised; dense torch
+    keeps the version, and its backward reads the new values: so does the wrapper's."""
+    torch.manual_seed(0)
+    start, new = torch.randn(4, 4), torch.randn(4, 4)
+    ref = start.clone().requires_grad_()
+    w = sten.SparseTensorWrapper(layout.from_dense(start.clone()), requires_grad=True)
+    ref_out, out = (ref * ref).sum(), (w * w).sum()
+    ref.data = new.clone()
+    w.data = new.clone()
+    ref_out.backward()
+    out.backward()
+    assert w._version == ref._version == 0
+    assert type(w.wrapped_tensor) is layout
+    torch.testing.assert_close(densify(w.grad), ref.grad)
+
+
+def test_a_real_in_place_write_after_forward_still_raises():
+    """What the fix must keep: an in-place change of ``w`` itself (not through ``.data``) while
+    a backward holds it raises, as in dense torch."""
+    w = sten.SparseTensorWrapper(sten.DenseTensor.from_dense(torch.randn(3, 3)), requires_grad=True)
+    out = (w * w).sum()
+    with torch.no_grad():
+        w.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()

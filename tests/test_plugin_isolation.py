@@ -313,3 +313,16 @@ def test_plugin_guide_counts_the_hooks_and_documents_precedence():
     bench = guide.split("### `sten_bench_layouts`")[1].split("\n## ")[0]
     assert "register_conversion" not in bench, "the conversion bullet belongs to sten_register, not the bench hook"
     assert "the last registration wins while it exists" in guide and "PluginHookWarning" in guide
+
+
+def test_the_warnings_a_plugin_filters_come_from_the_plugin_api():
+    """A plugin imports ``sten_core.plugin_api`` only: the warnings it may want to filter in its
+    tests (an override of another plugin's registration, a raising hook, a failed load) were not
+    there, so filtering them meant importing the core's internal modules."""
+    assert api.OverrideWarning is OverrideWarning
+    assert api.PluginHookWarning is PluginHookWarning
+    assert api.PluginLoadWarning is PluginLoadWarning
+    names = {"OverrideWarning", "PluginHookWarning", "PluginLoadWarning", "DispatchWarning"}
+    assert names <= set(api.__all__)
+    api_doc = (ROOT / "docs" / "api.md").read_text()
+    assert all(f"plugin_api.{name}" in api_doc for name in names)

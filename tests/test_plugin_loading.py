@@ -210,3 +210,57 @@ def test_unknown_name_in_sten_plugins_is_reported(monkeypatch):
         with pytest.raises(PluginLoadError, match="'nosuch'"):
             sten.plugins.ensure_loaded()
         assert "KnownLayout" in sten.registry.layouts, "the valid name is still loaded"
+
+
+def test_sten_plugins_lists_every_installed_plugin_with_why_it_is_off(monkeypatch, capsys):
+    """``sten plugins`` promises every installed plugin, available or not, and why: a plugin that
+    ``STEN_DISABLE_PLUGINS`` blocked or ``STEN_PLUGINS`` left out was missing from it."""
+    eps = [FakeEntryPoint(name, lambda name=name: plugin_module(name, [layout_class(f"{name.title()}Layout", name)]))
+           for name in ("alpha", "beta", "gamma")]
+    with installed(monkeypatch, eps, STEN_DISABLE_PLUGINS="beta"):
+        assert cli.main(["plugins"]) == 0
+        rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+        assert rows["alpha"]["available"] and rows["alpha"]["layouts"] == ["AlphaLayout"]
+        assert rows["beta"] == {"name": "beta", "version": None, "available": False,
+                                "reason": "not loaded: STEN_DISABLE_PLUGINS names it", "layouts": [], "hooks": []}
+    with installed(monkeypatch, eps, STEN_PLUGINS="gamma"):
+        assert {row["name"] for row in sten.plugins.plugin_report()} == {"builtin", "pruning", "gamma"}  # loaded
+        rows = {row["name"]: row for row in sten.plugins.plugin_report(skipped=True)}
+        assert set(rows) == {"builtin", "pruning", "alpha", "beta", "gamma"}
+        assert rows["gamma"]["available"]
+        for name in ("alpha", "beta"):
+            assert rows[name]["available"] is False
+            assert rows[name]["reason"] == "not loaded: STEN_PLUGINS names only gamma"
+
+
+@pytest.mark.parametrize("info, available, reason", [
+    (lambda: {"name": "Fancy Plugin", "version": "2.0", "available": True, "reason": None}, True, None),
+    (lambda: {"name": "fancy", "available": "yes"}, False, "sten_plugin_info() returned available='yes', not a bool"),
+    (lambda: {"name": "fancy", "available": False}, False, "the plugin reports itself unavailable and gives no reason"),
+], ids=["another name", "available not a bool", "unavailable without a reason"])
+def test_sten_plugins_names_a_plugin_by_its_entry_point(monkeypatch, info, available, reason):
+    """The name ``STEN_PLUGINS`` / ``STEN_DISABLE_PLUGINS`` take is the entry point's: a plugin
+    whose ``sten_plugin_info()`` said another name was listed under that one (which selects
+    nothing); ``"available": "yes"`` read as available, and an unavailable plugin could give no reason."""
+    eps = [FakeEntryPoint("fancy", lambda: plugin_module("fancy", [layout_class("FancyLayout", "fancy")], info=info))]
+    with installed(monkeypatch, eps):
+        row = next(row for row in sten.plugins.plugin_report() if row["layouts"] == ["FancyLayout"])
+    assert row["name"] == "fancy"
+    assert row.get("reported_name") == ("Fancy Plugin" if available else None)
+    assert (row["available"], row["reason"]) == (available, reason)
+
+
+def test_sten_plugins_in_strict_mode_prints_the_report_then_fails(monkeypatch, capsys):
+    """Under ``STEN_STRICT_PLUGINS=1`` a plugin that failed to load made ``sten plugins`` (the
+    command that says why) end in a ``PluginLoadError`` traceback."""
+    def broken_load():
+        raise ImportError("no module named broken_dep")
+
+    eps = [FakeEntryPoint("broken", broken_load)]
+    with installed(monkeypatch, eps, STEN_STRICT_PLUGINS="1"):
+        assert cli.main(["plugins"]) == 1
+        out, err = capsys.readouterr()
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert rows["builtin"]["available"] and rows["broken"]["available"] is False
+    assert "failed to load: ImportError: no module named broken_dep" in rows["broken"]["reason"]
+    assert err.startswith("sten: error: sten plugin 'broken' failed to load")

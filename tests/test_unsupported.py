@@ -164,3 +164,85 @@ def test_sparse_times_sparse_linear_in_half_precision(precision):
     torch.testing.assert_close(y.float(), F.linear(xd, wd), rtol=2e-2, atol=5e-2)
     y.float().sum().backward()
     torch.testing.assert_close(w.grad.float(), torch.ones(6, 4).t() @ xd.to(want).float(), rtol=2e-2, atol=5e-2)
+
+
+class PickyCsr(sten.CsrTensor):
+    """A CSR layout (its dense form a copy) whose in-place ``mul_`` takes positive factors only."""
+
+
+class PickyCopy(DenseCopyLayout):
+    """A layout without the stored-values protocol, with the same picky ``mul_``."""
+
+
+@pytest.fixture
+def picky_mul_():
+    calls = []
+
+    def mul_(ctx, inputs, outs):
+        w, factor = inputs[0], inputs[1]
+        if not isinstance(factor, (int, float)) or factor <= 0:
+            raise sten.Unsupported(f"factor {factor} (the kernel scales by positive numbers)")
+        calls.append(factor)
+        layout = w.wrapped_tensor
+        if isinstance(layout, PickyCsr):
+            w.wrapped_tensor = layout.with_values(layout.values() * factor)
+        else:
+            w.wrapped_tensor = type(layout)(layout.data * factor)
+        return w   # the target as the implementation got it (a detached twin when w requires grad)
+
+    try:
+        with sten.registry.owner(OWNER):
+            for layout in (PickyCsr, PickyCopy):
+                sten.registry.register_layout(layout)
+                sten.registry.register_fwd_op_impl(torch.Tensor.mul_, (layout, None), None, mul_)
+        sten.dispatch.reset_warnings()
+        yield calls
+    finally:
+        sten.registry.remove_owner(OWNER)
+        sten.dispatch.reset_warnings()
+
+
+@pytest.mark.parametrize("layout", [PickyCsr, PickyCopy], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("trained", [False, True], ids=["frozen", "requires grad, under no_grad"])
+def test_a_declined_in_place_call_runs_dense_into_its_target(picky_mul_, layout, trained):
+    """A declined in-place implementation raised ``Unsupported`` out of ``w.mul_(-3)`` (a wrapper
+    that requires grad, under ``no_grad``), or ran the dense op on a copy and returned it instead
+    of writing ``w`` (a frozen wrapper, the cached fast path). Now it falls back as other calls do:
+    the dense op, written into ``w`` (at its stored positions), ``w`` returned, one warning."""
+    torch.manual_seed(0)
+    start = torch.randn(4, 5) * (torch.rand(4, 5) > 0.4)
+    w = sten.SparseTensorWrapper(layout.from_dense(start.clone()), requires_grad=trained)
+    ref = start.clone()
+    messages = []
+    with torch.no_grad():
+        for factor in (2.0, -3.0, -3.0, 0.5):  # the second -3 takes the cached call shape
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = w.mul_(factor)
+            messages += [str(c.message) for c in caught if issubclass(c.category, sten.DispatchWarning)]
+            ref.mul_(factor)
+            assert out is w
+            torch.testing.assert_close(w.to_dense(), ref)
+    assert picky_mul_ == [2.0, 0.5]
+    assert len(messages) == 1 and "declined (factor -3.0 (the kernel scales by positive numbers))" in messages[0]
+    assert type(w.wrapped_tensor) is layout and w.requires_grad == trained
+
+
+def test_a_declined_in_place_call_raises_in_raise_mode(picky_mul_):
+    w = sten.SparseTensorWrapper(PickyCsr.from_dense(torch.eye(3)), requires_grad=True)
+    with torch.no_grad(), sten.dispatch.failure_mode("raise"):
+        with pytest.raises(sten.DispatchError, match="declined"):
+            w.mul_(-1.0)
+    torch.testing.assert_close(w.to_dense(), torch.eye(3))
+
+
+def test_an_in_place_implementation_returning_its_input_returns_the_target(picky_mul_):
+    """An in-place implementation gets the detached twin of a wrapper that requires grad: its
+    write into that twin (``inputs[0].wrapped_tensor = ...``) did not reach ``w``, and returning
+    the twin gave the caller a new wrapper, not ``w`` (``w.mul_(2).mul_(2)`` left ``w`` as it was).
+    Now the twin shares ``w``'s layout, the call returns ``w`` and bumps its version."""
+    w = sten.SparseTensorWrapper(PickyCsr.from_dense(torch.eye(3)), requires_grad=True)
+    with torch.no_grad():
+        out = w.mul_(2.0).mul_(2.0)
+    assert out is w and w._version > 0
+    torch.testing.assert_close(w.to_dense(), 4 * torch.eye(3))

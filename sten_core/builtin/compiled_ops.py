@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from sten_core.builtin.ops import _sparse_times
+from sten_core.builtin.ops import _sparse_times, sampled_at_csr
 from sten_core.builtin.torch_layouts import CscTensor, CsrTensor
 
 
@@ -74,7 +74,7 @@ def csr_sampled(a: torch.Tensor, b: torch.Tensor, crow: torch.Tensor, col: torch
     ones = torch.ones(col.shape[0], dtype=a.dtype, device=a.device)
     pattern = torch.sparse_csr_tensor(crow, col, ones, (crow.shape[0] - 1, b.shape[1]))
     with _no_autocast():
-        return torch.sparse.sampled_addmm(pattern, a.contiguous(), b.contiguous(), beta=0.0).values().clone()
+        return sampled_at_csr(pattern, a.contiguous(), b.contiguous()).clone()
 
 
 @csr_sampled.register_fake

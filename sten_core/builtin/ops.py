@@ -86,11 +86,26 @@ def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+def sampled_at_csr(pattern: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Values of ``a @ b`` at the positions of the CSR tensor ``pattern`` (``sampled_addmm``).
+
+    Half precision computes in float32 and returns ``a``'s dtype: ``sampled_addmm`` has no
+    bfloat16 / float16 kernel on the CPU ("Expected self to be a floating-point or complex
+    tensor, but got BFloat16"), so a half CSR weight whose ``grad_fmt`` keeps its layout failed
+    in backward.
+    """
+    if a.dtype in (torch.bfloat16, torch.float16):
+        out = torch.sparse.sampled_addmm(pattern.to(torch.float32), a.float(), b.float(), beta=0.0).values()
+        return out.to(a.dtype)
+    if pattern.dtype != a.dtype:
+        pattern = pattern.to(a.dtype)
+    return torch.sparse.sampled_addmm(pattern, a, b, beta=0.0).values()
+
+
 def _sampled(layout: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Values of ``a @ b`` at the stored positions of a 2-D layout."""
     if isinstance(layout, CsrTensor):
-        pattern = layout.data if layout.dtype == a.dtype else layout.data.to(a.dtype)
-        return torch.sparse.sampled_addmm(pattern, a, b, beta=0.0).values()
+        return sampled_at_csr(layout.data, a, b)
     rows, cols = layout.coords() if isinstance(layout, _Compressed) else tuple(layout.data._indices())
     out = torch.empty(rows.numel(), dtype=a.dtype, device=a.device)
     step = max(1, (1 << 22) // max(1, a.shape[1]))

@@ -30,6 +30,13 @@ def _check_dense(tensor: Any, cls: type, ndim: int | None = None) -> torch.Tenso
     return tensor
 
 
+def _bad_data(cls: type, data: Any) -> None:
+    """The ``TypeError`` of ``CsrTensor(3)`` or ``CsrTensor(dense)``: what the constructor takes."""
+    got = f"a {data.layout} tensor" if isinstance(data, torch.Tensor) else type(data).__name__
+    raise TypeError(f"{cls.__name__}(data): data must be a {cls._torch_layout} torch.Tensor, got {got} "
+                    f"({cls.__name__}.from_dense(tensor) builds one from a dense tensor)")
+
+
 def _own(*members: torch.Tensor) -> tuple:
     """A sparse tensor's member tensors as plain aliases (same storage and version
     counter, not views of the sparse tensor): ``torch.compile`` can take them as
@@ -40,7 +47,12 @@ def _own(*members: torch.Tensor) -> tuple:
 class _TorchLayout(Layout):
     """Common parts of the layouts that hold one torch tensor in ``data``."""
 
-    def __init__(self, data: torch.Tensor):
+    _torch_layout = torch.strided  # the torch layout ``data`` has
+
+    def __init__(self, data: torch.Tensor, check: bool = True):
+        if check and ((type(data) is not torch.Tensor and not isinstance(data, torch.Tensor))
+                      or data.layout is not self._torch_layout):
+            _bad_data(type(self), data)
         self.data = data
 
     @property
@@ -118,7 +130,7 @@ class _Members(_TorchLayout):
     """
 
     def __init__(self, data: torch.Tensor, members: tuple | None = None):
-        super().__init__(data)
+        super().__init__(data, check=members is None)  # (built from members: while tracing, data is dense)
         self._members = members if members is not None else self._extract(data)
 
     @property
@@ -167,6 +179,8 @@ class _Members(_TorchLayout):
 
 class CooTensor(_Members):
     """Coordinate format (``torch.sparse_coo``, coalesced), any number of dims."""
+
+    _torch_layout = torch.sparse_coo
 
     @classmethod
     def from_dense(cls, tensor: torch.Tensor) -> "CooTensor":
@@ -221,6 +235,8 @@ class _Compressed(_Members):
 class CsrTensor(_Compressed):
     """Compressed sparse rows (``torch.sparse_csr``), 2-D."""
 
+    _torch_layout = torch.sparse_csr
+
     @classmethod
     def from_dense(cls, tensor: torch.Tensor) -> "CsrTensor":
         return cls(_check_dense(tensor, cls, 2).to_sparse_csr())
@@ -236,6 +252,8 @@ class CsrTensor(_Compressed):
 
 class CscTensor(_Compressed):
     """Compressed sparse columns (``torch.sparse_csc``), 2-D."""
+
+    _torch_layout = torch.sparse_csc
 
     _compress_dim = 1
 

@@ -17,7 +17,7 @@ import torch
 
 from sten_core.dispatch.call import _Call, grad_spec
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
-from sten_core.model.layouts import to_dense_tensor
+from sten_core.model.layouts import unshared_dense
 from sten_core.model.signatures import op_name
 from sten_core.model.spec import DENSE, OutputSpec
 from sten_core.model.tensor import WRAPPER_TYPES, SparseTensorWrapper, densify
@@ -51,12 +51,14 @@ class _DispatchFunction(torch.autograd.Function):
 
 class _Densify(torch.autograd.Function):
     """A wrapper as a dense tensor, differentiably: its gradient comes back in
-    the wrapper's ``grad_fmt``."""
+    the wrapper's ``grad_fmt``. The dense tensor never shares the layout's memory
+    (``unshared_dense``), so an operator that saved it (``sin``, ``pow``) is not broken
+    by a write through ``w.data``."""
 
     @staticmethod
     def forward(fctx: Any, wrapper: SparseTensorWrapper) -> torch.Tensor:
         fctx.spec, fctx.wrapper = grad_spec(wrapper), wrapper
-        return to_dense_tensor(wrapper.wrapped_tensor).detach()
+        return unshared_dense(wrapper.wrapped_tensor).detach()
 
     @staticmethod
     def backward(fctx: Any, grad: torch.Tensor) -> Any:

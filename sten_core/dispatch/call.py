@@ -26,8 +26,8 @@ from sten_core.dispatch.writes import into_target, run_dense_in_place
 from sten_core.model.registry import OpKey, trim
 from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.spec import DENSE, OutputSpec
-from sten_core.model.tensor import (DENSE_TYPES, PLAIN_TYPES, WRAPPER_TYPES, SparseTensorWrapper, densify,
-                                    detach_at, detached, layout_of, map_tensors, services)
+from sten_core.model.tensor import (DENSE_TYPES, PLAIN_TYPES, WRAPPER_TYPES, SparseTensorWrapper, _bump_version,
+                                    densify, detach_at, detached, layout_of, map_tensors, services)
 
 _NoTorchFunction = torch._C.DisableTorchFunctionSubclass
 
@@ -186,7 +186,10 @@ class _Call:
             self.ctx = OpContext(op, inputs, (self.args, self.kwargs))
             raw = run_impl(plan, self.ctx, self.specs)
             if detach:
-                raw = own_outputs(raw, inputs)
+                inplace = is_inplace(op, self.kwargs)
+                raw = own_outputs(raw, inputs, self.bound if inplace else None)
+                if inplace and isinstance(self.bound[0], SparseTensorWrapper):
+                    _bump_version(self.bound[0])  # it may have written the target's twin, whose counter is its own
             raw = into_target(raw, self.kwargs, self.bound)
         else:  # an in-place call without an implementation, outside autograd
             if plan.kind is PlanKind.FALLBACK:
@@ -427,16 +430,21 @@ def tensors_in(tree: Any) -> list:
     return found
 
 
-def own_outputs(out: Any, inputs: list) -> Any:
+def own_outputs(out: Any, inputs: list, originals: list | None = None) -> Any:
     """Outputs that are an input as the implementation saw it (a wrapper's cached
     detached twin) become a new alias: autograd gives outputs a history, and
-    the twin must stay private and without one."""
+    the twin must stay private and without one. With ``originals`` (the call's
+    own arguments: an in-place call, which returns its target), the argument itself."""
     if type(out) in DENSE_TYPES:
         return out
 
     def own(o: Any) -> Any:
-        if isinstance(o, SparseTensorWrapper) and any(o is i for i in inputs):
-            return SparseTensorWrapper(o.wrapped_tensor, False, o.grad_fmt)
+        if isinstance(o, SparseTensorWrapper):
+            for i, given in enumerate(inputs):
+                if o is given:
+                    if originals is not None and i < len(originals):
+                        return originals[i]
+                    return SparseTensorWrapper(o.wrapped_tensor, False, o.grad_fmt)
         return o
 
     return tuple(own(o) for o in out) if isinstance(out, tuple) else own(out)

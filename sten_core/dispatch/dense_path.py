@@ -27,6 +27,7 @@ from sten_core.dispatch.observers import active, notify
 from sten_core.dispatch.plan import Plan, PlanKind
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
 from sten_core.dispatch.wrapper_views import writable_views
+from sten_core.model.layouts import unshared_dense
 from sten_core.model.registry import OpKey
 from sten_core.model.signatures import op_name
 from sten_core.model.sparsifiers import SameFormatSparsifier
@@ -37,11 +38,12 @@ from sten_core.model.tensor import (SparseTensorWrapper, densify, densify_tree, 
 
 def differentiable_dense(tree: Any, grad: bool, made: list | None = None) -> Any:
     """``densify_tree``, keeping the autograd graph of wrappers that require grad; each
-    ``(wrapper, dense copy, its version)`` appended to ``made`` when given."""
+    ``(wrapper, dense copy, its version)`` appended to ``made`` when given. With ``grad``,
+    no dense tensor is a wrapper's own memory (``unshared_dense``): autograd may save it."""
 
     def dense(tensor: torch.Tensor) -> torch.Tensor:
-        if grad and isinstance(tensor, SparseTensorWrapper) and tensor.requires_grad:
-            d = apply_function(_Densify, tensor)
+        if grad and isinstance(tensor, SparseTensorWrapper):
+            d = apply_function(_Densify, tensor) if tensor.requires_grad else unshared_dense(tensor.wrapped_tensor)
         else:
             d = densify(tensor)
         if made is not None and isinstance(tensor, SparseTensorWrapper):

@@ -172,7 +172,10 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
     if is_inplace(op, kwargs):
         if grad and getattr(op, "__module__", None) != "torch.nn.init":   # (nn.init runs under no_grad itself)
             return inplace_with_grad(op, args, kwargs, bound, key, plan)
-        return _Call(op, args, kwargs, bound, positions, key, plan, specs).forward(detach=needs_grad)
+        try:
+            return _Call(op, args, kwargs, bound, positions, key, plan, specs).forward(detach=needs_grad)
+        except Unsupported as error:
+            return _dense_instead(op, args, kwargs, specs, key, plan.entry.fn, error)
     converted = None
     if plan.kind is PlanKind.CONVERT:
         converted = converted_inputs(bound, positions, plan, detach=needs_grad)
@@ -193,8 +196,13 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
 
 def _dense_instead(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | None, key: OpKey, impl: Any,
                    error: Unsupported) -> Any:
-    """The dense path for a call whose implementation declined it (``Unsupported``)."""
+    """The dense path for a call whose implementation declined it (``Unsupported``); an
+    in-place call (reached outside autograd only) is written back into its target, as one
+    without an implementation is."""
     declined(key, impl, error)  # (warned once per key: the fallback's own report is then silent)
+    if is_inplace(op, kwargs):
+        fallback = Plan(PlanKind.FALLBACK, key)
+        return _Call(op, args, kwargs, list(args), (), key, fallback, specs).forward(detach=False)
     grad = torch.is_grad_enabled() and any_requires_grad(*args, *kwargs.values())
     return composite(op, args, kwargs, key, Plan(PlanKind.FALLBACK, key), specs, grad)
 

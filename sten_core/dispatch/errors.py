@@ -38,8 +38,10 @@ class DispatchWarning(UserWarning):
 class Unsupported(Exception):
     """Raised by an implementation, before it computes anything, for inputs it does not handle
     (a rank, a dtype, a device its kernel lacks): the call then takes the dense path, with a
-    ``DispatchWarning`` (or, in ``"raise"`` mode, a ``DispatchError``) naming the reason. A
-    backward implementation may raise it too: the gradients are then the dense op's.
+    ``DispatchWarning`` (or, in ``"raise"`` mode, a ``DispatchError``) naming the reason; an
+    in-place call (``w.mul_(s)``) is then the dense op written into its target at the stored
+    positions, as one without an implementation. A backward implementation may raise it too:
+    the gradients are then the dense op's.
 
     Example (in an implementation):
         >>> def my_linear(ctx, inputs, output_sparsifiers):

@@ -149,6 +149,32 @@ def supports_values(layout: Any) -> bool:
     return implements(layout, StoredValues) and layout.values() is not None
 
 
+def is_layout_object(value: Any) -> bool:
+    """Whether ``value`` is a layout instance: an object with a ``to_dense()`` method,
+    neither a class nor a ``torch.Tensor``.
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> is_layout_object(sten.CsrTensor.from_dense(torch.eye(2))), is_layout_object(sten.CsrTensor)
+        (True, False)
+    """
+    return not isinstance(value, (type, torch.Tensor)) and callable(getattr(value, "to_dense", None))
+
+
+def type_name(value: Any) -> str:
+    """How an error message names what it got: ``int``, ``numpy.bool``, ``the class CsrTensor``.
+
+    Example:
+        >>> import sten_core as sten
+        >>> type_name(3), type_name(sten.CsrTensor)
+        ('int', 'the class CsrTensor')
+    """
+    if isinstance(value, type):
+        return f"the class {value.__name__}"
+    cls = type(value)
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__.split('.')[0]}.{cls.__name__}"
+
+
 def layout_metadata(layout: Any) -> tuple[torch.Size, torch.dtype, torch.device]:
     """Logical (shape, dtype, device) of any layout object.
 
@@ -175,6 +201,44 @@ def to_dense_tensor(layout: Any) -> torch.Tensor:
 
         dense = torch.from_numpy(np.asarray(dense))
     return dense
+
+
+def unshared_dense(layout: Any) -> torch.Tensor:
+    """``layout``'s dense tensor, copied where it is the layout's own storage (``DenseTensor``'s
+    ``to_dense()`` is): what autograd saves from it then never changes with the layout, so
+    writes through ``w.data`` (which autograd ignores, as for a dense tensor: ``gradcheck``
+    perturbs its inputs that way) break no backward, as with the other layouts, whose
+    ``to_dense()`` is a copy.
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> layout = sten.DenseTensor.from_dense(torch.ones(2))
+        >>> unshared_dense(layout).data_ptr() == layout.to_dense().data_ptr()
+        False
+    """
+    dense = to_dense_tensor(layout)
+    return dense.clone() if _shares_storage(dense, layout) else dense
+
+
+def _shares_storage(dense: torch.Tensor, layout: Any) -> bool:
+    """Whether ``dense`` lies in the memory of one of ``layout``'s tensors (its attributes,
+    tuples of them, its stored values)."""
+    try:
+        ptr = dense.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # fake or storage-less tensors (torch.compile)
+        return False
+    found = list(getattr(layout, "__dict__", {}).values())
+    if implements(layout, StoredValues):
+        found.append(layout.values())
+    for item in found:
+        for t in item if isinstance(item, (tuple, list)) else (item,):
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided and t.device == dense.device:
+                try:
+                    if t.untyped_storage().data_ptr() == ptr:
+                        return True
+                except (RuntimeError, NotImplementedError):
+                    continue
+    return False
 
 
 def builds_from_dense(cls: Any) -> bool:

@@ -36,9 +36,10 @@ _KIND_LABELS = {"impls": "implementation", "layouts": "layout", "conversions": "
 class OpKey(NamedTuple):
     """What a dispatch looks up.
 
-    ``direction`` is ``"fwd"``, ``"bwd"`` or ``"sparsifier"``. For ``fwd``:
-    ``inp`` are the argument layouts and ``out`` the ``(inline sparsifier class,
-    tmp_format)`` of each output (``None`` when the caller let the
+    ``direction`` is ``"fwd"``, ``"bwd"``, ``"sparsifier"`` or ``"convert"`` (what observers
+    are told of a conversion: ``op`` is ``None``, ``inp`` ``(source layout,)``, ``out`` the
+    target). For ``fwd``: ``inp`` are the argument layouts and ``out`` the ``(inline
+    sparsifier class, tmp_format)`` of each output (``None`` when the caller let the
     implementation choose). For ``bwd``: ``grad_out`` are the layouts of the
     incoming gradients and ``out`` the ``(inline class, tmp_format)`` wanted per
     input gradient. For ``sparsifier``: ``op`` is the sparsifier class, ``inp``
@@ -54,6 +55,8 @@ class OpKey(NamedTuple):
     def describe(self) -> str:
         if self.direction == "sparsifier":
             return f"sparsifier {_name(self.op)} inp={_name(self.inp[0])} out={_name(self.out)}"
+        if self.direction == "convert":  # a conversion's key has no operator (it read "convert torch.None ...")
+            return f"convert {_name(self.inp[0])} -> {_name(self.out)}"
         text = f"{self.direction} {op_name(self.op)} inp={_names(self.inp)}"
         if self.direction == "bwd":
             return f"{text} grad_out={_names(self.grad_out)} grad_inp={_names(self.out)}"

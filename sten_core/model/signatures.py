@@ -148,15 +148,46 @@ def bind(op: Any, args: tuple, kwargs: dict) -> list:
 
 
 def op_name(op: Any) -> str:
-    """A readable name: ``torch.add``, ``torch.nn.functional.linear``, ``Tensor.add_``."""
-    name = getattr(op, "__name__", None) or repr(op)
-    qual = getattr(op, "__qualname__", name)
+    """A readable name: ``torch.add``, ``torch.nn.functional.linear``, ``Tensor.add_``;
+    for a callable without a ``__name__``, what it is (``functools.partial(torch.add)``, the
+    class of a callable object). Only an operator that *is* ``torch.<name>`` is called so
+    (``None`` was ``torch.None``: ``getattr(torch, "None", None) is None``).
+
+    Example:
+        >>> import functools
+        >>> op_name(torch.add), op_name(torch.Tensor.add_), op_name(functools.partial(torch.mul, other=2))
+        ('torch.add', 'Tensor.add_', 'functools.partial(torch.mul)')
+        >>> op_name(None)
+        'None'
+    """
+    if isinstance(op, _ATEN_OPS):  # torch.ops.aten.add.Tensor: its own str is aten.add.Tensor
+        return f"torch.ops.{op}"
+    name = getattr(op, "__name__", None)
+    if not isinstance(name, str):
+        return _unnamed(op)
+    qual = getattr(op, "__qualname__", None) or name
     if "TensorBase" in qual or qual.startswith("Tensor."):
         return f"Tensor.{name}"
     module = getattr(op, "__module__", None)
     if module in (None, "torch._C._VariableFunctions", "torch"):
-        if getattr(torch, name, None) is op:
+        if getattr(torch, name, _REQUIRED) is op:
             return f"torch.{name}"
     if module in ("torch._C._nn", "torch.nn.functional") or getattr(torch.nn.functional, name, None) is op:
         return f"torch.nn.functional.{name}"
     return f"{module}.{qual}" if module else qual
+
+
+_ATEN_OPS = tuple(t for t in (getattr(torch._ops, "OpOverload", None), getattr(torch._ops, "OpOverloadPacket", None))
+                  if isinstance(t, type))
+
+
+def _unnamed(op: Any) -> str:
+    """The name of an operator without a ``__name__``: a partial names its function,
+    a callable object its class, ``None`` is ``None``."""
+    if op is None:
+        return "None"
+    func = getattr(op, "func", None)
+    if func is not None and callable(func) and func is not op:   # functools.partial
+        return f"{type(op).__module__}.{type(op).__qualname__}({op_name(func)})"
+    cls = type(op)
+    return f"{cls.__qualname__} object" if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__} object"

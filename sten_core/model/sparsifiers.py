@@ -21,6 +21,8 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
+from sten_core.model.layouts import is_layout_object, type_name
+
 STREAMING = "streaming"
 BLOCKING = "blocking"
 MATERIALIZING = "materializing"
@@ -33,6 +35,19 @@ def _check_fraction(value: Any, name: str = "fraction") -> float:
     if not (0.0 <= float(value) <= 1.0) or math.isnan(value):
         raise ValueError(f"{name} must be in [0, 1], got {value}")
     return float(value)
+
+
+def _check_block_shape(block_shape: Any) -> tuple[int, ...]:
+    """``block_shape`` as a tuple of positive ints (one int is a 1-D block)."""
+    if isinstance(block_shape, int) and not isinstance(block_shape, bool):
+        block_shape = (block_shape,)
+    if not isinstance(block_shape, (tuple, list, torch.Size)) or any(
+            isinstance(b, bool) or not isinstance(b, int) for b in block_shape):
+        raise TypeError(f"block_shape must be an int or a tuple of ints, got {block_shape!r}")
+    block_shape = tuple(block_shape)
+    if not block_shape or any(b < 1 for b in block_shape):
+        raise ValueError(f"block_shape must be positive integers, got {block_shape}")
+    return block_shape
 
 
 def _check_tensor(tensor: Any, name: str = "tensor") -> torch.Tensor:
@@ -136,12 +151,7 @@ class BlockwiseFractionSparsifier(Sparsifier):
 
     def __init__(self, fraction: float, block_shape: Sequence[int]):
         self.fraction = _check_fraction(fraction)
-        if isinstance(block_shape, int):
-            block_shape = (block_shape,)
-        block_shape = tuple(block_shape)
-        if not block_shape or any(not isinstance(b, int) or b < 1 for b in block_shape):
-            raise ValueError(f"block_shape must be positive integers, got {block_shape}")
-        self.block_shape = block_shape
+        self.block_shape = _check_block_shape(block_shape)
 
     def mask(self, tensor: torch.Tensor) -> torch.Tensor:
         return block_keep_mask(tensor, self.fraction, self.block_shape)
@@ -184,7 +194,11 @@ class SameFormatSparsifier(Sparsifier):
     def __init__(self, ref: Any = None, *, ref_sp_ten: Any = None):
         if (ref is None) == (ref_sp_ten is None):
             raise TypeError("SameFormatSparsifier takes one reference tensor: ref (or ref_sp_ten)")
-        self.ref = ref if ref is not None else ref_sp_ten
+        name, ref = ("ref", ref) if ref is not None else ("ref_sp_ten", ref_sp_ten)
+        if not isinstance(ref, torch.Tensor) and not is_layout_object(ref):
+            raise TypeError(f"SameFormatSparsifier: {name} must be the reference tensor (a sparse wrapper or a "
+                            f"torch.Tensor) or a layout object, got {type_name(ref)}")
+        self.ref = ref
 
     @property
     def ref_sp_ten(self) -> Any:

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from sten_core.model import torch_support
-from sten_core.model.layouts import layout_metadata, supports_values, to_dense_tensor
+from sten_core.model.layouts import (is_layout_object, layout_metadata, supports_values, to_dense_tensor,
+                                     type_name)
 
 aten = torch.ops.aten
 
@@ -47,7 +48,13 @@ class SparseTensorWrapper(torch.Tensor):
                 "wrapped_tensor must be a layout object (e.g. sten.CsrTensor.from_dense(t)), "
                 f"got {type(wrapped_tensor).__name__}"
             )
-        shape, dtype, device = layout_metadata(wrapped_tensor)
+        try:
+            shape, dtype, device = layout_metadata(wrapped_tensor)
+        except (AttributeError, TypeError):
+            _check_layout_args(wrapped_tensor, requires_grad)
+            raise
+        if type(requires_grad) is not bool:
+            _check_layout_args(wrapped_tensor, requires_grad)
         if (grad_fmt is not None or requires_grad) and not TRACEABLE_LAYOUTS:
             services.load_plugins()  # their traceable layouts
         trainable = requires_grad  # a parameter or a plain wrapper made to train (not a non-leaf result)
@@ -191,6 +198,19 @@ class SparseTensorWrapper(torch.Tensor):
         if func._schema.is_mutable and isinstance(first, SparseTensorWrapper):
             return write_back(first, dense_args[0])
         return out
+
+
+def _check_layout_args(wrapped_tensor: Any, requires_grad: Any) -> None:
+    """The ``TypeError`` of a wrapper made from something that is not a layout object
+    (``SparseTensorWrapper(3)``, or the class ``CsrTensor``) or a ``requires_grad`` that
+    is not a bool; nothing for right arguments (run only when making one failed)."""
+    if not is_layout_object(wrapped_tensor):
+        example = f"{wrapped_tensor.__name__}.from_dense(t)" if isinstance(wrapped_tensor, type) else \
+            "sten.CsrTensor.from_dense(t)"
+        raise TypeError(f"wrapped_tensor must be a layout object (an instance with to_dense(), e.g. {example}), "
+                        f"got {type_name(wrapped_tensor)}")
+    if not isinstance(requires_grad, bool):
+        raise TypeError(f"requires_grad must be a bool, got {type_name(requires_grad)}")
 
 
 class SparseParameterWrapper(SparseTensorWrapper):
@@ -474,7 +494,9 @@ def detached(value: Any) -> Any:
     A wrapper's detached twin (same layout object and ``grad_fmt``) is made
     once and kept on the wrapper while both stay the same, so recording an
     autograd node does not build a new wrapper per input per call (callers
-    must not hand the twin out: see ``dispatch.call.own_outputs``). Plain tensors
+    must not hand the twin out: see ``dispatch.call.own_outputs``). The twin
+    shares the wrapper's layout cell, so an in-place implementation that writes
+    its input (``inputs[0].wrapped_tensor = ...``) writes the wrapper. Plain tensors
     are ``detach()``-ed; anything else is returned as is. Call it with
     subclass torch functions disabled (``requires_grad`` is read).
 
@@ -497,7 +519,9 @@ def detached(value: Any) -> Any:
             return SparseTensorWrapper(layout, False, grad_fmt)  # can read (InternalTorchDynamoError)
         cached = value.__dict__.get("_sten_detached")  # (layout, grad_fmt, twin)
         if cached is None or cached[0] is not layout or cached[1] is not grad_fmt:
-            cached = value.__dict__["_sten_detached"] = (layout, grad_fmt, SparseTensorWrapper(layout, False, grad_fmt))
+            twin = SparseTensorWrapper(layout, False, grad_fmt)
+            twin._cell = value._cell
+            cached = value.__dict__["_sten_detached"] = (layout, grad_fmt, twin)
         return cached[2]
     if (t in DENSE_TYPES or isinstance(value, torch.Tensor)) and value.requires_grad:
         return value.detach()
@@ -621,7 +645,8 @@ def _set_data(self: SparseTensorWrapper, value: torch.Tensor) -> None:
         shell = SparseTensorWrapper(layout)
         with torch._C.DisableTorchFunctionSubclass():
             torch.Tensor.data.__set__(self, shell)  # the tensor's own metadata
-    self.wrapped_tensor = layout
+    self._cell[0] = layout  # no version bump: autograd does not see it, as ``x.data = t`` on a dense tensor
+    sync_class(self)
 
 
 _T = torch.Tensor

@@ -321,26 +321,71 @@ def _plugin_info(pm: pluggy.PluginManager, plugin: Any, name: str) -> dict:
     return {}
 
 
-def plugin_report() -> list[dict]:
-    """One dict per plugin: name, version, available, reason, layouts, hooks."""
+def plugin_report(skipped: bool = False) -> list[dict]:
+    """One dict per plugin: name, version, available, reason, layouts, hooks; for the loaded
+    plugins and those that failed to load, and with ``skipped`` (``sten plugins``) also for the
+    installed ones that ``STEN_PLUGINS`` / ``STEN_DISABLE_PLUGINS`` kept from loading
+    (unavailable, saying so). ``name`` is the name the plugin is registered and selected by
+    (its entry point's); a different name in its ``sten_plugin_info()`` is kept as ``reported_name``."""
     ensure_loaded()
     pm = get_plugin_manager()
-    rows = []
-    for name, plugin in pm.list_name_plugin():
-        info = _plugin_info(pm, plugin, name)
-        rows.append(
-            {
-                "name": info.get("name", name),
-                "version": info.get("version") or _distribution_version(plugin),
-                "available": bool(info.get("available", True)),
-                "reason": info.get("reason"),
-                "layouts": sorted(registry.owned_by(name, "layouts")),
-                "hooks": sorted(h.name for h in pm.get_hookcallers(plugin) or []),
-            }
-        )
-    for name, error in failed.items():
-        rows.append({"name": name, "version": None, "available": False, "reason": f"failed to load: {error}", "layouts": [], "hooks": []})
+    rows = [_loaded_row(pm, plugin, name) for name, plugin in pm.list_name_plugin()]
+    rows += [_row(name, _entry_point_version(name), False, f"failed to load: {error}") for name, error in failed.items()]
+    return rows + _skipped_rows(pm) if skipped else rows
+
+
+def _row(name: str, version: str | None, available: bool, reason: str | None,
+         layouts: list | None = None, hooks: list | None = None) -> dict:
+    return {"name": name, "version": version, "available": available, "reason": reason,
+            "layouts": layouts or [], "hooks": hooks or []}
+
+
+def _loaded_row(pm: pluggy.PluginManager, plugin: Any, name: str) -> dict:
+    """A loaded plugin's row: what its ``sten_plugin_info()`` says (``available`` must be a bool)."""
+    info = _plugin_info(pm, plugin, name)
+    available, reason = info.get("available", True), info.get("reason")
+    if not isinstance(available, bool):
+        available, reason = False, f"sten_plugin_info() returned available={available!r}, not a bool"
+    elif not available and not reason:
+        reason = "the plugin reports itself unavailable and gives no reason"
+    row = _row(name, info.get("version") or _distribution_version(plugin), available, reason,
+               sorted(registry.owned_by(name, "layouts")), sorted(h.name for h in pm.get_hookcallers(plugin) or []))
+    if info.get("name") not in (None, name):
+        row["reported_name"] = info["name"]
+    return row
+
+
+def _skipped_rows(pm: pluggy.PluginManager) -> list[dict]:
+    """The installed plugins that were not loaded on purpose (``STEN_PLUGINS``, ``STEN_DISABLE_PLUGINS``)."""
+    only = _names_from_env("STEN_PLUGINS")
+    disabled = _names_from_env("STEN_DISABLE_PLUGINS") or set()
+    rows, seen = [], set()
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in seen or pm.has_plugin(ep.name) or ep.name in failed:
+            continue
+        seen.add(ep.name)
+        if ep.name in disabled:
+            reason = "not loaded: STEN_DISABLE_PLUGINS names it"
+        elif only is not None and ep.name not in only:
+            reason = (f"not loaded: STEN_PLUGINS names only {', '.join(sorted(only))}" if only
+                      else "not loaded: STEN_PLUGINS is empty (the built-in plugins only)")
+        else:
+            reason = "not loaded"
+        rows.append(_row(ep.name, _dist_version(ep), False, reason))
     return rows
+
+
+def _dist_version(ep: Any) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return getattr(dist, "version", None)
+
+
+def _entry_point_version(name: str) -> str | None:
+    """The version of the distribution that installs entry point ``name`` (``None``: none does)."""
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            return _dist_version(ep)
+    return None
 
 
 services.install(load_plugins=ensure_loaded)  # wrappers of traceable layouts need the plugins' registrations

@@ -31,9 +31,19 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
+    """The report, also under ``STEN_STRICT_PLUGINS=1`` when a plugin failed to load (then the
+    error on stderr and status 1): the command that says why a plugin is missing must not crash."""
     from sten_core import plugins
 
-    print(json.dumps(plugins.plugin_report(), indent=2))
+    try:
+        plugins.ensure_loaded()
+        error = None
+    except plugins.PluginLoadError as raised:
+        error = raised
+    print(json.dumps(plugins.plugin_report(skipped=True), indent=2))   # every installed plugin
+    if error is not None:
+        print(f"sten: error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 
