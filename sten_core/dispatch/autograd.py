@@ -20,7 +20,7 @@ from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
 from sten_core.model.layouts import unshared_dense
 from sten_core.model.signatures import op_name
 from sten_core.model.spec import DENSE, OutputSpec
-from sten_core.model.tensor import WRAPPER_TYPES, SparseTensorWrapper, densify
+from sten_core.model.tensor import WRAPPER_TYPES, SparseTensorWrapper, densify, map_tensors
 
 _NoTorchFunction = torch._C.DisableTorchFunctionSubclass
 
@@ -103,10 +103,14 @@ def apply_function(function: type, *args: Any) -> Any:
 
 
 def record(call: _Call) -> Any:
-    """Run ``call`` as one autograd node whose inputs are its distinct tensor arguments."""
+    """Run ``call`` as one autograd node whose inputs are its distinct tensor arguments; under a
+    ``torch.func`` transform with no sparse operand that requires grad, densely instead
+    (``dense_under_transform``)."""
     unique = call.dedupe()
     try:
         if torch._C._are_functorch_transforms_active():
+            if not _sparse_requires_grad(unique):
+                return dense_under_transform(call, unique)
             with _NoTorchFunction():
                 return _DispatchFunction.apply(call, *unique)
         return _apply_function(call, *[v if type(v) in WRAPPER_TYPES else _unwrap_if_dead(v) for v in unique])
@@ -116,19 +120,82 @@ def record(call: _Call) -> Any:
         raise
 
 
+def _sparse_requires_grad(operands: list) -> bool:
+    """Whether a wrapper among ``operands`` requires grad."""
+    with _NoTorchFunction():
+        return any(isinstance(v, SparseTensorWrapper) and v.requires_grad for v in operands)
+
+
+def dense_under_transform(call: _Call, operands: list) -> Any:
+    """``call`` under a ``torch.func`` transform that tracks a dense operand (``grad`` or ``jacrev``
+    of the input, ``vmap(grad)``: saliency, per-sample input gradients) while every sparse operand
+    is frozen: the original operator on the wrappers' dense values, which the transform
+    differentiates as dense torch (it cannot see through a layout's kernels, nor through STen's
+    autograd node). Output specs that sparsify a result or a gradient cannot be kept there."""
+    specs = call.specs
+    if specs is not None and any(s != DENSE for s in (*specs.out, *(specs.grad or ()))):
+        raise specs_under_transform(call.op)
+    with _NoTorchFunction():
+        dense = {id(v): _frozen_dense(v.wrapped_tensor) for v in operands if isinstance(v, SparseTensorWrapper)}
+
+    def swap(tensor: torch.Tensor) -> torch.Tensor:
+        return dense.get(id(tensor), tensor)
+
+    return call.op(*map_tensors(swap, call.args), **map_tensors(swap, call.kwargs))
+
+
+def specs_under_transform(op: Any) -> NotImplementedError:
+    """What a call whose output specs sparsify a result or its gradient raises under a ``torch.func``
+    transform that differentiates that result."""
+    return NotImplementedError(
+        f"STen: {op_name(op)} with sparse output specs (sparsified_op, set_interm) under a torch.func transform "
+        "(vmap, grad, jacrev, jacfwd) is not supported: the transform cannot differentiate through the "
+        "sparsified outputs. Use torch.autograd.grad / torch.autograd.functional.jacobian, or run the transform "
+        "on the dense model.")
+
+
+def _frozen_dense(layout: Any) -> torch.Tensor:
+    """A layout's dense tensor under a ``torch.func`` transform: one captured from outside the
+    transform (none of its tensors is the transform's) is densified outside it, as torch's own
+    sparse tensors must be there ("Sparse CSR tensors do not have strides")."""
+    if _holds_transformed(layout):
+        return unshared_dense(layout)
+    with torch._C._DisableFuncTorch():
+        return unshared_dense(layout)
+
+
+def _holds_transformed(layout: Any) -> bool:
+    """Whether ``layout`` may hold a tensor of a ``torch.func`` transform (an attribute that is one,
+    or attributes it cannot list): densifying it outside the transform would detach it."""
+    if not hasattr(layout, "__dict__"):
+        return True
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for value in vars(layout).values():
+        for t in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(t, torch.Tensor) and wrapped(t):
+                return True
+    return False
+
+
 def unsupported_transform(op: Any, operands: list, error: Exception) -> NotImplementedError:
-    """What a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ``jacfwd``) or forward-mode
-    AD over a call with a trainable sparse operand raises: torch's own message names STen's private
-    node only ("must override the setup_context staticmethod", "must implement the jvp function")."""
-    layouts = ", ".join(type(v.wrapped_tensor).__name__ for v in operands if isinstance(v, SparseTensorWrapper))
+    """What a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ``jacfwd``) over a call with
+    a trainable sparse operand, or forward-mode AD over a recorded call, raises: torch's own
+    message names STen's private node only ("must override the setup_context staticmethod",
+    "must implement the jvp function")."""
+    with _NoTorchFunction():
+        sparse = [v for v in operands if isinstance(v, SparseTensorWrapper)]
+        trainable = [v for v in sparse if v.requires_grad]
     functorch = "setup_context" in str(error)
     transform = "a torch.func transform (vmap, grad, jacrev, jacfwd)" if functorch else "forward-mode AD"
+    names = ", ".join(type(v.wrapped_tensor).__name__ for v in trainable or sparse) or "a sparse wrapper"
+    what = f"a sparse operand that requires grad ({names})" if trainable else f"a sparse operand ({names})"
+    freeze = "freeze the weight (requires_grad_(False)) for vmap and grad with respect to dense inputs, " \
+        if trainable else ""
     return NotImplementedError(
-        f"STen: {op_name(op)} with a sparse operand that requires grad ({layouts or 'a sparse wrapper'}) "
-        f"under {transform} is not supported: STen records reverse-mode autograd nodes only. Use "
-        f"torch.autograd.grad / torch.autograd.functional.jacobian or hessian (reverse mode, second order "
-        f"included), freeze the weight (requires_grad_(False)) for vmap, or run the transform on the dense "
-        f"model (w.to_dense()). torch said: {str(error).splitlines()[0]}")
+        f"STen: {op_name(op)} with {what} under {transform} is not supported: STen records reverse-mode "
+        f"autograd nodes only. Use torch.autograd.grad / torch.autograd.functional.jacobian or hessian (reverse "
+        f"mode, second order included), {freeze}or run the transform on the dense model (w.to_dense()). "
+        f"torch said: {str(error).splitlines()[0]}")
 
 
 def _any_requires_grad_py(*args: Any) -> bool:

@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from typing import Any
@@ -146,7 +147,7 @@ class _Call:
     autograd node (``unique``); its gradients from all positions are summed."""
 
     __slots__ = ("op", "args", "kwargs", "bound", "positions", "key", "plan", "specs", "ctx", "unique",
-                 "n_unique", "slot_of", "grad_specs", "converted", "where", "held")
+                 "n_unique", "slot_of", "grad_specs", "converted", "where", "held", "amp")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, bound: list, positions: Any, key: OpKey,
                  plan: Plan, specs: CallSpecs | None):
@@ -203,6 +204,7 @@ class _Call:
         """Hand what backward needs to autograd (``save_for_backward``) and drop
         the node's own references to the call's tensors (``out``: the forward's outputs)."""
         self.grad_specs = [grad_spec(v) if is_tensor(v) else None for v in self.bound]
+        self.amp = autocast_state(self.unique)  # the dense backward re-runs the op under it
         twins = {}
         ctx = self.ctx
         if ctx is not None and self.plan.kind is not PlanKind.CONVERT:
@@ -374,7 +376,10 @@ class _Call:
     def _dense_backward(self, grad_outputs: list, needs: tuple, create_graph: bool = False) -> list:
         """Gradients per distinct input by re-running the op densely under autograd: on detached
         dense leaves, or under ``create_graph`` on differentiable dense views of the inputs (a
-        wrapper's through ``dense_with_grad``, a dense tensor itself)."""
+        wrapper's through ``dense_with_grad``, a dense tensor itself). The re-run of the op sees
+        the forward's autocast state (as ``torch.utils.checkpoint``'s recomputation does): it
+        computes in the dtypes the forward computed in, whatever autocast is in force when
+        backward runs; the gradients are then taken in backward's own state, as dense torch's."""
         values = self.unique_values
         views: dict[int, torch.Tensor] = {}
         for k, value in enumerate(values):
@@ -391,7 +396,7 @@ class _Call:
         def swap(tensor: torch.Tensor) -> torch.Tensor:
             return views[id(tensor)] if id(tensor) in views else densify(tensor)
 
-        with torch.enable_grad():
+        with torch.enable_grad(), autocast_as(self.amp, list(views.values())):
             out = self.op(*map_tensors(swap, self.args), **map_tensors(swap, self.kwargs))
         outs = out if isinstance(out, (tuple, list)) else (out,)
         pairs = [(o, densify(g)) for o, g in zip(outs, grad_outputs)
@@ -416,6 +421,47 @@ class _Call:
     def unique_values(self) -> list:
         """The distinct tensor arguments as they are now (restored in backward)."""
         return [self.bound[p] for p in self._first_positions()]
+
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_autocast_available = getattr(torch.amp, "is_autocast_available", lambda device_type: device_type in ("cpu", "cuda"))
+
+
+def autocast_state(tensors: list) -> tuple | None:
+    """The autocast settings in force for the CPU and the device types of ``tensors``:
+    ``((device_type, dtype), ...)`` where autocast is on, with the cache setting; ``None``
+    where it is on for none (the common case: one check)."""
+    if not _any_autocast():
+        return None
+    with _NoTorchFunction():
+        types = {"cpu", *(t.device.type for t in tensors)}
+    on = tuple((d, torch.get_autocast_dtype(d)) for d in sorted(types)
+               if _autocast_available(d) and torch.is_autocast_enabled(d))
+    return (on, torch.is_autocast_cache_enabled()) if on else None
+
+
+def autocast_as(state: tuple | None, tensors: list) -> contextlib.ExitStack:
+    """A context in which autocast is as ``state`` (``autocast_state``'s) says for the CPU and
+    the device types of ``tensors``: on where it was on, off elsewhere (a backward called
+    inside an autocast region re-runs the op as its forward ran).
+
+    Example:
+        >>> import torch
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     state = autocast_state([])
+        >>> with autocast_as(state, []):
+        ...     torch.mm(torch.ones(1, 1), torch.ones(1, 1)).dtype
+        torch.bfloat16
+    """
+    on = dict(state[0]) if state else {}
+    cache = state[1] if state else True
+    stack = contextlib.ExitStack()
+    for device_type in sorted({"cpu", *on, *(t.device.type for t in tensors)}):
+        if device_type in on:
+            stack.enter_context(torch.autocast(device_type, dtype=on[device_type], cache_enabled=cache))
+        elif _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
 
 
 def grad_spec(value: torch.Tensor) -> OutputSpec:

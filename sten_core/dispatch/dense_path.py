@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from sten_core.dispatch.autograd import _Densify, _Sparsify, apply_function, dense_with_grad
+from sten_core.dispatch.autograd import (_Densify, _Sparsify, apply_function, dense_with_grad, specs_under_transform,
+                                        unsupported_transform)
 from sten_core.dispatch.call import CallSpecs, grad_spec, tensors_in
 from sten_core.dispatch.errors import report_missing
 from sten_core.dispatch.observers import active, notify
@@ -75,7 +76,12 @@ def composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs:
         report_missing(plan.key)
     started = time.perf_counter() if active() else 0.0
     made: list = []
-    dense_args, dense_kwargs = differentiable_dense((args, kwargs), grad, made)
+    try:
+        dense_args, dense_kwargs = differentiable_dense((args, kwargs), grad, made)
+    except RuntimeError as error:  # a trainable wrapper's _Densify under a torch.func transform
+        if "setup_context" in str(error):
+            raise unsupported_transform(op, tensors_in((args, kwargs)), error) from error
+        raise
     out = op(*dense_args, **dense_kwargs)
     write_back_changed(made)
     if not grad:  # a view of a wrapper's copy (w[0], w.view(-1)) writes back into the wrapper
@@ -94,6 +100,8 @@ def composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs:
         if spec == DENSE and grad_spec == DENSE:
             return value
         if grad and value.requires_grad:
+            if torch._C._are_functorch_transforms_active():
+                raise specs_under_transform(op)
             return apply_function(_Sparsify, value, spec, grad_spec)
         return apply_spec(value, spec)
 

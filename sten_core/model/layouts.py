@@ -194,12 +194,30 @@ def layout_metadata(layout: Any) -> tuple[torch.Size, torch.dtype, torch.device]
 
 
 def to_dense_tensor(layout: Any) -> torch.Tensor:
-    """``layout.to_dense()`` as a strided ``torch.Tensor`` (numpy results converted)."""
+    """``layout.to_dense()`` as a contiguous strided ``torch.Tensor`` (numpy results converted).
+
+    A wrapper reports contiguous strides, and ops that read strides (``view``, ``as_strided``)
+    run on this tensor: a ``to_dense()`` returning a strided view (a slice of padded storage, a
+    transpose) is copied, else those ops read the padding or the wrong order. A contiguous one
+    is returned as it is.
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> to_dense_tensor(sten.DenseTensor(torch.ones(2, 3).t())).is_contiguous()
+        True
+    """
     dense = layout.to_dense()
     if not isinstance(dense, torch.Tensor):
         import numpy as np
 
         dense = torch.from_numpy(np.asarray(dense))
+    return _contiguous(dense)
+
+
+def _contiguous(dense: torch.Tensor) -> torch.Tensor:
+    """``dense``, copied only where it is a strided tensor that is not contiguous."""
+    if dense.layout is torch.strided and not dense.is_contiguous():
+        return dense.contiguous()
     return dense
 
 
