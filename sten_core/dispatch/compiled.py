@@ -13,7 +13,12 @@ under grad mode (their gradient belongs to the wrapper, which a compiled graph
 cannot take as an input yet), run the eager dispatcher: Dynamo breaks the graph
 there and the results stay those of eager. Matrix products without a compiled
 implementation (a third-party layout) run densely on the layout's ``to_dense()``,
-traced into the graph when that method is plain torch code.
+traced into the graph when that method is plain torch code. In-place calls on a
+traceable wrapper (a graph input) and a trainable weight's other calls without
+grad mode (an optimizer step: its updates and state, which eager keeps in the
+layout) run the eager dispatcher after a graph break too: Dynamo learns a graph
+node's output by running it on fake tensors, where the eager path raises the
+exception Dynamo turns into a graph break (``tensor._eager_or_graph_break``).
 
 Example:
     >>> import torch, sten_core as sten
@@ -31,7 +36,9 @@ from typing import Any, Callable
 import torch
 
 from sten_core.dispatch import compiled_products, dynamo_matmul
+from sten_core.dispatch.eager_only import never_compiled
 from sten_core.dispatch.errors import UnsupportedTrainingOp  # noqa: F401  (raised here; its home is errors)
+from sten_core.model import tensor as tensor_module
 from sten_core.model.layouts import to_dense_tensor
 from sten_core.model.registry import registry
 from sten_core.model.tensor import TRACEABLE_LAYOUTS, SparseTensorWrapper, services
@@ -68,7 +75,7 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
                 elif traceable(a) and gives_dense_grad(a.grad_fmt) and not _in_place(op):
                     dense_view = True  # any other operator: on its differentiable dense view (eager's gradient)
                 elif traceable(a) and _in_place(op):
-                    raise UnsupportedTrainingOp(_in_place_message(op, layouts + [type(a.wrapped_tensor)]))
+                    return None  # the eager dispatcher, after a graph break (an optimizer's update)
                 elif traceable(a):  # a graph input: the eager dispatcher cannot run on its fake members
                     raise UnsupportedTrainingOp(unsupported_training_message(op, a))
                 else:
@@ -96,11 +103,14 @@ def compiled_impl_for(op: Any, args: tuple) -> Callable | None:
         return dense_call
     if impl is None and op in TRANSPOSES and layouts and layouts[0] in TRACEABLE_LAYOUTS:
         return dense_call  # W.t() of a frozen weight: its traced dense matrix, transposed (x @ W.t())
-    if impl is None and any(hasattr(type(a), "__tensor_flatten__") for a in args if isinstance(a, SparseTensorWrapper)):
+    inputs = [a for a in args if isinstance(a, SparseTensorWrapper) and hasattr(type(a), "__tensor_flatten__")]
+    if impl is None and inputs:
         # a traceable wrapper is a graph input (fake members while tracing): the eager dispatcher
-        # cannot run on it, so the operator runs on its traced to_dense() (eager's fallback too)
-        if _in_place(op):
-            raise UnsupportedTrainingOp(_in_place_message(op, layouts))
+        # cannot run on it, so the operator runs on its traced to_dense() (eager's fallback too),
+        # but for writes and a trainable weight's other calls without grad mode (an optimizer's
+        # update and state: eager keeps them in the layout), which run eagerly after a graph break
+        if _in_place(op) or any(a.requires_grad for a in inputs):
+            return None
         return dense_call
     return impl
 
@@ -121,9 +131,22 @@ def _in_place(op: Any) -> bool:
     return name.endswith("_")
 
 
-def _in_place_message(op: Any, layouts: list) -> str:
-    return (f"torch.compile: the in-place {op.__name__} on a {layouts} sparse weight that is a graph input is not "
-            f"supported; change the weight outside the compiled function")
+def eager_only_message(op: Any, args: tuple) -> str:
+    """Why a call on a traceable wrapper runs eagerly, after a graph break (Dynamo's reason).
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(2)))
+        >>> eager_only_message(torch.Tensor.mul_, (w, 2)).split(";")[0]
+        'STen: the in-place mul_ on a CsrTensor wrapper runs eagerly (a graph break)'
+    """
+    name = getattr(op, "__name__", repr(op))
+    found: list = []
+    tensor_module.map_tensors(found.append, args)  # (the lists of a _foreach_ call too)
+    layouts = ", ".join(sorted({type(a.wrapped_tensor).__name__ for a in found if isinstance(a, SparseTensorWrapper)}))
+    kind = "the in-place " if _in_place(op) else ""
+    return (f"STen: {kind}{name} on a {layouts} wrapper runs eagerly (a graph break); to compile without it, "
+            f"change the weight outside the compiled function (call opt.step() after it)")
 
 
 def dense_training_call(op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -281,6 +304,33 @@ def autocast_result(op: Any, args: tuple, result: Any) -> Any:
 
 _WEIGHT_FIRST = (compiled_products.weight_first_matmul, compiled_products.weight_first_mm)
 
+
+def _mark_eager_code() -> None:
+    """Keep Dynamo from compiling STen's eager machinery as frames of their own (see ``eager_only``):
+    code run eagerly after a graph break (``loss.backward()`` in a compiled training step, an
+    optimizer's update of a weight) or by a compiled graph's runtime (its wrapper outputs) calls
+    them, and Dynamo compiling them failed inside (``'dict' object has no attribute 'node'`` in
+    ``_alias``, no ``_cell`` in a wrapper built by a compiled ``__new__``, ``IndexError`` in Dynamo's
+    ``pgo`` in the eager backward of a step compiled with ``backend="eager"``) or changed a value's
+    layout (a scipy weight's gradient rebuilt by a compiled ``__tensor_unflatten__``). Only frames
+    Dynamo would compile on their own are affected: it still inlines these while tracing.
+    (``__torch_function__`` is not marked: Dynamo compiling it where a model's frame breaks is what
+    ``testing.check_compile`` reports; the eager ``dispatch_call`` it reaches is marked already.)"""
+    from sten_core.dispatch import autograd, dense_path  # (import nothing of this module)
+
+    t = tensor_module
+    wrapper = t.SparseTensorWrapper.__dict__
+    functions = [wrapper["__torch_dispatch__"].__func__,
+                 t.SparseTensorWrapper.__new__, t.SparseParameterWrapper.__new__,
+                 t._Traceable.__tensor_unflatten__, t._Traceable.__tensor_flatten__,
+                 t._alias, t.sync_class, t.write_back, t.detached]
+    for function_cls in (autograd._DispatchFunction, autograd._Densify, autograd._Sparsify, dense_path._InPlace):
+        functions += [function_cls.forward, function_cls.backward]
+    for fn in functions:
+        never_compiled(fn)
+
+
+_mark_eager_code()
 # handed to the wrapper now, so tracing never sets a global
-services.install(compiled_call=compiled_call, MISSING=MISSING)
+services.install(compiled_call=compiled_call, MISSING=MISSING, eager_only_message=eager_only_message)
 dynamo_matmul.install()

@@ -422,6 +422,7 @@ class WrapperServices:
     watch_gradient: Any = None
     traced_sum: Any = None
     accumulate: Any = None
+    eager_only_message: Any = None
 
     def install(self, **services: Any) -> None:
         for name, service in services.items():
@@ -443,8 +444,29 @@ def _eager_dispatch() -> Any:
     through numpy / scipy and ctypes kernels are not traceable: Dynamo crashed inside them).
     Made on first use (``torch.compiler.disable`` imports Dynamo)."""
     if not _EAGER_DISPATCH:
-        _EAGER_DISPATCH.append(torch.compiler.disable(services.dispatch_call))
+        _EAGER_DISPATCH.append(torch.compiler.disable(_eager_or_graph_break))
     return _EAGER_DISPATCH[0]
+
+
+def _eager_or_graph_break(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``dispatch_call(func, args, kwargs)``; on fake tensors (Dynamo running a graph node's
+    ``__torch_function__`` to learn its output, where a disabled call cannot break the graph)
+    the exception Dynamo turns into a graph break, so the call runs eagerly on the real tensors."""
+    if _any_fake((args, kwargs)):
+        from torch._subclasses.fake_tensor import UnsupportedFakeTensorException
+
+        raise UnsupportedFakeTensorException(services.eager_only_message(func, args))
+    return services.dispatch_call(func, args, kwargs)
+
+
+def _any_fake(tree: Any) -> bool:
+    """Whether a tensor in ``tree`` (a wrapper's members included) is fake."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    found = []
+    map_tensors(lambda t: found.append(_has_fake_members(t.wrapped_tensor) if isinstance(t, SparseTensorWrapper)
+                                       else is_fake(t)), tree)
+    return any(found)
 
 
 def _rebuild(cls: type, wrapped: Any, requires_grad: bool, grad_fmt: Any, is_param: bool = False) -> SparseTensorWrapper:
