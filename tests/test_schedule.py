@@ -233,18 +233,25 @@ def test_prune_regrow_state_does_not_leak(make_opt):
     assert regrown_after_drop > 0  # positions were dropped and later regrown: they started from zero
 
 
-def test_regrown_adamw_step_matches_fresh_state():
-    model = mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+def regrow_once(model: torch.nn.Module, opt: torch.optim.Optimizer, layout: type | None = None) -> torch.Tensor:
+    """Three training steps of a PruneRegrow schedule on ``0.weight`` (one regrowth, at the
+    third); the mask of the positions it regrew."""
     sched = SparsityScheduler(model, opt)
-    sched.add("0.weight", PruneRegrow(0.75, drop_fraction=0.5, start=0, end=30, every=3, decay="constant"))
-    w = model[0].weight
+    kwargs = {} if layout is None else {"layout": layout}
+    sched.add("0.weight", PruneRegrow(0.75, drop_fraction=0.5, start=0, end=30, every=3, decay="constant"), **kwargs)
     for i in range(3):
         train_step(model, opt, i)
         old = sched.mask("0.weight")
         sched.step()
         opt.zero_grad()
-    grown = sched.mask("0.weight") & ~old
+    return sched.mask("0.weight") & ~old
+
+
+def test_regrown_adamw_step_matches_fresh_state():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    grown = regrow_once(model, opt)
+    w = model[0].weight
     x, y = batch(50)
     F.cross_entropy(model(x), y).backward()
     g = w.grad.clone()
@@ -525,16 +532,8 @@ def test_regrown_positions_start_with_fresh_optimizer_state(layout, make_opt, ke
     step is a new parameter's first step."""
     model = mlp()
     opt = make_opt(model.parameters())
-    sched = SparsityScheduler(model, opt)
-    sched.add("0.weight", PruneRegrow(0.75, drop_fraction=0.5, start=0, end=30, every=3, decay="constant"),
-              layout=layout)
+    grown = regrow_once(model, opt, layout)
     w = model[0].weight
-    for i in range(3):
-        train_step(model, opt, i)
-        old = sched.mask("0.weight")
-        sched.step()
-        opt.zero_grad()
-    grown = sched.mask("0.weight") & ~old
     assert grown.any()
     state = opt.state[w][key]
     state = state.to_dense() if isinstance(state, sten.SparseTensorWrapper) else state
