@@ -28,7 +28,6 @@ from sten_core.dispatch import compiled
 from sten_core.dispatch.autograd import dense_with_grad
 from sten_core.dispatch.call import CallSpecs, OpContext
 from sten_core.dispatch.conversions import conversion_path, convert, wrap
-from sten_core.dispatch.eager_only import never_compiled
 from sten_core.dispatch.entry import call_op, dispatch_call, sparsified_op
 from sten_core.dispatch.errors import (DispatchError, DispatchWarning, Unsupported, failure_mode, get_dispatch_failure,
                                        lossy_fallback, quiet_fallbacks, reset_warnings, set_dispatch_failure)
@@ -39,7 +38,6 @@ from sten_core.dispatch.sparsifier_dispatch import apply_spec, same_format_layou
 from sten_core.dispatch.writes import accumulate
 from sten_core.model.tensor import layout_of, services
 
-never_compiled(dispatch_call)  # eager_only: Dynamo must not compile it as a frame of its own
 services.install(dispatch_call=dispatch_call, dense_with_grad=dense_with_grad,
                  same_format_layout=same_format_layout, convert=convert, accumulate=accumulate)
 

@@ -17,7 +17,7 @@ import torch
 
 from sten_core.dispatch.call import _Call, grad_spec
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
-from sten_core.model.layouts import unshared_dense
+from sten_core.model.layouts import attribute_tensors, unshared_dense
 from sten_core.model.signatures import op_name
 from sten_core.model.spec import DENSE, OutputSpec
 from sten_core.model.tensor import WRAPPER_TYPES, SparseTensorWrapper, densify, map_tensors
@@ -170,11 +170,7 @@ def _holds_transformed(layout: Any) -> bool:
     if not hasattr(layout, "__dict__"):
         return True
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    for value in vars(layout).values():
-        for t in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(t, torch.Tensor) and wrapped(t):
-                return True
-    return False
+    return any(wrapped(t) for t in attribute_tensors(layout))
 
 
 def unsupported_transform(op: Any, operands: list, error: Exception) -> NotImplementedError:

@@ -315,12 +315,12 @@ def _mark_eager_code() -> None:
     layout (a scipy weight's gradient rebuilt by a compiled ``__tensor_unflatten__``). Only frames
     Dynamo would compile on their own are affected: it still inlines these while tracing.
     (``__torch_function__`` is not marked: Dynamo compiling it where a model's frame breaks is what
-    ``testing.check_compile`` reports; the eager ``dispatch_call`` it reaches is marked already.)"""
-    from sten_core.dispatch import autograd, dense_path  # (import nothing of this module)
+    ``testing.check_compile`` reports; the eager ``dispatch_call`` it reaches is marked.)"""
+    from sten_core.dispatch import autograd, dense_path, entry  # (import nothing of this module)
 
     t = tensor_module
     wrapper = t.SparseTensorWrapper.__dict__
-    functions = [wrapper["__torch_dispatch__"].__func__,
+    functions = [entry.dispatch_call, wrapper["__torch_dispatch__"].__func__,
                  t.SparseTensorWrapper.__new__, t.SparseParameterWrapper.__new__,
                  t._Traceable.__tensor_unflatten__, t._Traceable.__tensor_flatten__,
                  t._alias, t.sync_class, t.write_back, t.detached]

@@ -245,18 +245,33 @@ def _shares_storage(dense: torch.Tensor, layout: Any) -> bool:
         ptr = dense.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # fake or storage-less tensors (torch.compile)
         return False
-    found = list(getattr(layout, "__dict__", {}).values())
+    found = attribute_tensors(layout)
     if implements(layout, StoredValues):
         found.append(layout.values())
-    for item in found:
-        for t in item if isinstance(item, (tuple, list)) else (item,):
-            if isinstance(t, torch.Tensor) and t.layout is torch.strided and t.device == dense.device:
-                try:
-                    if t.untyped_storage().data_ptr() == ptr:
-                        return True
-                except (RuntimeError, NotImplementedError):
-                    continue
+    for t in found:
+        if isinstance(t, torch.Tensor) and t.layout is torch.strided and t.device == dense.device:
+            try:
+                if t.untyped_storage().data_ptr() == ptr:
+                    return True
+            except (RuntimeError, NotImplementedError):
+                continue
     return False
+
+
+def attribute_tensors(layout: Any) -> list:
+    """The tensors among ``layout``'s attributes, those in tuples and lists included.
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> len(attribute_tensors(sten.DenseTensor.from_dense(torch.ones(2))))
+        1
+    """
+    found = []
+    for value in getattr(layout, "__dict__", {}).values():
+        for t in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(t, torch.Tensor):
+                found.append(t)
+    return found
 
 
 def builds_from_dense(cls: Any) -> bool:
