@@ -1,6 +1,10 @@
 """``torch.func.grad``, ``jacrev`` and ``vmap(grad(...))`` with respect to a dense input run over
 frozen sparse weights (saliency maps, per-sample input gradients) and give dense torch's values;
 a sparse operand that requires grad under a transform still raises STen's ``NotImplementedError``.
+Plain ``vmap``, ``jacfwd``, ``hessian``, ``jvp`` and forward-mode AD (``torch.autograd.forward_ad``)
+over frozen weights run densely too: before, the layouts' kernels were handed vmap's batched
+inputs ("Cannot access data pointer of Tensor that doesn't have storage") and dropped or refused
+dual tensors' tangents (a scipy weight gave a ``None`` tangent).
 
 Before, every layout raised "STen: torch.nn.functional.linear with a sparse operand that requires
 grad ... freeze the weight (requires_grad_(False))" although the weights were frozen: a call was
@@ -25,16 +29,18 @@ def layouts():
         import sten_scipy
     except ImportError:
         return found
-    return found + [(sten_nm.NMTensor, dict(n=2, m=4)), (sten_scipy.ScipyCsrTensor, {})]
+    return found + [(sten_nm.NMTensor, dict(n=2, m=4)), (sten_nm.GroupedNMTensor, dict(n=2, m=4)),
+                    (sten_nm.ColumnGroupedNMTensor, dict(n=1, m=4)), (sten_scipy.ScipyCsrTensor, {})]
 
 
 LAYOUTS = layouts()
 
 
-def frozen_pair(layout, kwargs):
+def frozen_pair(layout, kwargs, sizes=(8, 12, 4)):
     """A frozen dense ``Linear-Tanh-Linear`` and the same model with both weights in ``layout``."""
     torch.manual_seed(0)
-    dense = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 4))
+    k, h, n = sizes
+    dense = torch.nn.Sequential(torch.nn.Linear(k, h), torch.nn.Tanh(), torch.nn.Linear(h, n))
     sparse = copy.deepcopy(dense)
     for i in (0, 2):
         w = dense[i].weight.detach()
@@ -84,3 +90,91 @@ def test_a_sparsified_output_under_grad_says_so():
         warnings.simplefilter("ignore", sten.DispatchWarning)
         with pytest.raises(NotImplementedError, match="sparse output specs"):
             grad(lambda v: sparse_add(v, w).to_dense().sum())(torch.ones(3, 3))
+
+
+# large enough for the n:m kernels (small products run densely), in float64 for jacfwd / hessian
+KERNEL_SIZES = (128, 64, 32)
+
+
+@pytest.mark.parametrize("layout,kwargs", LAYOUTS, ids=[layout.__name__ for layout, _ in LAYOUTS])
+def test_plain_vmap_over_frozen_sparse_weights_matches_dense(layout, kwargs):
+    dense, sparse = frozen_pair(layout, kwargs, KERNEL_SIZES)
+    x = torch.randn(3, 5, KERNEL_SIZES[0])
+    torch.testing.assert_close(vmap(sparse)(x), vmap(dense)(x), atol=1e-5, rtol=1e-5)
+    w, wd = sparse[0].weight, dense[0].weight
+    for f in (lambda v, m: v @ m.t(), lambda v, m: torch.matmul(v, m.T), lambda v, m: F.linear(v, m) * 2):
+        torch.testing.assert_close(vmap(lambda v: f(v, w))(x), vmap(lambda v: f(v, wd))(x), atol=1e-5, rtol=1e-5)
+    # the weight alone inside vmap (no batched operand) keeps its layout
+    seen = []
+    vmap(lambda v: seen.append(w.clone()) or v)(x)
+    assert type(seen[0].wrapped_tensor) is type(w.wrapped_tensor)
+
+
+@pytest.mark.parametrize("layout,kwargs", LAYOUTS, ids=[layout.__name__ for layout, _ in LAYOUTS])
+def test_forward_mode_over_frozen_sparse_weights_matches_dense(layout, kwargs):
+    from torch.func import hessian, jacfwd, jvp
+    import torch.autograd.forward_ad as fwad
+
+    dense, sparse = frozen_pair(layout, kwargs, KERNEL_SIZES)
+    dense, sparse = dense.double(), sparse.double()
+    x, t = torch.randn(2, KERNEL_SIZES[0], dtype=torch.float64), torch.randn(2, KERNEL_SIZES[0], dtype=torch.float64)
+
+    def tangent(model, requires_grad):
+        with fwad.dual_level():
+            out = model(fwad.make_dual(x.clone().requires_grad_(requires_grad), t))
+            return fwad.unpack_dual(out).tangent
+
+    for requires_grad in (False, True):   # the second records the call for reverse mode too
+        got = tangent(sparse, requires_grad)
+        assert got is not None
+        torch.testing.assert_close(got, tangent(dense, requires_grad))
+    torch.testing.assert_close(jvp(sparse, (x,), (t,)), jvp(dense, (x,), (t,)))
+    torch.testing.assert_close(jacfwd(sparse)(x[0]), jacfwd(dense)(x[0]))
+    f = {m: (lambda v, m=m: m(v).tanh().sum()) for m in (dense, sparse)}
+    torch.testing.assert_close(hessian(f[sparse])(x[0]), hessian(f[dense])(x[0]))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("layout,kwargs", LAYOUTS, ids=[layout.__name__ for layout, _ in LAYOUTS])
+def test_a_dual_sparse_weight_carries_its_tangent(layout, kwargs, requires_grad):
+    """``fwAD.make_dual(w, t)`` (a Jacobian-vector product with respect to the weight): the result
+    is dense torch's dual tensor; it was a writable view of the wrapper without the tangent."""
+    import torch.autograd.forward_ad as fwad
+
+    torch.manual_seed(0)
+    w = sten.SparseTensorWrapper(layout.from_dense(torch.randn(32, 64), **kwargs), requires_grad=requires_grad)
+    x, t = torch.randn(4, 64), torch.randn(32, 64)
+    with fwad.dual_level(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        got = fwad.unpack_dual(F.linear(x, fwad.make_dual(w, t))).tangent
+        want = fwad.unpack_dual(F.linear(x, fwad.make_dual(w.to_dense().detach(), t))).tangent
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("layout,kwargs", LAYOUTS, ids=[layout.__name__ for layout, _ in LAYOUTS])
+def test_jit_trace_refuses_sparse_wrappers_clearly(layout, kwargs):
+    """The tracer records torch operators only: a layout's kernel was baked in as a constant (scipy)
+    or as the uninitialised buffer it fills (n:m), and the traced module returned wrong values."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    lin.weight = sten.SparseParameterWrapper(layout.from_dense(lin.weight.detach(), **kwargs))
+    lin.requires_grad_(False)
+    with pytest.raises(NotImplementedError, match="torch.jit.trace is not supported.*torch.export"):
+        torch.jit.trace(lin, (torch.randn(4, 64),))
+
+
+COMPILED = [(layout, kwargs) for layout, kwargs in LAYOUTS
+            if layout.__name__ in ("CsrTensor", "NMTensor", "ColumnGroupedNMTensor", "ScipyCsrTensor")]
+
+
+@pytest.mark.parametrize("layout,kwargs", COMPILED, ids=[layout.__name__ for layout, _ in COMPILED])
+def test_compiled_vmap_over_frozen_sparse_weights_matches_eager(layout, kwargs):
+    """``torch.compile(vmap(model))`` and of ``vmap(grad(...))``: the layouts' custom operators have no
+    batching rules, so under the transform the compiled path runs densely, as eager does (it raised
+    "Batching rule not implemented for sten_nm::nm_linear" while compiling)."""
+    torch._dynamo.reset()
+    dense, sparse = frozen_pair(layout, kwargs, KERNEL_SIZES)
+    x = torch.randn(5, KERNEL_SIZES[0])
+    for make in (vmap, lambda m: vmap(grad(lambda v: m(v).sin().sum()))):
+        got = torch.compile(make(sparse), backend="aot_eager")(x)
+        torch.testing.assert_close(got, make(dense)(x), atol=1e-5, rtol=1e-5)

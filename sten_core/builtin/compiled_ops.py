@@ -116,7 +116,7 @@ def csr_linear_kernel(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor]
     members; the transposes, reshapes and the bias are graph ops."""
     crow, col, values = weight.wrapped_tensor.state_tensors()
     x2 = x.reshape(-1, x.shape[-1])
-    y = torch.ops.sten_core.csr_mm(crow, col, values, x.shape[-1], x2.t()).t()
+    y = torch.ops.sten_core.csr_mm(crow, col, values, x.shape[-1], x2.t()).t().contiguous()
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], crow.shape[0] - 1)
@@ -129,7 +129,7 @@ def csc_linear_kernel(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor]
     ccol, row, values = layout.state_tensors()
     n = layout.size_2d[0]
     x2 = x.reshape(-1, x.shape[-1])
-    y = torch.ops.sten_core.csr_t_mm(ccol, row, values, n, x2.t()).t()
+    y = torch.ops.sten_core.csr_t_mm(ccol, row, values, n, x2.t()).t().contiguous()
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], n)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from sten_core.dispatch import convert
+from sten_core.dispatch.conversions import convert_exactly
 from sten_core.model.layouts import Layout, supports_values
 from sten_core.model.registry import Entry, OpKey
 from sten_core.model.tensor import SparseTensorWrapper, densify_tree, write_back
@@ -117,17 +117,32 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False
 
 
 def _copy_from_sparse(self: SparseTensorWrapper, src: SparseTensorWrapper) -> SparseTensorWrapper:
-    """``param.copy_(sparse)`` takes the source's values *and* pattern (as loading does)."""
+    """``param.copy_(sparse)`` takes the source's values *and* pattern (as loading does): in
+    ``param``'s layout class, exactly (``convert_exactly``), else a ``ValueError`` naming
+    both layouts (``load_state_dict`` adds the key), then in ``param``'s dtype."""
     from sten_core.model.tensor import _copy_layout
 
     layout = self.wrapped_tensor
     if src.wrapped_tensor is not layout:
-        converted = convert(src, type(layout)).wrapped_tensor
+        if type(src.wrapped_tensor) is type(layout):
+            converted = src.wrapped_tensor
+        else:
+            source = type(src.wrapped_tensor).__name__
+            what = f"copy_ of a {source} value (load_state_dict of a checkpoint in another layout)"
+            converted = convert_exactly(src, self, what, LOAD_ADVICE.replace("{source}", source))
         new = _copy_layout(converted)
         if supports_values(new) and new.values().dtype != self.dtype:
             new = new.with_values(new.values().to(self.dtype))
         self.wrapped_tensor = new
     return self
+
+
+LOAD_ADVICE = ("Load it into a model whose tensor has the checkpoint's layout ({source}), or densify the "
+               "checkpoint (state = sten.densify_state_dict(state)) and load the values at the model's stored "
+               "positions (sten.load_dense_state_dict(model, state)) or sparsify them anew "
+               "(sten.load_dense_state_dict(model, state, builder=sb)).")
+"""What to do instead of loading a value that the model's layout cannot hold (``{source}``:
+the checkpoint's layout)."""
 
 
 def _dense(op: Any, args: tuple, kwargs: dict, inplace: bool) -> Any:

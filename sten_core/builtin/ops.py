@@ -79,7 +79,7 @@ def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor
     _matrices(weight=w)
     x, bias = _amp(x, bias)
     x2 = _as_rows(x)
-    y = _sparse_times(_sparse(w, x2.dtype), x2.t()).t()
+    y = _sparse_times(_sparse(w, x2.dtype), x2.t()).t().contiguous()   # (W xᵀ)ᵀ: rows, as dense's
     if bias is not None:
         y = y + bias
     ctx.save_for_backward(x, w)
@@ -256,7 +256,7 @@ def mm_dense_sparse_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> tor
     (a,) = _amp(a)
     ctx.save_for_backward(a, b)
     a2 = _as_rows(a)
-    y = _sparse_times(_sparse(b, a.dtype).t(), a2.t()).t()
+    y = _sparse_times(_sparse(b, a.dtype).t(), a2.t()).t().contiguous()
     return y.reshape(*a.shape[:-1], b.shape[1])
 
 
@@ -284,7 +284,7 @@ def addmm_dense_sparse_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> 
     if x.dim() != 2 or w.dim() != 2:
         raise RuntimeError(f"torch.addmm: expected 2-D matrices, got {x.dim()}-D and {w.dim()}-D tensors")
     ctx.save_for_backward(x, w, bias)
-    y = _sparse_times(_sparse(w, x.dtype).t(), x.t()).t()
+    y = _sparse_times(_sparse(w, x.dtype).t(), x.t()).t().contiguous()
     if alpha != 1:
         y = y * alpha
     return y + (bias if beta == 1 else beta * bias)

@@ -13,7 +13,7 @@ from sten_core.model.sparsifiers import ScalarFractionSparsifier
 from sten_core.plugins.bench_layouts import BenchLayout
 from sten_core.plugins.hookspecs import hookimpl
 from sten_core.version import __version__
-from sten_core.builtin import compiled_ops, elementwise, moves, ops, sparsifier_impls, weight_first
+from sten_core.builtin import compiled_ops, elementwise, memory, moves, ops, sparsifier_impls, weight_first
 from sten_core.builtin.torch_layouts import TORCH_LAYOUTS, CooTensor, CscTensor, CsrTensor, DenseTensor
 
 
@@ -43,7 +43,7 @@ def sten_register(registry: Any) -> None:
 
 @hookimpl(trylast=True)
 def sten_resolve_op(key: Any) -> Any:
-    return (moves.resolve(key) or elementwise.resolve(key) or sparsifier_impls.resolve(key)
+    return (moves.resolve(key) or memory.resolve(key) or elementwise.resolve(key) or sparsifier_impls.resolve(key)
             or weight_first.resolve(key))
 
 

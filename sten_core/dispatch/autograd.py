@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sten_core.dispatch.call import _Call, grad_spec
+from sten_core.dispatch.call import _Call, grad_spec, tensors_in
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
 from sten_core.model.layouts import attribute_tensors, unshared_dense
 from sten_core.model.signatures import op_name
@@ -108,11 +108,15 @@ def record(call: _Call) -> Any:
     (``dense_under_transform``)."""
     unique = call.dedupe()
     try:
-        if torch._C._are_functorch_transforms_active():
+        if functorch_active():
             if not _sparse_requires_grad(unique):
                 return dense_under_transform(call, unique)
             with _NoTorchFunction():
                 return _DispatchFunction.apply(call, *unique)
+        if _forward_ad._current_level >= 0 and not _sparse_requires_grad(unique):
+            dense = batched_under_transform(call)   # dual inputs: forward-mode AD of the dense op
+            if dense is not None:
+                return dense
         return _apply_function(call, *[v if type(v) in WRAPPER_TYPES else _unwrap_if_dead(v) for v in unique])
     except RuntimeError as error:
         if "setup_context" in str(error) or "jvp" in str(error):
@@ -142,6 +146,34 @@ def dense_under_transform(call: _Call, operands: list) -> Any:
         return dense.get(id(tensor), tensor)
 
     return call.op(*map_tensors(swap, call.args), **map_tensors(swap, call.kwargs))
+
+
+_forward_ad = torch.autograd.forward_ad
+functorch_active = torch._C._are_functorch_transforms_active
+
+
+def _tangent(tensor: torch.Tensor) -> Any:
+    """``tensor``'s forward-mode tangent at the current dual level, or ``None``."""
+    return _forward_ad.unpack_dual(tensor).tangent if _forward_ad._current_level >= 0 else None
+
+
+def batched_under_transform(call: _Call) -> Any:
+    """``call`` densely (``dense_under_transform``) when one of its dense operands belongs to an
+    active ``torch.func`` transform (``vmap``'s batched inputs, ``jacfwd``'s) or carries a forward-mode
+    tangent (``torch.autograd.forward_ad``), with nothing that requires grad; ``None`` otherwise. A layout's kernels read storage, which batched tensors have none of, and
+    drop tangents.
+
+    Example: ``torch.func.vmap(lambda x: F.linear(x, frozen_nm_weight))(xs)``."""
+    functorch, forward = functorch_active(), _forward_ad._current_level >= 0
+    if not (functorch or forward):
+        return None
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    operands = tensors_in((call.args, call.kwargs))
+    with _NoTorchFunction():
+        dense = [v for v in operands if not isinstance(v, SparseTensorWrapper)]
+        if not any((functorch and wrapped(v)) or (forward and _tangent(v) is not None) for v in dense):
+            return None
+    return dense_under_transform(call, operands)
 
 
 def specs_under_transform(op: Any) -> NotImplementedError:

@@ -264,6 +264,8 @@ def compiled_call(op: Any, args: tuple, kwargs: dict) -> Any:
         return dense_training_call(op, *args, **kwargs) if kwargs else impl(*args, op=op)
     if impl is dense_call or (kwargs and impl in _WEIGHT_FIRST):  # (out=...: eager's dense fallback)
         return dense_call(op, *args, **kwargs)
+    if torch._C._are_functorch_transforms_active():   # compiled vmap / vmap(grad): the layouts' custom
+        return dense_call(op, *args, **kwargs)         # operators have no batching rules (eager: dense too)
     return autocast_result(op, args, impl(*args, **kwargs))
 
 

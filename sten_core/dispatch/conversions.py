@@ -20,8 +20,8 @@ from sten_core.dispatch.errors import DispatchError, fail
 from sten_core.dispatch.observers import active, notify
 from sten_core.model.layouts import DenseConvertible, builds_from_dense, implements, to_dense_tensor
 from sten_core.model.registry import OpKey, registry
-from sten_core.model.tensor import (DENSE_TYPES, WRAPPER_TYPES, SparseTensorWrapper, densify, detach_at,
-                                    layout_of)
+from sten_core.model.replacing import replacement_layout, same_values
+from sten_core.model.tensor import DENSE_TYPES, WRAPPER_TYPES, SparseTensorWrapper, densify, detach_at, layout_of
 from sten_core.plugins import manager as plugins
 
 if TYPE_CHECKING:
@@ -98,14 +98,9 @@ def _convert(value: Any, target: type) -> Any:
         layout = value.wrapped_tensor
         if type(layout) is target:
             return value
-        path = conversion_path(type(layout), target)
-        if path is not None:  # a step may refuse this tensor (shape, dtype, device): callers decide
-            for fn in path:
-                layout = fn(layout)
-            return SparseTensorWrapper(layout)
-        hooked = plugins.first_result("sten_convert", tensor=layout, target=target)  # a raising plugin: warned
-        if hooked is not None:
-            return SparseTensorWrapper(hooked)
+        registered = _registered_conversion(layout, target)
+        if registered is not None:
+            return SparseTensorWrapper(registered)
         return _through_dense(layout, target)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"cannot convert {type(value).__name__} to {target.__name__}")
@@ -118,6 +113,46 @@ def _convert(value: Any, target: type) -> Any:
             f"sparsifier implementation that produces it: @sten.register_sparsifier_implementation("
             f"sparsifier=..., inp=torch.Tensor, out={target.__name__})")
     return SparseTensorWrapper(target.from_dense(value.detach()))
+
+
+def _registered_conversion(layout: Any, target: type) -> Any:
+    """``layout`` converted to ``target`` by the registered conversions, else the
+    ``sten_convert`` hook (a raising plugin: warned); ``None`` where neither serves. A
+    step may refuse this tensor (shape, dtype, device): its error propagates, callers decide."""
+    path = conversion_path(type(layout), target)
+    if path is not None:
+        for fn in path:
+            layout = fn(layout)
+        return layout
+    return plugins.first_result("sten_convert", tensor=layout, target=target)
+
+
+def convert_exactly(value: SparseTensorWrapper, target: SparseTensorWrapper, what: str, advice: str) -> Any:
+    """A layout object of ``target``'s layout class holding exactly ``value``'s values
+    (loading a checkpoint value of another layout): a registered conversion or the
+    ``sten_convert`` hook where it gives ``value``'s values, else ``replacement_layout``
+    (``from_dense``, or ``target``'s pattern), else a ``ValueError`` (every time, never a
+    once-per-process warning) saying what ``what`` cannot store and, from ``advice``, what
+    to do instead.
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.zeros(2, 2)))
+        >>> coo = sten.SparseTensorWrapper(sten.CooTensor.from_dense(torch.eye(2)))
+        >>> convert_exactly(coo, w, "w.copy_(src)", "").to_dense().tolist()
+        [[1.0, 0.0], [0.0, 1.0]]
+    """
+    layout, target_cls = value.wrapped_tensor, type(target.wrapped_tensor)
+    dense = to_dense_tensor(layout)
+    try:
+        registered = _registered_conversion(layout, target_cls)
+    except _REFUSALS as error:  # a refusing step: the exact conversion through dense may still serve
+        if isinstance(error, (DispatchError, torch.OutOfMemoryError)):
+            raise
+        registered = None
+    if registered is not None and same_values(to_dense_tensor(registered), dense):
+        return registered
+    return replacement_layout(target, dense, what, advice)
 
 
 def _through_dense(layout: Any, target: type) -> Any:

@@ -183,11 +183,19 @@ class _InPlace(torch.autograd.Function):
         return (None, None, grads.get(id(inputs[0])), *others)
 
 
+NO_VALUE_WRITES = frozenset({torch.Tensor.share_memory_})
+"""In-place by name, but they change where a tensor's values live, not the values:
+autograd records nothing (``w.share_memory_()`` on a sparse parameter that requires grad)."""
+
+
 def inplace_with_grad(op: Any, args: tuple, kwargs: dict, bound: list, key: OpKey, plan: Plan) -> Any:
     """An in-place call that autograd must record. A wrapper target: ``_InPlace``
     (on a leaf that requires grad it raises, as torch does). A dense target: the
     op runs on it under ordinary autograd, wrappers among the other arguments made
     dense differentiably (their gradients come back in their ``grad_fmt``)."""
+    if op in NO_VALUE_WRITES:  # nothing for autograd to record (as torch, on a leaf that requires grad too)
+        with torch.no_grad():
+            return op(*args, **kwargs)
     if kwargs.get("out") is not None:  # as torch
         raise RuntimeError(f"{op_name(op)}(): functions with out=... arguments don't support automatic "
                            "differentiation, but one of the arguments requires grad.")

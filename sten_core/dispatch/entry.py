@@ -16,11 +16,11 @@ from typing import Any, Callable
 
 import torch
 
-from sten_core.dispatch.autograd import any_requires_grad, record
+from sten_core.dispatch.autograd import any_requires_grad, batched_under_transform, functorch_active, record
 from sten_core.dispatch.call import _KEEP_ALL_LIST, CallSpecs, OpContext, _Call, finish_outputs
 from sten_core.dispatch.conversions import converted_inputs, refusals, wrap
 from sten_core.dispatch.dense_path import composite, inplace_with_grad
-from sten_core.dispatch.errors import Unsupported, declined, report_missing
+from sten_core.dispatch.errors import Unsupported, declined, report_missing, traced
 from sten_core.dispatch.observers import active
 from sten_core.dispatch.plan import Plan, PlanKind, is_inplace, plan_for
 from sten_core.model.registry import OpKey, registry
@@ -93,6 +93,8 @@ class _Fast:
 
 
 _fast: dict[tuple, _Fast] = {}
+_forward_ad = torch.autograd.forward_ad
+_is_tracing = torch._C._is_tracing
 _plugins_ready = [False]  # every plugin loaded: re-checked after each registry change (reset, unload)
 
 
@@ -130,6 +132,8 @@ def dispatch_call(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | None = 
     if not _plugins_ready[0]:
         plugins.ensure_loaded()
         _plugins_ready[0] = plugins.loaded()
+    if _is_tracing():
+        raise traced(op)
     if kwargs or active():
         return _dispatch_general(op, args, kwargs, specs, None)
     pairs = None if specs is None else specs.pairs
@@ -143,6 +147,8 @@ def dispatch_call(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | None = 
     hit = _fast.get(fast_key)
     if hit is not None:
         if not any_requires_grad(*args):  # nothing to track: _Call.forward less the scan and checks
+            if functorch_active() or _forward_ad._current_level >= 0:  # vmap's batched inputs, dual tensors
+                return _dispatch_general(op, args, kwargs, specs, None)
             inputs = [*args[:hit.nargs], *hit.pad]
             try:
                 out = hit.fn(OpContext(op, inputs, (args, kwargs)), inputs,
@@ -176,6 +182,10 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
             return _Call(op, args, kwargs, bound, positions, key, plan, specs).forward(detach=needs_grad)
         except Unsupported as error:
             return _dense_instead(op, args, kwargs, specs, key, plan.entry.fn, error)
+    if not grad and (functorch_active() or _forward_ad._current_level >= 0):
+        dense = batched_under_transform(_Call(op, args, kwargs, bound, positions, key, plan, specs))
+        if dense is not None:
+            return dense
     converted = None
     if plan.kind is PlanKind.CONVERT:
         converted = converted_inputs(bound, positions, plan, detach=needs_grad)

@@ -28,6 +28,7 @@ from sten_core.dispatch.plan import is_inplace
 from sten_core.model.tensor import SparseTensorWrapper, map_tensors, write_back
 
 _Plain = torch._C.DisableTorchFunctionSubclass
+_forward_ad = torch.autograd.forward_ad
 
 
 class WrapperView(torch.Tensor):
@@ -60,8 +61,13 @@ class WrapperView(torch.Tensor):
 
 
 def _shares(tensor: Any, root: torch.Tensor) -> bool:
+    """Whether ``tensor`` views ``root``'s storage (a ``torch.func`` transform's tensor has none) and
+    may become a ``WrapperView``: not a dual tensor (``fwAD.make_dual(w, t)``), whose tangent a
+    subclass copy would drop."""
     return (type(tensor) is torch.Tensor and tensor.device == root.device
-            and tensor.untyped_storage().data_ptr() == root.untyped_storage().data_ptr())
+            and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+            and tensor.untyped_storage().data_ptr() == root.untyped_storage().data_ptr()
+            and (_forward_ad._current_level < 0 or _forward_ad.unpack_dual(tensor).tangent is None))
 
 
 def views_of(out: Any, wrapper: SparseTensorWrapper, root: torch.Tensor) -> Any:

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from sten_core.model import torch_support
-from sten_core.model.layouts import (is_layout_object, layout_metadata, supports_values, to_dense_tensor,
-                                     type_name)
+from sten_core.model.layouts import is_layout_object, layout_metadata, supports_values, to_dense_tensor, type_name
+from sten_core.model.replacing import REPLACE_ADVICE, replacement_layout
 
 aten = torch.ops.aten
 
@@ -185,6 +185,9 @@ class SparseTensorWrapper(torch.Tensor):
         first = args[0] if args else None
         if packet in (aten.detach, aten.alias, aten.view_as) and isinstance(first, SparseTensorWrapper):
             return _alias(first)
+        if packet is aten.set_ and isinstance(first, SparseTensorWrapper) and len(args) == 2 \
+                and isinstance(args[1], torch.Tensor):
+            return _set_(first, args[1])
         if packet is aten.clone and isinstance(first, SparseTensorWrapper):
             return type(first)(_copy_layout(first.wrapped_tensor), False, first.grad_fmt)
         if packet in (aten.add, aten.add_) and len(args) >= 2 and not kwargs.get("alpha", 1) != 1:
@@ -654,21 +657,48 @@ def _get_data(self: SparseTensorWrapper) -> SparseTensorWrapper:
 
 
 def _set_data(self: SparseTensorWrapper, value: torch.Tensor) -> None:
-    """``w.data = t``: a wrapper's layout, or a dense tensor stored in ``w``'s
-    format; shape, dtype and device follow the new value (``Module._apply``)."""
-    if isinstance(value, SparseTensorWrapper):
-        layout = value.wrapped_tensor
-    elif isinstance(value, torch.Tensor):
-        layout = services.convert(value.detach(), type(self.wrapped_tensor)).wrapped_tensor
-    else:
+    """``w.data = t``: a wrapper's layout, or a dense tensor held exactly in ``w``'s
+    layout class (``replacement_layout``: a ``ValueError`` where it cannot be); shape,
+    dtype and device follow the new value (``Module._apply``). Autograd does not see it
+    (no version bump), as ``x.data = t`` on a dense tensor."""
+    if not isinstance(value, torch.Tensor):
         raise TypeError(f"data must be a tensor, got {type(value).__name__}")
+    _store(self, _replacement(self, value, "w.data = t"))
+
+
+def _set_(self: SparseTensorWrapper, source: torch.Tensor) -> SparseTensorWrapper:
+    """``w.set_(t)`` (``aten.set_.source_Tensor``, reached below autograd, which checked the
+    call and bumps the version counter): ``w``'s contents replaced by ``t`` as by
+    ``w.data = t``, exactly or with a ``ValueError``."""
+    _store(self, _replacement(self, source, "w.set_(t)"))
+    return self
+
+
+def _replacement(target: SparseTensorWrapper, value: torch.Tensor, what: str) -> Any:
+    """The layout object that replaces ``target``'s contents with ``value``: a wrapper's
+    own layout (shared, as ``w.data = t`` shares ``t``'s storage), else ``replacement_layout``."""
+    if isinstance(value, SparseTensorWrapper):
+        return value.wrapped_tensor
+    return replacement_layout(target, value.detach(), what, REPLACE_ADVICE)
+
+
+def _store(target: SparseTensorWrapper, layout: Any) -> None:
+    """Make ``layout`` ``target``'s layout object, with its shape, dtype and device
+    (no version bump: callers that autograd must see bump it)."""
     shape, dtype, device = layout_metadata(layout)
-    if (shape, dtype, device) != (self.shape, self.dtype, self.device):
+    if (shape, dtype, device) != (target.shape, target.dtype, target.device):
         shell = SparseTensorWrapper(layout)
         with torch._C.DisableTorchFunctionSubclass():
-            torch.Tensor.data.__set__(self, shell)  # the tensor's own metadata
-    self._cell[0] = layout  # no version bump: autograd does not see it, as ``x.data = t`` on a dense tensor
-    sync_class(self)
+            torch.Tensor.data.__set__(target, shell)  # the tensor's own metadata
+    target._cell[0] = layout
+    sync_class(target)
+
+
+def _view_as(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``t.view_as(w)`` is ``t.view(w.shape)``, as torch defines it: for a dense ``t`` a dense
+    view with no dispatch (what ``vector_to_parameters`` assigns to ``w.data``; it fell back
+    with a warning, an error in raise mode), for a wrapper its dispatched ``view``."""
+    return self.view(other.shape)
 
 
 _T = torch.Tensor
@@ -693,6 +723,6 @@ for _name in ("shape", "dtype", "device", "requires_grad", "grad", "grad_fn", "i
         _PASSTHROUGH.add(_prop.__get__)
 _SPECIAL = {_T.detach: _detach, _T.to_dense: _to_dense_method, _T.data.__get__: _get_data,
             _T.data.__set__: _set_data, _T.requires_grad_: _requires_grad_,
-            _T.requires_grad.__set__: _set_requires_grad}
+            _T.requires_grad.__set__: _set_requires_grad, _T.view_as: _view_as}
 _PASS = object()  # marks functions that run as on any tensor (metadata)
 _HANDLERS: dict = {**{f: _PASS for f in _PASSTHROUGH}, **_SPECIAL}

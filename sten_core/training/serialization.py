@@ -39,15 +39,17 @@ def _layout_name(cls: type) -> str | None:
     return None
 
 
-GRAD_FORMAT_NAMES = ("keep", "dense", "layout:<name>")
-"""The gradient formats a plain-tensor checkpoint names: the layout's own
-``(KeepAll(), Layout, KeepAll(), Layout)``, the dense ``(KeepAll(), Tensor, KeepAll(), Tensor)``,
-and another registered layout ``L`` as ``"layout:" + its registered name`` (an n:m weight's
-gradient as scipy CSR)."""
+GRAD_FORMAT_NAMES = ("keep", "dense", "layout:<name>", "<tmp name>|<out name>")
+"""The gradient formats a plain-tensor checkpoint names, those without sparsifier objects
+``(KeepAll(), Tmp, KeepAll(), Out)``: ``Tmp`` and ``Out`` each the weight's own layout
+(``"keep"``), the dense ``torch.Tensor`` (``"dense"``) or another registered layout ``L``
+(``"layout:" + its registered name``, e.g. an n:m weight's gradient as scipy CSR); one name
+when ``Tmp`` is ``Out``, ``"<tmp>|<out>"`` otherwise (``set_weight_grad(name,
+out_format=sten.CsrTensor)``: ``"dense|layout:CsrTensor"``)."""
 
 
 def grad_format_name(wrapper: SparseTensorWrapper) -> str | None:
-    """``"keep"`` / ``"dense"`` / ``"layout:<name>"`` for those gradient formats, ``None`` for
+    """The name of ``wrapper``'s gradient format (see ``GRAD_FORMAT_NAMES``), ``None`` for
     none; raises ``LookupError`` for any other (sparsifier objects: the wrapper pickles whole).
 
     >>> import torch, sten_core as sten
@@ -55,31 +57,45 @@ def grad_format_name(wrapper: SparseTensorWrapper) -> str | None:
     ...                              grad_fmt=(sten.KeepAll(), sten.CooTensor, sten.KeepAll(), sten.CooTensor))
     >>> grad_format_name(w)
     'layout:CooTensor'
+    >>> w.grad_fmt = (sten.KeepAll(), torch.Tensor, sten.KeepAll(), sten.CsrTensor)
+    >>> grad_format_name(w)
+    'dense|keep'
     """
     fmt = wrapper.grad_fmt
     if fmt is None:
         return None
-    if len(fmt) == 4 and isinstance(fmt[0], KeepAll) and isinstance(fmt[2], KeepAll) and fmt[1] is fmt[3]:
-        if fmt[1] is type(wrapper.wrapped_tensor):
-            return "keep"
-        if fmt[1] is torch.Tensor:
-            return "dense"
-        name = _layout_name(fmt[1])
-        if name is not None:
-            return "layout:" + name
+    if len(fmt) == 4 and isinstance(fmt[0], KeepAll) and isinstance(fmt[2], KeepAll):
+        own = type(wrapper.wrapped_tensor)
+        tmp, out = _format_part_name(fmt[1], own), _format_part_name(fmt[3], own)
+        if tmp is not None and out is not None:
+            return tmp if tmp == out else f"{tmp}|{out}"
     raise LookupError(f"grad_fmt {fmt!r} has no plain-tensor name")
+
+
+def _format_part_name(cls: Any, own: type) -> str | None:
+    """``"keep"`` / ``"dense"`` / ``"layout:<name>"`` for a format's layout class, ``None`` for none."""
+    if cls is own:
+        return "keep"
+    if cls is torch.Tensor:
+        return "dense"
+    name = _layout_name(cls)
+    return None if name is None else "layout:" + name
 
 
 def _grad_format(name: str | None, layout: type) -> tuple | None:
     if name is None:
         return None
+    tmp, _, out = name.partition("|")
+    kept = _format_part(tmp, layout)
+    return (KeepAll(), kept, KeepAll(), _format_part(out, layout) if out else kept)
+
+
+def _format_part(name: str, layout: type) -> type:
     if name.startswith("layout:"):
-        kept = registry.layout(name[len("layout:"):])
-    elif name in ("keep", "dense"):
-        kept = layout if name == "keep" else torch.Tensor
-    else:
-        raise ValueError(f"unknown gradient format {name!r} in checkpoint; expected one of {GRAD_FORMAT_NAMES}")
-    return (KeepAll(), kept, KeepAll(), kept)
+        return registry.layout(name[len("layout:"):])
+    if name in ("keep", "dense"):
+        return layout if name == "keep" else torch.Tensor
+    raise ValueError(f"unknown gradient format {name!r} in checkpoint; expected one of {GRAD_FORMAT_NAMES}")
 
 
 def rebuild_sparse(is_param: bool, layout_name: str, shape: tuple, tensors: tuple, requires_grad: bool,
@@ -96,8 +112,8 @@ def reduce_wrapper(wrapper: SparseTensorWrapper) -> tuple:
     """The pickle form of a wrapper: plain tensors where the layout allows.
 
     A wrapper whose ``grad_fmt`` holds sparsifier objects pickles whole; no
-    ``grad_fmt`` (a detached wrapper in a state dict), the layout's own or the dense
-    one (which traceable wrappers keep when detached) are named in plain form.
+    ``grad_fmt`` or one of ``GRAD_FORMAT_NAMES`` (which a state dict's detached
+    wrappers keep) is named in plain form.
     """
     layout = wrapper.wrapped_tensor
     plugins.ensure_loaded()

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from . import _kernel
+from ._kernel import ptr
 
 _declared: set[int] = set()
 
@@ -98,13 +99,13 @@ def colgrouped_gather_bf16x(W: _kernel.NMColGrouped, X: torch.Tensor, bias: Opti
     if variant not in _kernel.CG_VARIANTS:
         raise ValueError(f"variant must be one of {sorted(_kernel.CG_VARIANTS)}, got {variant!r}")
     X = _bf16_x(X, W.K)
-    Y = torch.empty((X.shape[0], W.N), dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    Y = _kernel.empty((X.shape[0], W.N), torch.bfloat16 if out_bf16 else torch.float32)
     b = bias.contiguous().float() if bias is not None else None
-    lib = _lib()
+    lib, what = _lib(), "nm_colgrouped_gather_bf16x"
     rc = (lib.nm_colgrouped_gather_bf16x_out16 if out_bf16 else lib.nm_colgrouped_gather_bf16x_variant)(
-        ctypes.byref(W), X.shape[0], X.data_ptr(), X.stride(0) if W.K else 1, Y.data_ptr(), Y.stride(0) if W.N else 1,
-        b.data_ptr() if b is not None else None, _kernel._threads(nthreads), _kernel.CG_VARIANTS[variant])
-    _kernel._check(rc, "nm_colgrouped_gather_bf16x")
+        ctypes.byref(W), X.shape[0], ptr(X, f"{what}: X"), X.stride(0) if W.K else 1, ptr(Y, f"{what}: out"),
+        Y.stride(0) if W.N else 1, ptr(b, f"{what}: bias"), _kernel._threads(nthreads), _kernel.CG_VARIANTS[variant])
+    _kernel._check(rc, what)
     return Y
 
 
@@ -136,12 +137,12 @@ def _gather_x16(base: str, desc: ctypes.Structure, X: torch.Tensor, cols: int, r
     if vals is None or vals.dtype not in (torch.float32, torch.bfloat16) or not vals.is_contiguous():
         raise ValueError(f"{base}_bf16x needs a descriptor of contiguous float32 or bfloat16 values")
     w16 = vals.dtype == torch.bfloat16
-    b = bias.contiguous().float() if bias is not None else None
-    args = (ctypes.byref(desc), X.shape[0], X.data_ptr(), X.stride(0) if cols else 1)
-    tail = (b.data_ptr() if b is not None else None, _kernel._threads(nthreads))
-    Y = torch.empty((X.shape[0], rows), dtype=torch.bfloat16 if out_bf16 else torch.float32)
-    out = (Y.data_ptr(), Y.stride(0) if rows else 1)
     what = f"nm_{base}_bf16x_out16" if out_bf16 else f"nm_{base}_bf16{'w' if w16 else ''}x"
+    b = bias.contiguous().float() if bias is not None else None
+    args = (ctypes.byref(desc), X.shape[0], ptr(X, f"{what}: X"), X.stride(0) if cols else 1)
+    tail = (ptr(b, f"{what}: bias"), _kernel._threads(nthreads))
+    Y = _kernel.empty((X.shape[0], rows), torch.bfloat16 if out_bf16 else torch.float32)
+    out = (ptr(Y, f"{what}: out"), Y.stride(0) if rows else 1)
     kernel = getattr(_lib(), what)
     rc = kernel(*args, *out, *tail, int(w16)) if out_bf16 else kernel(*args, *out, *tail)
     _kernel._check(rc, what)
@@ -196,8 +197,9 @@ def grouped_tgather_bf16w(W: _kernel.NMGrouped, dY: torch.Tensor, nthreads: Opti
     bfloat16 values (``_kernel.grouped`` of bf16 values): widened for this call only."""
     _kernel._require_bf16_values(W, "grouped_tgather_bf16w")
     dY = _kernel._rowmajor(dY)
-    dX = torch.empty((dY.shape[0], W.K), dtype=torch.float32)
-    rc = _lib().nm_grouped_tgather_bf16w(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0), dX.data_ptr(),
+    dX = _kernel.empty((dY.shape[0], W.K))
+    rc = _lib().nm_grouped_tgather_bf16w(ctypes.byref(W), dY.shape[0], ptr(dY, "nm_grouped_tgather_bf16w: dY"),
+                                         dY.stride(0), ptr(dX, "nm_grouped_tgather_bf16w: out"),
                                          dX.stride(0) if W.K else 1, _kernel._threads(nthreads))
     _kernel._check(rc, "nm_grouped_tgather_bf16w")
     return dX
@@ -245,11 +247,11 @@ def tgather_mixed(A: _kernel.NMMat, Y: torch.Tensor, bias: Optional[torch.Tensor
     """
     w16 = _values_bf16(A)
     Y, y16 = _operand(Y)
-    X = torch.empty((Y.shape[0], A.C), dtype=torch.float32)
+    X = _kernel.empty((Y.shape[0], A.C))
     b = bias.contiguous().float() if bias is not None else None
-    rc = _lib().nm_tgather_mixed(ctypes.byref(A), Y.shape[0], Y.data_ptr(), Y.stride(0) if A.R else 1, X.data_ptr(),
-                                   X.stride(0) if A.C else 1, b.data_ptr() if b is not None else None,
-                                   _kernel._threads(nthreads), w16, y16)
+    rc = _lib().nm_tgather_mixed(ctypes.byref(A), Y.shape[0], ptr(Y, "nm_tgather_mixed: Y"), Y.stride(0) if A.R else 1,
+                                 ptr(X, "nm_tgather_mixed: out"), X.stride(0) if A.C else 1,
+                                 ptr(b, "nm_tgather_mixed: bias"), _kernel._threads(nthreads), w16, y16)
     _kernel._check(rc, "nm_tgather_mixed")
     return X
 
@@ -259,9 +261,10 @@ def sddmm_mixed(A: _kernel.NMMat, Y: torch.Tensor, X: torch.Tensor, nthreads: Op
     bfloat16, read by the kernel (no float32 copies)."""
     Y, y16 = _operand(Y)
     X, x16 = _operand(X)
-    out = torch.empty((A.R, A.G * A.n), dtype=torch.float32)
-    rc = _lib().nm_sddmm_mixed(ctypes.byref(A), Y.shape[0], Y.data_ptr(), Y.stride(0) if A.R else 1, X.data_ptr(),
-                                 X.stride(0) if A.C else 1, out.data_ptr(), _kernel._threads(nthreads), y16, x16)
+    out = _kernel.empty((A.R, A.G * A.n))
+    rc = _lib().nm_sddmm_mixed(ctypes.byref(A), Y.shape[0], ptr(Y, "nm_sddmm_mixed: Y"), Y.stride(0) if A.R else 1,
+                               ptr(X, "nm_sddmm_mixed: X"), X.stride(0) if A.C else 1, ptr(out, "nm_sddmm_mixed: out"),
+                               _kernel._threads(nthreads), y16, x16)
     _kernel._check(rc, "nm_sddmm_mixed")
     return out
 
@@ -271,10 +274,10 @@ def grouped_tgather_mixed(W: _kernel.NMGrouped, dY: torch.Tensor, nthreads: Opti
     bfloat16 (read by the kernel) and ``W``'s values float32 or bfloat16."""
     w16 = _values_bf16(W)
     dY, y16 = _operand(dY)
-    dX = torch.empty((dY.shape[0], W.K), dtype=torch.float32)
-    rc = _lib().nm_grouped_tgather_mixed(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0) if W.N else 1,
-                                           dX.data_ptr(), dX.stride(0) if W.K else 1, _kernel._threads(nthreads),
-                                           w16, y16)
+    dX = _kernel.empty((dY.shape[0], W.K))
+    rc = _lib().nm_grouped_tgather_mixed(ctypes.byref(W), dY.shape[0], ptr(dY, "nm_grouped_tgather_mixed: dY"),
+                                         dY.stride(0) if W.N else 1, ptr(dX, "nm_grouped_tgather_mixed: out"),
+                                         dX.stride(0) if W.K else 1, _kernel._threads(nthreads), w16, y16)
     _kernel._check(rc, "nm_grouped_tgather_mixed")
     return dX
 
@@ -285,10 +288,11 @@ def grouped_sddmm_mixed(W: _kernel.NMGrouped, dY: torch.Tensor, X: torch.Tensor,
     each float32 or bfloat16, read by the kernel."""
     dY, y16 = _operand(dY)
     X, x16 = _operand(X)
-    out = torch.empty((W.Q, -(-W.K // W.m) * W.n, _kernel.GROUP_ROWS), dtype=torch.float32)
-    rc = _lib().nm_grouped_sddmm_mixed(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0) if W.N else 1,
-                                         X.data_ptr(), X.stride(0) if W.K else 1, out.data_ptr(),
-                                         _kernel._threads(nthreads), y16, x16)
+    out = _kernel.empty((W.Q, -(-W.K // W.m) * W.n, _kernel.GROUP_ROWS))
+    what = "nm_grouped_sddmm_mixed"
+    rc = _lib().nm_grouped_sddmm_mixed(ctypes.byref(W), dY.shape[0], ptr(dY, f"{what}: dY"), dY.stride(0) if W.N else 1,
+                                       ptr(X, f"{what}: X"), X.stride(0) if W.K else 1, ptr(out, f"{what}: out"),
+                                       _kernel._threads(nthreads), y16, x16)
     _kernel._check(rc, "nm_grouped_sddmm_mixed")
     return out
 
@@ -298,10 +302,11 @@ def colgrouped_grad_input_mixed(W: _kernel.NMColGrouped, dY: torch.Tensor,
     """:func:`sten_nm._kernel.colgrouped_grad_input` with ``dY`` float32 or bfloat16 (read by the
     kernel, widened while packing)."""
     dY, y16 = _operand(dY)
-    dX = torch.empty((dY.shape[0], W.K), dtype=torch.float32)
-    rc = _lib().nm_colgrouped_grad_input_mixed(ctypes.byref(W), dY.shape[0], dY.data_ptr(),
-                                                 dY.stride(0) if W.N else 1, dX.data_ptr(), dX.stride(0) if W.K else 1,
-                                                 _kernel._threads(nthreads), y16)
+    dX = _kernel.empty((dY.shape[0], W.K))
+    what = "nm_colgrouped_grad_input_mixed"
+    rc = _lib().nm_colgrouped_grad_input_mixed(ctypes.byref(W), dY.shape[0], ptr(dY, f"{what}: dY"),
+                                               dY.stride(0) if W.N else 1, ptr(dX, f"{what}: out"),
+                                               dX.stride(0) if W.K else 1, _kernel._threads(nthreads), y16)
     _kernel._check(rc, "nm_colgrouped_grad_input_mixed")
     return dX
 
@@ -312,9 +317,11 @@ def colgrouped_grad_values_mixed(W: _kernel.NMColGrouped, dY: torch.Tensor, X: t
     bfloat16, read by the kernel."""
     dY, y16 = _operand(dY)
     X, x16 = _operand(X)
-    out = torch.empty((W.Nb, W.P, W.n, W.L), dtype=torch.float32)
-    rc = _lib().nm_colgrouped_grad_values_mixed(ctypes.byref(W), dY.shape[0], dY.data_ptr(),
-                                                  dY.stride(0) if W.N else 1, X.data_ptr(), X.stride(0) if W.K else 1,
-                                                  out.data_ptr(), _kernel._threads(nthreads), y16, x16)
+    out = _kernel.empty((W.Nb, W.P, W.n, W.L))
+    what = "nm_colgrouped_grad_values_mixed"
+    rc = _lib().nm_colgrouped_grad_values_mixed(ctypes.byref(W), dY.shape[0], ptr(dY, f"{what}: dY"),
+                                                dY.stride(0) if W.N else 1, ptr(X, f"{what}: X"),
+                                                X.stride(0) if W.K else 1, ptr(out, f"{what}: out"),
+                                                _kernel._threads(nthreads), y16, x16)
     _kernel._check(rc, "nm_colgrouped_grad_values_mixed")
     return out

@@ -61,13 +61,13 @@ def with_tiles(desc: _kernel.NMColGrouped, B: int, variant: str = "auto",
         nbytes = lib.nm_colgrouped_tiles_bytes(ctypes.byref(desc), kt)
         if nbytes < 0:
             return desc
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        if lib.nm_colgrouped_pack_tiles(ctypes.byref(desc), kt, buf.data_ptr(), nbytes) != 0:
+        buf = _kernel.empty((nbytes,), torch.uint8)
+        if lib.nm_colgrouped_pack_tiles(ctypes.byref(desc), kt, _kernel.ptr(buf, "nm_colgrouped tiles"), nbytes) != 0:
             return desc   # a tile spans too many columns for int16: the stored tables
         for k in [k for k, h in cache.items() if h[0] is not cols]:
             del cache[k]   # stale (columns replaced)
         cache[kt] = (cols, (vals._version, cols._version), buf)
     d = _kernel.NMColGrouped(desc.N, desc.K, desc.n, desc.m, desc.P, desc.vtype, desc.Nb, desc.L,
-                             desc.vals, desc.cols, desc.pats, buf.data_ptr(), kt)
+                             desc.vals, desc.cols, desc.pats, _kernel.ptr(buf, "nm_colgrouped tiles"), kt)
     d._keep = tuple(desc._keep) + (buf,)
     return d

@@ -1,7 +1,9 @@
 """ctypes bindings of the plain-C kernels in ``csrc/`` (built as ``sten_nm._nmkernel``).
 
 All functions take float32 CPU tensors whose last dimension is contiguous and
-return new tensors; argument checking happens in the callers.
+return new tensors; argument checking happens in the callers, except that every tensor
+becomes a pointer through :func:`ptr`, which refuses one without CPU data (meta, GPU,
+traced) with a ``ValueError`` instead of letting a kernel crash the process.
 
 Example:
     >>> from sten_nm import _kernel
@@ -213,6 +215,40 @@ def index_per_word(m: int) -> int:
     return 32 // index_bits(m)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def ptr(t: Optional[torch.Tensor], what: str) -> Optional[int]:
+    """The address a C kernel reads or writes ``t`` at (``None`` for ``None``): the one place a
+    tensor becomes a pointer. A tensor without CPU data (the meta device, whose address is 0, a
+    GPU, a tensor that ``torch.compile`` traces) raises a ``ValueError`` naming ``what`` instead
+    of crashing the process.
+
+    >>> ptr(torch.ones(1, device="meta"), "nm_gather: x")
+    Traceback (most recent call last):
+    ValueError: nm_gather: x is on the meta device, ...
+    """
+    if t is None:
+        return None
+    if t.is_cpu:
+        try:   # (a FakeTensor's storage is on meta; a functional tensor's address is 0)
+            address = t.data_ptr() if type(t) in _PLAIN or t.untyped_storage().device.type == "cpu" else 0
+        except RuntimeError:   # no storage (a functorch batched tensor)
+            address = 0
+        if address or t.numel() == 0:
+            return address
+    where = ("the meta device, which holds no data" if t.is_meta
+             else f"device {t.device} ({type(t).__name__} without CPU data)")
+    raise ValueError(f"{what} is on {where}; the sten_nm C kernels read CPU tensors only. Move the "
+                     f"layout (and the operands) to the CPU first, e.g. module.to_empty(device='cpu') "
+                     f"after building on the meta device, then load the weights")
+
+
+def empty(shape: tuple, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A kernel's output buffer: on the CPU, also under a ``torch.device("meta")`` default."""
+    return torch.empty(shape, dtype=dtype, device="cpu")
+
+
 def _threads(nthreads: Optional[int]) -> int:
     return torch.get_num_threads() if nthreads is None else int(nthreads)
 
@@ -230,7 +266,8 @@ def mat(values: torch.Tensor, indices: torch.Tensor, R: int, C: int, n: int, m: 
     """The C descriptor of an n:m matrix (float32 contiguous values, int32 indices)."""
     G = -(-C // m)
     per = index_per_word(m)
-    desc = NMMat(R, C, n, m, index_bits(m), per, G, -(-G * n // per), values.data_ptr(), indices.data_ptr())
+    desc = NMMat(R, C, n, m, index_bits(m), per, G, -(-G * n // per), ptr(values, "NMTensor values"),
+                 ptr(indices, "NMTensor indices"))
     desc._keep = (values, indices)  # the descriptor keeps its buffers alive
     return desc
 
@@ -248,10 +285,10 @@ def _product(kernel: Callable[..., int], what: str, desc: ctypes.Structure, inp:
     """``out`` ``[B, out_cols]`` float32 from the C product ``kernel(desc, B, inp, ld_in, out,
     ld_out, bias, threads, *extra)`` of ``inp`` ``[B, *]`` (made float32 row-major); errors name ``what``."""
     inp = _rowmajor(inp)
-    out = torch.empty((inp.shape[0], out_cols), dtype=torch.float32)
+    out = empty((inp.shape[0], out_cols))
     b = bias.contiguous().float() if bias is not None else None
-    rc = kernel(ctypes.byref(desc), inp.shape[0], inp.data_ptr(), inp.stride(0), out.data_ptr(),
-                out.stride(0) if out_cols else 1, b.data_ptr() if b is not None else None, _threads(nthreads), *extra)
+    rc = kernel(ctypes.byref(desc), inp.shape[0], ptr(inp, f"{what}: input"), inp.stride(0), ptr(out, f"{what}: out"),
+                out.stride(0) if out_cols else 1, ptr(b, f"{what}: bias"), _threads(nthreads), *extra)
     _check(rc, what)
     return out
 
@@ -282,9 +319,9 @@ def tgather(A: NMMat, Y: torch.Tensor, bias: Optional[torch.Tensor] = None, nthr
 def sddmm(A: NMMat, Y: torch.Tensor, X: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
     """``out[r, j] = sum_b Y[b, r] X[b, c_j]`` at A's stored positions, ``[R, G*n]``."""
     Y, X = _rowmajor(Y), _rowmajor(X)
-    out = torch.empty((A.R, A.G * A.n), dtype=torch.float32)
-    rc = _load().nm_sddmm_f32(ctypes.byref(A), Y.shape[0], Y.data_ptr(), Y.stride(0), X.data_ptr(),
-                              X.stride(0), out.data_ptr(), _threads(nthreads))
+    out = empty((A.R, A.G * A.n))
+    rc = _load().nm_sddmm_f32(ctypes.byref(A), Y.shape[0], ptr(Y, "nm_sddmm: Y"), Y.stride(0), ptr(X, "nm_sddmm: X"),
+                              X.stride(0), ptr(out, "nm_sddmm: out"), _threads(nthreads))
     _check(rc, "nm_sddmm")
     return out
 
@@ -300,23 +337,25 @@ def compress(D: torch.Tensor, n: int, m: int, mask: Optional[torch.Tensor] = Non
     R, C = D.shape
     G = -(-C // m)
     per = index_per_word(m)
-    vals = torch.empty((R, G * n), dtype=torch.float32)
-    idx = torch.empty((R, -(-G * n // per)), dtype=torch.int32)
+    vals = empty((R, G * n))
+    idx = empty((R, -(-G * n // per)), torch.int32)
     lib = _load()
+    d, v, i = ptr(D, "nm_compress: dense"), ptr(vals, "nm_compress: values"), ptr(idx, "nm_compress: indices")
     if mask is None:
-        rc = lib.nm_compress_f32(R, C, n, m, D.data_ptr(), D.stride(0), vals.data_ptr(), idx.data_ptr(), _threads(nthreads))
+        rc = lib.nm_compress_f32(R, C, n, m, d, D.stride(0), v, i, _threads(nthreads))
     else:
         mk = mask.to(torch.uint8).contiguous()
-        rc = lib.nm_compress_mask_f32(R, C, n, m, D.data_ptr(), D.stride(0), mk.data_ptr(), vals.data_ptr(),
-                                      idx.data_ptr(), _threads(nthreads))
+        rc = lib.nm_compress_mask_f32(R, C, n, m, d, D.stride(0), ptr(mk, "nm_compress: mask"), v, i,
+                                      _threads(nthreads))
     _check(rc, "nm_compress")
     return vals, idx
 
 
 def decompress(A: NMMat, nthreads: Optional[int] = None) -> torch.Tensor:
     """Dense ``[R, C]`` float32 tensor of A."""
-    D = torch.empty((A.R, A.C), dtype=torch.float32)
-    _check(_load().nm_decompress_f32(ctypes.byref(A), D.data_ptr(), D.stride(0) if A.C else 1, _threads(nthreads)), "nm_decompress")
+    D = empty((A.R, A.C))
+    _check(_load().nm_decompress_f32(ctypes.byref(A), ptr(D, "nm_decompress: out"), D.stride(0) if A.C else 1,
+                                     _threads(nthreads)), "nm_decompress")
     return D
 
 
@@ -325,7 +364,8 @@ def grouped(vals: torch.Tensor, indices: torch.Tensor, perm: torch.Tensor, N: in
     G = -(-K // m)
     per = index_per_word(m)
     desc = NMGrouped(N, K, n, m, index_bits(m), per, -(-N // GROUP_ROWS), -(-G * n // per),
-                     vals.data_ptr(), indices.data_ptr(), perm.data_ptr())
+                     ptr(vals, "GroupedNMTensor values"), ptr(indices, "GroupedNMTensor indices"),
+                     ptr(perm, "GroupedNMTensor perm"))
     desc._keep = (vals, indices, perm)
     return desc
 
@@ -340,9 +380,10 @@ def grouped_sddmm(W: NMGrouped, dY: torch.Tensor, X: torch.Tensor, nthreads: Opt
     """Gradient of a grouped ``W``'s stored values for ``Y = X W^T``: ``[Q, G*n, 16]``, the layout's order."""
     dY, X = _rowmajor(dY), _rowmajor(X)
     G = -(-W.K // W.m)
-    out = torch.empty((W.Q, G * W.n, GROUP_ROWS), dtype=torch.float32)
-    rc = _load().nm_grouped_sddmm_f32(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0), X.data_ptr(),
-                                      X.stride(0), out.data_ptr(), _threads(nthreads))
+    out = empty((W.Q, G * W.n, GROUP_ROWS))
+    rc = _load().nm_grouped_sddmm_f32(ctypes.byref(W), dY.shape[0], ptr(dY, "nm_grouped_sddmm: dY"), dY.stride(0),
+                                      ptr(X, "nm_grouped_sddmm: X"), X.stride(0), ptr(out, "nm_grouped_sddmm: out"),
+                                      _threads(nthreads))
     _check(rc, "nm_grouped_sddmm")
     return out
 
@@ -350,8 +391,9 @@ def grouped_sddmm(W: NMGrouped, dY: torch.Tensor, X: torch.Tensor, nthreads: Opt
 def grouped_tgather(W: NMGrouped, dY: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
     """Input gradient for a grouped ``W`` ``[N, K]``: ``dX = dY W``, ``[B, K]``."""
     dY = _rowmajor(dY)
-    dX = torch.empty((dY.shape[0], W.K), dtype=torch.float32)
-    rc = _load().nm_grouped_tgather_f32(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0), dX.data_ptr(),
+    dX = empty((dY.shape[0], W.K))
+    rc = _load().nm_grouped_tgather_f32(ctypes.byref(W), dY.shape[0], ptr(dY, "nm_grouped_tgather: dY"), dY.stride(0),
+                                        ptr(dX, "nm_grouped_tgather: out"),
                                         dX.stride(0) if W.K else 1, _threads(nthreads))
     _check(rc, "nm_grouped_tgather")
     return dX
@@ -368,8 +410,8 @@ def colgrouped(vals: torch.Tensor, cols: torch.Tensor, pats: torch.Tensor, N: in
     if vals.dtype not in VTYPES or not vals.is_contiguous():
         raise ValueError(f"vals must be contiguous float32 or bfloat16, got {vals.dtype}")
     Nb, P, _, L = vals.shape
-    desc = NMColGrouped(N, K, n, m, P, VTYPES[vals.dtype], Nb, L, vals.data_ptr(), cols.data_ptr(),
-                        pats.data_ptr())
+    desc = NMColGrouped(N, K, n, m, P, VTYPES[vals.dtype], Nb, L, ptr(vals, "ColumnGroupedNMTensor values"),
+                        ptr(cols, "ColumnGroupedNMTensor columns"), ptr(pats, "ColumnGroupedNMTensor patterns"))
     desc._keep = (vals, cols, pats)
     return desc
 
@@ -413,9 +455,10 @@ def _declare_extra(lib: ctypes.CDLL) -> None:
 def colgrouped_grad_input(W: NMColGrouped, dY: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
     """Input gradient for a column-grouped ``W`` ``[N, K]``: ``dX = dY W``, ``[B, K]`` float32."""
     dY = _rowmajor(dY)
-    dX = torch.empty((dY.shape[0], W.K), dtype=torch.float32)
-    rc = _load().nm_colgrouped_grad_input_f32(ctypes.byref(W), dY.shape[0], dY.data_ptr(), dY.stride(0) if W.N else 1,
-                                              dX.data_ptr(), dX.stride(0) if W.K else 1, _threads(nthreads))
+    dX = empty((dY.shape[0], W.K))
+    rc = _load().nm_colgrouped_grad_input_f32(ctypes.byref(W), dY.shape[0], ptr(dY, "nm_colgrouped_grad_input: dY"),
+                                              dY.stride(0) if W.N else 1, ptr(dX, "nm_colgrouped_grad_input: out"),
+                                              dX.stride(0) if W.K else 1, _threads(nthreads))
     _check(rc, "nm_colgrouped_grad_input")
     return dX
 
@@ -425,10 +468,11 @@ def colgrouped_grad_values(W: NMColGrouped, dY: torch.Tensor, X: torch.Tensor,
     """Gradient of a column-grouped ``W``'s stored values for ``Y = X Wᵀ`` (``dYᵀ X`` at the
     kept positions only): float32 ``[Nb, P, n, L]``, the layout's order."""
     dY, X = _rowmajor(dY), _rowmajor(X)
-    out = torch.empty((W.Nb, W.P, W.n, W.L), dtype=torch.float32)
-    rc = _load().nm_colgrouped_grad_values_f32(ctypes.byref(W), dY.shape[0], dY.data_ptr(),
-                                               dY.stride(0) if W.N else 1, X.data_ptr(),
-                                               X.stride(0) if W.K else 1, out.data_ptr(), _threads(nthreads))
+    out = empty((W.Nb, W.P, W.n, W.L))
+    what = "nm_colgrouped_grad_values"
+    rc = _load().nm_colgrouped_grad_values_f32(ctypes.byref(W), dY.shape[0], ptr(dY, f"{what}: dY"),
+                                               dY.stride(0) if W.N else 1, ptr(X, f"{what}: X"),
+                                               X.stride(0) if W.K else 1, ptr(out, f"{what}: out"), _threads(nthreads))
     _check(rc, "nm_colgrouped_grad_values")
     return out
 
@@ -447,8 +491,9 @@ def to_bf16(x: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
     if x.dtype != torch.float32:
         raise ValueError(f"x must be float32, got {x.dtype}")
     x = x.contiguous()
-    y = torch.empty(x.shape, dtype=torch.bfloat16)
-    _check(_load().nm_f32_to_bf16(x.data_ptr(), y.data_ptr(), x.numel(), _threads(nthreads)), "nm_f32_to_bf16")
+    y = empty(x.shape, torch.bfloat16)
+    _check(_load().nm_f32_to_bf16(ptr(x, "nm_f32_to_bf16: x"), ptr(y, "nm_f32_to_bf16: out"), x.numel(),
+                                  _threads(nthreads)), "nm_f32_to_bf16")
     return y
 
 

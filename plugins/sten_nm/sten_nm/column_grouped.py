@@ -39,6 +39,7 @@ from typing import Any, Optional
 import torch
 
 from ._checks import FLOAT_DTYPES, check_float_tensor, check_nm
+from ._meta import empty_layout, read_params
 from ._padding import zero_padding
 
 from sten_core.plugin_api import Layout as _Base
@@ -309,7 +310,7 @@ class ColumnGroupedNMTensor(_Base):
         N, K = self._shape
         P = math.comb(self.m, self.n)
         Nb, _, L = self.columns.shape
-        if Nb == 0 or L == 0:
+        if Nb == 0 or L == 0 or self.columns.is_meta:   # (the meta device holds no columns to check)
             return
         c = self.columns.long()
         start_col, start_slot = 0, 0
@@ -410,8 +411,14 @@ class ColumnGroupedNMTensor(_Base):
     @property
     def nnz(self) -> int:
         """Stored positions inside the logical shape (a padded last row block may keep
-        padding rows for some columns)."""
+        padding rows for some columns; on the meta device only when there is no such block)."""
         N, K = self._shape
+        if self.columns.is_meta:
+            if N % self.m:
+                raise NotImplementedError(
+                    f"ColumnGroupedNMTensor.nnz on the meta device: with {N} rows (not a multiple of m={self.m}) "
+                    f"it depends on the columns' patterns, which the meta device does not hold")
+            return N * self.n // self.m * K
         inside = (self._rows() < N) & (self.columns.long()[:, :, None, :] < K)
         return int(inside.sum())
 
@@ -449,6 +456,11 @@ class ColumnGroupedNMTensor(_Base):
 
         N, K = self._shape
         Nb, P, n, L = self._values.shape
+        if self.columns.is_meta:   # (the columns' owners are data: only the shapes)
+            from ._kernel import index_per_word
+
+            words = -(-Nb * n // index_per_word(self.m))
+            return self.columns.new_empty((K, words)), self.columns.new_empty((K, Nb * n), dtype=torch.int64)
         pats = patterns(n, self.m)
         q = torch.arange(Nb)[:, None, None, None]
         p = torch.arange(P)[None, :, None, None]
@@ -515,6 +527,12 @@ class ColumnGroupedNMTensor(_Base):
         return ColumnGroupedNMTensor._trusted(self._values.to(device=device, dtype=dtype), self.columns.to(device=device),
                                               self._shape, self.n, self.m, self.g)
 
+    def empty_like(self, device: Any = None, dtype: Optional[torch.dtype] = None) -> "ColumnGroupedNMTensor":
+        """``torch.empty_like``'s layout (``Module.to_empty``): this pattern with zero values on
+        ``device``; from the meta device, the assignment ``from_dense`` makes for all-zero weights."""
+        return empty_layout(self, device, dtype,
+                            lambda zeros: ColumnGroupedNMTensor.from_dense(zeros, self.n, self.m, self.g))
+
     def state_tensors(self) -> tuple[torch.Tensor, ...]:
         """``(values, columns, [n, m, g])``: plain tensors that ``from_state_tensors`` rebuilds it from."""
         return (self._values, self.columns, torch.tensor([self.n, self.m, self.g], dtype=torch.int64))
@@ -522,7 +540,7 @@ class ColumnGroupedNMTensor(_Base):
     @classmethod
     def from_state_tensors(cls, tensors: tuple, shape: tuple) -> "ColumnGroupedNMTensor":
         values, columns, params = tensors
-        n, m, g = (int(v) for v in params.tolist())
+        n, m, g = read_params(params, cls.__name__, "n, m, g")
         return cls(values, columns, shape, n, m, g)
 
     def with_values(self, values: torch.Tensor) -> "ColumnGroupedNMTensor":
@@ -550,5 +568,6 @@ class ColumnGroupedNMTensor(_Base):
                 and (other.columns is self.columns or torch.equal(other.columns, self.columns)))
 
     def __repr__(self) -> str:
+        nnz = "?" if self.columns.is_meta and self._shape[0] % self.m else self.nnz
         return (f"ColumnGroupedNMTensor(shape={tuple(self._shape)}, n={self.n}, m={self.m}, g={self.g}, "
-                f"dtype={self.dtype}, nnz={self.nnz})")
+                f"dtype={self.dtype}, nnz={nnz})")

@@ -42,7 +42,7 @@ from ._cg_tiles import with_tiles
 from .column_grouped import ColumnGroupedNMTensor, patterns
 from sten_core.plugin_api import linear_inputs, needs_grad, note, observing, register_weight_product
 
-from .ops import _autocast_dtype, _cast, _check_input, _out_dtype, _rows
+from .ops import _autocast_dtype, _cast, _check_input, _meta_rows, _on_meta, _out_dtype, _rows
 
 SLAB_FLOATS = 1 << 24
 
@@ -136,16 +136,18 @@ def column_grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Ten
     """``F.linear(x, weight, bias)`` for a :class:`ColumnGroupedNMTensor` weight ``[N, K]``."""
     W = _layout(weight)
     N, K = W.shape
-    _check_input(x, "input", K, f"F.linear with a weight of shape {(N, K)}")
+    _check_input(x, "input", K, f"F.linear with a weight of shape {(N, K)}", _on_meta(W))
     if bias is not None:
-        _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}")
+        _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}", _on_meta(W))
         if bias.dim() != 1:
             raise ValueError(f"bias must be 1-D of size {N}, got shape {tuple(bias.shape)}")
     amp = _autocast_dtype(x, W._values, bias)
     x, bias = _cast(x, amp), _cast(bias, amp)
     dtype = amp if amp is not None else _out_dtype(x, W._values, bias)
     c = _compute_dtype(dtype)
-    if c == torch.float32 and _kernel.available()[0]:   # the C kernel (float32 accumulation)
+    if _on_meta(W):   # shape inference
+        y2 = _meta_rows(_rows(x), N)
+    elif c == torch.float32 and _kernel.available()[0]:   # the C kernel (float32 accumulation)
         x2 = _rows(x)
         # a bf16 result rounded by the kernel as it writes each block (no float32 pass)
         y2 = _tuned_forward(W, W.desc(amp), x2, bias, out_bf16=dtype == torch.bfloat16 and x2.dtype == dtype)
@@ -223,7 +225,7 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
             gv = W.gather(gy2.t() @ x2) if need_w and sparse_grad else None
         return gx, gv
 
-    if c == torch.float32 and _kernel.available()[0]:
+    if c == torch.float32 and _kernel.available()[0] and not _on_meta(W):
         g, gv = _tuned_backward(W, gy_in.shape[0], kernels, dense, bf16=torch.bfloat16 in (gy_in.dtype, x_in.dtype))
     else:
         g, gv = dense()

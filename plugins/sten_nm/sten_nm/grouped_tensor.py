@@ -26,6 +26,7 @@ import torch
 
 from . import _kernel
 from ._fp32 import fp32_values
+from ._meta import empty_layout, read_params
 from ._checks import FLOAT_DTYPES, check_float_tensor, check_nm
 from ._padding import zero_padding
 from .nm_tensor import NMTensor, check_offsets
@@ -97,8 +98,8 @@ class GroupedNMTensor(_Base):
         if not isinstance(perm, torch.Tensor) or perm.dtype != torch.int32 or tuple(perm.shape) != (self._Q * GR,):
             raise ValueError(f"perm must be int32 of shape {(self._Q * GR,)}")
         pad = self._Q * GR - N
-        if not torch.equal(perm.sort().values, torch.cat([torch.full((pad,), -1, dtype=torch.int32),
-                                                          torch.arange(N, dtype=torch.int32)])):
+        rows = torch.cat([torch.full((pad,), -1, dtype=torch.int32), torch.arange(N, dtype=torch.int32)])
+        if not perm.is_meta and not torch.equal(perm.sort().values, rows):   # (meta: no rows to check)
             raise ValueError(f"perm must hold each row 0..{N - 1} once and -1 for the {pad} padding rows")
         check_offsets(self.indices, self._Q, K, self.n, self.m)
 
@@ -235,6 +236,9 @@ class GroupedNMTensor(_Base):
     def to_nm(self) -> NMTensor:
         """The same tensor as an exact :class:`NMTensor` (rows share their group's indices)."""
         N, K = self._shape
+        if self.perm.is_meta:   # (the rows' order is data: only the shapes)
+            return NMTensor._trusted(self._vals.new_empty((N, self._vals.shape[1])),
+                                     self.indices.new_empty((N, self.indices.shape[1])), self._shape, self.n, self.m)
         idx_rows = self.indices.repeat_interleave(GR, dim=0)  # [Q*GR, iw]
         keep = self.perm >= 0
         idx = torch.empty((N, self.indices.shape[1]), dtype=torch.int32)
@@ -265,6 +269,8 @@ class GroupedNMTensor(_Base):
     def from_row_values(self, row_values: torch.Tensor) -> torch.Tensor:
         """``[N, G*n]`` row-ordered values (e.g. a gradient) in this layout's order."""
         Q, gn, _ = self._vals.shape
+        if self.perm.is_meta:   # (the rows' order is data: only the shape)
+            return row_values.new_empty(self._vals.shape)
         flat = row_values.new_zeros((Q * GR, gn))
         keep = self.perm >= 0
         flat[keep] = row_values[self.perm[keep].long()]
@@ -283,6 +289,12 @@ class GroupedNMTensor(_Base):
         return GroupedNMTensor._trusted(self._vals.to(device=device, dtype=dtype), self.indices.to(device=device),
                                         self.perm.to(device=device), self._shape, self.n, self.m)
 
+    def empty_like(self, device: Any = None, dtype: "torch.dtype | None" = None) -> "GroupedNMTensor":
+        """``torch.empty_like``'s layout (``Module.to_empty``): this pattern with zero values on
+        ``device``; from the meta device, rows in order and the first ``n`` of every ``m``."""
+        return empty_layout(self, device, dtype,
+                            lambda zeros: GroupedNMTensor.from_dense(zeros, self.n, self.m, group=False))
+
     # -- saving: torch.save / torch.load(weights_only=True) ---------------------
     def state_tensors(self) -> tuple[torch.Tensor, ...]:
         """``(vals, indices, perm, [n, m])``: plain tensors that ``from_state_tensors`` rebuilds it from."""
@@ -291,7 +303,7 @@ class GroupedNMTensor(_Base):
     @classmethod
     def from_state_tensors(cls, tensors: tuple, shape: tuple) -> "GroupedNMTensor":
         vals, indices, perm, params = tensors
-        n, m = (int(v) for v in params.tolist())
+        n, m = read_params(params, cls.__name__, "n, m")
         return cls(vals, indices, perm, shape, n, m)
 
     def __repr__(self) -> str:

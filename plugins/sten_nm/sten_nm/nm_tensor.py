@@ -33,6 +33,7 @@ import torch
 
 from . import _kernel
 from ._fp32 import fp32_values
+from ._meta import empty_layout, read_params
 from ._checks import FLOAT_DTYPES, check_dim, check_float_tensor, check_nm
 from ._padding import zero_padding
 
@@ -46,7 +47,7 @@ def group_offsets(indices: torch.Tensor, slots: int, m: int) -> torch.Tensor:
     [[1, 3]]
     """
     bits, per = _kernel.index_bits(m), _kernel.index_per_word(m)
-    e = torch.arange(slots)
+    e = torch.arange(slots, device=indices.device)
     words = indices.to(torch.int64) & 0xFFFFFFFF
     return (words[:, e // per] >> (bits * (e % per))) & ((1 << bits) - 1)
 
@@ -58,7 +59,7 @@ def check_offsets(indices: torch.Tensor, rows: int, C: int, n: int, m: int, name
     would read out of bounds, or disagree with ``to_dense()``.
     """
     G = -(-C // m)
-    if rows == 0 or G == 0:
+    if rows == 0 or G == 0 or indices.is_meta:   # (the meta device holds no offsets to check)
         return
     offs = group_offsets(indices, G * n, m).reshape(rows, G, n)
     bad = offs >= m
@@ -197,8 +198,9 @@ class NMTensor(_Base):
     @staticmethod
     def _cols(indices: torch.Tensor, C: int, n: int, m: int, R: int) -> torch.Tensor:
         G = -(-C // m)
-        e = torch.arange(G * n)
-        return (e // n) * m + group_offsets(indices, G * n, m) if R else torch.zeros((0, G * n), dtype=torch.int64)
+        if not R:
+            return torch.zeros((0, G * n), dtype=torch.int64, device=indices.device)
+        return (torch.arange(G * n, device=indices.device) // n) * m + group_offsets(indices, G * n, m)
 
     def columns(self) -> torch.Tensor:
         """Column of ``A`` of every stored slot, ``[R, G*n]`` int64 (may be >= C in padding)."""
@@ -208,7 +210,7 @@ class NMTensor(_Base):
     @staticmethod
     def _gather_cols(a: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         C = a.shape[1]
-        pad = int(cols.max()) + 1 - C if cols.numel() else 0
+        pad = int(cols.max()) + 1 - C if cols.numel() and not cols.is_meta else 0   # (meta: no bounds to read)
         if pad > 0:
             a = torch.nn.functional.pad(a, (0, pad))
         return torch.gather(a, 1, cols) if cols.numel() else a.new_zeros(cols.shape)
@@ -216,7 +218,7 @@ class NMTensor(_Base):
     def to_dense(self) -> torch.Tensor:
         """The dense tensor (zeros at the dropped positions)."""
         R, C = self._rc()
-        if self._values.dtype == torch.float32 and _kernel.available()[0]:
+        if self._values.dtype == torch.float32 and self._values.is_cpu and _kernel.available()[0]:
             a = _kernel.decompress(self.mat())
         else:
             G = -(-C // self.m)
@@ -230,7 +232,7 @@ class NMTensor(_Base):
         """Boolean mask of the stored positions (logical shape)."""
         R, C = self._rc()
         G = -(-C // self.m)
-        a = torch.zeros((R, G * self.m), dtype=torch.bool)
+        a = torch.zeros((R, G * self.m), dtype=torch.bool, device=self.indices.device)
         if R and G:
             a.scatter_(1, self.columns(), True)
         a = a[:, :C]
@@ -273,6 +275,15 @@ class NMTensor(_Base):
         return NMTensor._trusted(self._values.to(device=device, dtype=dtype), self.indices.to(device=device),
                                  self._shape, self.n, self.m, self.dim)
 
+    def empty_like(self, device: Any = None, dtype: Optional[torch.dtype] = None) -> "NMTensor":
+        """``torch.empty_like``'s layout (``Module.to_empty``): this pattern with zero values on
+        ``device``; from the meta device, the first ``n`` of every ``m`` (see :mod:`sten_nm._meta`).
+
+        >>> NMTensor.from_dense(torch.ones(2, 4)).to("meta").empty_like("cpu").to_dense().tolist()
+        [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+        """
+        return empty_layout(self, device, dtype, lambda zeros: NMTensor.from_dense(zeros, self.n, self.m, self.dim))
+
     # -- saving: torch.save / torch.load(weights_only=True) ---------------------
     def state_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(values, indices, [n, m, dim])``: plain tensors that ``from_state_tensors`` rebuilds it from.
@@ -286,7 +297,7 @@ class NMTensor(_Base):
     @classmethod
     def from_state_tensors(cls, tensors: tuple, shape: tuple) -> "NMTensor":
         values, indices, params = tensors
-        n, m, dim = (int(v) for v in params.tolist())
+        n, m, dim = read_params(params, cls.__name__, "n, m, dim")
         return cls(values, indices, shape, n, m, dim)
 
     def __repr__(self) -> str:

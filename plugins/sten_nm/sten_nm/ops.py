@@ -38,16 +38,29 @@ def _layout(w: Any, name: str) -> NMTensor:
     return layout
 
 
-def _check_input(x: Any, name: str, k: int, what: str) -> torch.Tensor:
+def _check_input(x: Any, name: str, k: int, what: str, meta: bool = False) -> torch.Tensor:
+    """``x`` checked: a floating-point tensor of last dimension ``k``, on the CPU (on the meta
+    device with a ``meta`` weight: shape inference)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] != k:
         raise ValueError(f"{name} has shape {tuple(x.shape)} but {what} needs its last dimension to be {k}")
-    if x.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU, got device {x.device}")
+    if x.is_meta != meta or not (x.is_meta or x.is_cpu):
+        raise ValueError(f"{name} must be on the {'meta device, as the weight is' if meta else 'CPU'}, "
+                         f"got device {x.device}")
     return x
+
+
+def _on_meta(W: Any) -> bool:
+    """Whether the layout ``W`` is on the meta device (its products infer shapes, no kernel)."""
+    return W.device.type == "meta"
+
+
+def _meta_rows(x2: torch.Tensor, n_out: int) -> torch.Tensor:
+    """A product's float32 ``[B, n_out]`` result for meta ``x2`` ``[B, *]``: its shape, no data."""
+    return x2.new_empty((x2.shape[0], n_out), dtype=torch.float32)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +169,9 @@ def _apply(x: torch.Tensor, W: NMTensor, bias: Optional[torch.Tensor], a_is_w: b
     if amp is not None:  # as dense under autocast: operands rounded to amp, result in amp
         x, bias, dtype = _cast(x, amp), _cast(bias, amp), amp
     x2 = _rows(x)
-    if dtype == torch.float64:  # keep double precision: dense reference path
+    if _on_meta(W):
+        y2 = _meta_rows(x2, n_out)
+    elif dtype == torch.float64:  # keep double precision: dense reference path
         y2 = x2.double() @ (W.to_dense().double().t() if a_is_w == (W.dim == 1) else W.to_dense().double())
         y2 = y2 if bias is None else y2 + bias.double()
     else:
@@ -177,7 +192,8 @@ def _apply(x: torch.Tensor, W: NMTensor, bias: Optional[torch.Tensor], a_is_w: b
 def _result(y2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A float32 kernel result in ``dtype``: bf16 rounded on the kernels' threads (the same
     bits as ``.to``, faster there), anything else by ``.to``."""
-    if dtype == torch.bfloat16 and y2.dtype == torch.float32 and y2.is_contiguous() and _kernel.available()[0]:
+    if (dtype == torch.bfloat16 and y2.dtype == torch.float32 and y2.is_cpu and y2.is_contiguous()
+            and _kernel.available()[0]):
         return _kernel.to_bf16(y2)
     return y2.to(dtype)
 
@@ -201,9 +217,9 @@ def nm_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = None)
     """
     W = _layout(weight, "weight")
     N, K = W.shape
-    _check_input(x, "input", K, f"F.linear with a weight of shape {(N, K)}")
+    _check_input(x, "input", K, f"F.linear with a weight of shape {(N, K)}", _on_meta(W))
     if bias is not None:
-        _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}")
+        _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}", _on_meta(W))
         if bias.dim() != 1:
             raise ValueError(f"bias must be 1-D of size {N}, got shape {tuple(bias.shape)}")
     return _apply(x, W, bias, W.dim == 1, N)
@@ -218,7 +234,7 @@ def nm_matmul(x: torch.Tensor, other: Any) -> torch.Tensor:
     """
     S = _layout(other, "other")
     K, N = S.shape
-    _check_input(x, "input", K, f"a product with an n:m operand of shape {(K, N)}")
+    _check_input(x, "input", K, f"a product with an n:m operand of shape {(K, N)}", _on_meta(S))
     return _apply(x, S, None, S.dim == 0, N)
 
 
@@ -252,10 +268,10 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, sa
     gy = grad_outputs[0]
     gy2 = _rows(gy)
     x2 = _rows(x)
-    double = _out_dtype(x, W._values) == torch.float64
+    reference = _out_dtype(x, W._values) == torch.float64 or _on_meta(W)   # torch ops: float64, or meta shapes
     gx = gw = gb = None
     if needs_grad(ctx, 0):
-        if double:
+        if reference:
             dense = W.to_dense().double()
             g = gy2.double() @ (dense if linear else dense.t())
         else:
@@ -269,7 +285,7 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, sa
         gx = g.to(x.dtype).reshape(x.shape)
     if needs_grad(ctx, 1):
         if sparse_grad:
-            if double:
+            if reference:
                 full = gy2.double().t() @ x2.double() if linear else x2.double().t() @ gy2.double()
                 vals = W.gather(full)
             else:
@@ -330,15 +346,17 @@ def grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = 
     if not isinstance(W, GroupedNMTensor):
         raise TypeError(f"weight must be a GroupedNMTensor, got {type(W).__name__}")
     N, K = W.shape
-    _check_input(x, "input", K, f"F.linear with a weight of shape {(N, K)}")
+    _check_input(x, "input", K, f"F.linear with a weight of shape {(N, K)}", _on_meta(W))
     if bias is not None:
-        _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}")
+        _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}", _on_meta(W))
     amp = _autocast_dtype(x, W._vals, bias)
     dtype = _out_dtype(x, W._vals, bias)
     if amp is not None:  # as dense under autocast: operands rounded to amp, result in amp
         x, bias, dtype = _cast(x, amp), _cast(bias, amp), amp
     x2 = _rows(x)
-    if dtype == torch.float64:
+    if _on_meta(W):
+        y2 = _meta_rows(x2, N)
+    elif dtype == torch.float64:
         y2 = F.linear(x2.double(), W.to_dense().double(), None if bias is None else bias.double())
     else:
         bf16 = (amp if amp is not None else W._vals.dtype) == torch.bfloat16
@@ -383,7 +401,7 @@ def _grouped_backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple
     x, w, bias = ctx.saved_tensors
     G = w.wrapped_tensor
     N, K = G.shape
-    if _out_dtype(x, G._vals) == torch.float64:  # keep double precision: dense reference path
+    if _out_dtype(x, G._vals) == torch.float64 or _on_meta(G):  # float64, or meta shapes: dense reference path
         gx, gw, gb = _backward(ctx, grad_outputs, sparse_grad=sparse_grad, linear=True, saved=(x, G.to_nm(), bias))
         if sparse_grad and gw is not None:
             gw = SparseTensorWrapper(G.with_values(G.from_row_values(gw.wrapped_tensor.values())))

@@ -34,6 +34,23 @@ def _plain(tensor: torch.Tensor) -> bool:
             and not is_fake(tensor) and not torch._is_functional_tensor(tensor))
 
 
+def _check_cpu(parts: tuple, layout: str) -> None:
+    """The saved parts of a scipy layout are CPU tensors: its arrays live in numpy (CPU) memory,
+    so ``torch.load(..., map_location="meta")`` and ``Module.to("meta")`` (or another device) raise
+    a ``NotImplementedError`` naming the layout and the device, not numpy's conversion error.
+
+    >>> _check_cpu((torch.zeros(1, device="meta"),), "ScipyCsrTensor")
+    Traceback (most recent call last):
+    NotImplementedError: ScipyCsrTensor cannot be on the meta device: ...
+    """
+    device = next((t.device for t in parts if t.device.type != "cpu"), None)
+    if device is not None:
+        raise NotImplementedError(
+            f"{layout} cannot be on the {device.type} device: its pattern and values live in a scipy array "
+            f"(numpy, CPU memory), which {device.type} tensors cannot hold. Load it with map_location='cpu' "
+            f"and keep it on the CPU (for shapes only, convert it first, e.g. to sten_core's CsrTensor)")
+
+
 def compress(dense: torch.Tensor, keep: torch.Tensor | None, major: int) -> tuple:
     """``(data, indices, indptr)`` of the nonzeros of ``dense`` (where ``keep``),
     compressed along dim ``major`` (0: CSR, 1: CSC), without a masked dense copy.
@@ -253,6 +270,7 @@ class ScipyCompressed(Layout):
     def _saved_array(cls, indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, shape: tuple) -> Any:
         """The scipy array of saved parts, fully checked (pointers monotone, indices
         in range): a damaged checkpoint fails here instead of crashing a kernel later."""
+        _check_cpu((indptr, indices, values), cls.__name__)
         if values.dtype not in TORCH_TO_NUMPY:   # (a move to bf16: numpy has no such dtype)
             raise TypeError(f"{cls.__name__}: dtype must be {SUPPORTED}, got {values.dtype}")
         try:

@@ -29,9 +29,9 @@ def sparse_times_dense(a: ScipyCompressed, b: torch.Tensor) -> torch.Tensor:
 
 
 def dense_times_sparse(x: torch.Tensor, a: ScipyCompressed) -> torch.Tensor:
-    """``x @ a`` for dense ``x`` [N, M] and sparse ``a`` [M, K], as ``(aᵀ xᵀ)ᵀ``
-    (the transpose of a scipy array is O(1); the result is a transposed view)."""
-    return torch.from_numpy(a.data.T @ x.t().numpy()).t()
+    """``x @ a`` for dense ``x`` [N, M] and sparse ``a`` [M, K], as ``(aᵀ xᵀ)ᵀ`` (the transpose of a
+    scipy array is O(1)), made contiguous as dense products are (``y.view(...)`` works on it)."""
+    return torch.from_numpy(a.data.T @ x.t().numpy()).t().contiguous()
 
 
 def sampled(layout: ScipyCompressed, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

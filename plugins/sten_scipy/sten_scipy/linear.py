@@ -60,7 +60,7 @@ def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor
         raise ValueError(f"F.linear: input's last dim must equal the weight's in_features {in_f} "
                          f"(weight shape {tuple(layout.shape)}), got input shape {tuple(x.shape)}")
     x2 = _rows(x, in_f)
-    y = sparse_times_dense(layout, x2.t()).t()
+    y = sparse_times_dense(layout, x2.t()).t().contiguous()   # (W xᵀ)ᵀ: rows, as dense's
     if bias is not None:
         bias = check_operand(bias, layout.dtype, "F.linear", "bias")
         if tuple(bias.shape) not in ((out_f,), ()):
