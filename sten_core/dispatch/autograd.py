@@ -160,8 +160,8 @@ def _tangent(tensor: torch.Tensor) -> Any:
 def batched_under_transform(call: _Call) -> Any:
     """``call`` densely (``dense_under_transform``) when one of its dense operands belongs to an
     active ``torch.func`` transform (``vmap``'s batched inputs, ``jacfwd``'s) or carries a forward-mode
-    tangent (``torch.autograd.forward_ad``), with nothing that requires grad; ``None`` otherwise. A layout's kernels read storage, which batched tensors have none of, and
-    drop tangents.
+    tangent (``torch.autograd.forward_ad``), with nothing that requires grad; ``None`` otherwise.
+    A layout's kernels read storage, which batched tensors have none of, and drop tangents.
 
     Example: ``torch.func.vmap(lambda x: F.linear(x, frozen_nm_weight))(xs)``."""
     functorch, forward = functorch_active(), _forward_ad._current_level >= 0

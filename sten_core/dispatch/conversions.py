@@ -147,8 +147,7 @@ def convert_exactly(value: SparseTensorWrapper, target: SparseTensorWrapper, wha
     try:
         registered = _registered_conversion(layout, target_cls)
     except _REFUSALS as error:  # a refusing step: the exact conversion through dense may still serve
-        if isinstance(error, (DispatchError, torch.OutOfMemoryError)):
-            raise
+        _reraise_failures(error)
         registered = None
     if registered is not None and same_values(to_dense_tensor(registered), dense):
         return registered
@@ -189,6 +188,13 @@ _REFUSALS = (ValueError, TypeError, RuntimeError, NotImplementedError)
 """What a conversion raises to say it does not apply (shape, dtype, device, rank)."""
 
 
+def _reraise_failures(error: Exception) -> None:
+    """Raise ``error`` again when it is a failure, not a refusal (raise mode's ``DispatchError``,
+    running out of memory), among the ``_REFUSALS`` a conversion was caught raising."""
+    if isinstance(error, (DispatchError, torch.OutOfMemoryError)):
+        raise error
+
+
 def converted_inputs(bound: list, positions: list[int], plan: Plan, detach: bool) -> list | None:
     """A convert plan's inputs (detached when ``detach``), or ``None`` if a
     conversion refuses them: one plugin's layouts never break another's calls."""
@@ -197,8 +203,7 @@ def converted_inputs(bound: list, positions: list[int], plan: Plan, detach: bool
         return [convert(v, c) if c is not None else v for v, c in zip(inputs, plan.conversions)] \
             + inputs[len(plan.conversions):]
     except _REFUSALS as error:
-        if isinstance(error, (DispatchError, torch.OutOfMemoryError)):
-            raise
+        _reraise_failures(error)
         steps = ", ".join(f"{layout_of(v).__name__} -> {c.__name__}" for v, c in zip(inputs, plan.conversions)
                           if c is not None)
         refusals[plan.key] = f"the conversion {steps} refused these inputs ({type(error).__name__}: {error})"
