@@ -313,6 +313,19 @@ def test_sparsified_intermediates_compile_with_eager_results():
     assert (model[0](x).to_dense() == 0).sum() >= hidden.numel() // 2  # the intermediate was sparsified
 
 
+def test_strict_export_of_sparsified_intermediates_names_the_reason():
+    """Strict ``torch.export`` (and ``fullgraph=True``) cannot hold ``set_interm`` calls, which run
+    eagerly: the error was Dynamo's ``str.startswith`` inside the builder's mode; it now names
+    ``set_interm`` and what to do."""
+    sb = sten.SparsityBuilder(torch.nn.Sequential(_Block(), torch.nn.Linear(16, 4)))
+    sb.set_interm("0.relu", sten.ScalarFractionSparsifier(0.5), out_format=torch.Tensor)
+    model = sb.get_sparse_model().eval()
+    with pytest.raises(Exception, match="set_interm"):
+        torch.export.export(model, (torch.randn(4, 16),), strict=True)
+    with pytest.raises(Exception, match="set_interm"):
+        torch.compile(model, fullgraph=True)(torch.randn(4, 16))
+
+
 @pytest.mark.parametrize("flip", ["requires_grad", "grad_mode"])
 def test_unfreezing_after_compiling_gives_the_wrapper_its_gradient(flip):
     """The compiled graph was traced with frozen weights (or under no_grad);

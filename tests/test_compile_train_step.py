@@ -21,7 +21,7 @@ import torch
 
 import sten_core as sten
 from sten_core.model import torch_support
-from sten_core.training.masks import stored_mask
+from sten_core.model.masks import stored_mask
 
 pytestmark = pytest.mark.skipif(
     not torch_support.TRACEABLE_WRAPPERS,

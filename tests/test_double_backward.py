@@ -93,19 +93,76 @@ def test_first_order_gradients_under_create_graph_equal_the_plain_backward():
         torch.testing.assert_close(a, b)
 
 
-def test_a_sparse_grad_fmt_under_create_graph_says_its_gradient_has_no_graph():
-    """The weight's gradient stored in a sparse grad_fmt is a new wrapper, without a graph: a
-    DispatchWarning says differentiating through ``W.grad`` will not see it (the dense default
-    keeps the graph, silently)."""
-    x = torch.randn(2, 4, requires_grad=True)
-    w = sparse_linear(sten.CsrTensor, masked((3, 4), 4), keeps_layout=True)
-    with pytest.warns(sten.DispatchWarning, match="without a graph of its own"):
-        F.linear(x, w).square().sum().backward(create_graph=True)
-    w = sparse_linear(sten.CsrTensor, masked((3, 4), 4))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", sten.DispatchWarning)
-        F.linear(x, w).square().sum().backward(create_graph=True)
-    assert w.grad.requires_grad  # dense: differentiable, as dense torch's
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("keeps_layout", [False, True], ids=["dense grad", "grad in layout"])
+@pytest.mark.parametrize("api", ["autograd.grad", "backward(create_graph=True)"])
+def test_a_penalty_on_the_weights_own_gradient_reaches_it(layout, keeps_layout, api):
+    """loss + ||d loss / dW||^2 with W's gradient in its grad_fmt: a gradient stored in a sparse
+    layout was a new wrapper without a graph (a DispatchWarning said so) and the penalty's
+    terms were lost (W.grad and x.grad silently wrong). The sparse gradient keeps the graph
+    now; dense torch on the gradient at the stored positions is the reference."""
+    dense, x0 = masked((3, 4), 4), torch.randn(2, 4)
+    stores_all = not keeps_layout or layout is sten.DenseTensor
+    kept = torch.ones_like(dense) if stores_all else (dense != 0).float()
+    results = {}
+    for mode in ("dense", "sparse"):
+        w = dense.clone().requires_grad_() if mode == "dense" else sparse_linear(layout, dense, keeps_layout)
+        x = x0.clone().requires_grad_()
+        loss = torch.tanh(F.linear(x, w)).pow(2).sum()
+        if api == "autograd.grad":
+            (gw,) = torch.autograd.grad(loss, (w,), create_graph=True)
+        else:
+            loss.backward(create_graph=True)
+            gw, w.grad, x.grad = w.grad, None, None
+        gw = gw.to_dense() if isinstance(gw, sten.SparseTensorWrapper) else gw * kept
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sten.DispatchWarning)  # (dense fallbacks of the penalty's ops)
+            (loss + gw.pow(2).sum()).backward()
+        total = w.grad.to_dense() if isinstance(w.grad, sten.SparseTensorWrapper) else w.grad * kept
+        results[mode] = (gw.detach(), total, x.grad)
+    for got, want in zip(results["sparse"], results["dense"]):
+        torch.testing.assert_close(got, want)
+
+
+class _TanhThenSin(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.randn(5, 6, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, x):
+        return torch.sin(torch.tanh(x @ self.w.t()) * 2).sum()
+
+
+@pytest.mark.parametrize("out_format", [sten.CooTensor, sten.CsrTensor, torch.Tensor])
+def test_a_penalty_on_a_sparse_intermediate_gradient_reaches_the_input(out_format):
+    """An intermediate whose gradient is sparsified (``set_interm_grad``) keeps that gradient's
+    graph under ``create_graph=True`` (``_Sparsify``'s backward stored it in a layout without
+    one): the input's second-order terms are dense torch's with the gradient masked there (the
+    mask taken as a constant, as for any pruning mask)."""
+    sparsifier = sten.ScalarFractionSparsifier(0.5)
+    sb = sten.SparsityBuilder(_TanhThenSin())
+    sb.set_interm_grad("tanh", sparsifier, out_format=out_format)
+    model = sb.get_sparse_model()
+    dense_model = _TanhThenSin()
+
+    def at_kept(g):
+        return g * (sten.sparsify(sparsifier, g.detach(), sten.CooTensor).to_dense() != 0)
+
+    x0 = torch.randn(4, 6)
+    results = {}
+    for mode in ("dense", "sparse"):
+        x = x0.clone().requires_grad_()
+        if mode == "sparse":
+            out = model(x)
+        else:
+            h = torch.tanh(x @ dense_model.w.t())
+            h.register_hook(at_kept)
+            out = torch.sin(h * 2).sum()
+        (gx,) = torch.autograd.grad(out, x, create_graph=True)
+        gx.pow(2).sum().backward()
+        results[mode] = (gx.detach(), x.grad)
+    for got, want in zip(results["sparse"], results["dense"]):
+        torch.testing.assert_close(got, want)
 
 
 # addcmul_ adds at a sparse wrapper's stored positions only (dense adds everywhere): DenseTensor's

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.func import grad, jacrev, vmap
 
 import sten_core as sten
+from sten_core.model.masks import stored_mask
 
 
 def layouts():
@@ -58,6 +59,37 @@ def test_input_gradients_over_frozen_sparse_weights_match_dense(layout, kwargs):
                       lambda m: jacrev(m)):
         got, want = transform(sparse)(x), transform(dense)(x)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("keeps_layout", [False, True], ids=["dense grad", "grad in layout"])
+@pytest.mark.parametrize("layout,kwargs", LAYOUTS, ids=[layout.__name__ for layout, _ in LAYOUTS])
+def test_is_grads_batched_through_sparse_weights_matches_dense(layout, kwargs, keeps_layout):
+    """``autograd.grad(..., is_grads_batched=True)`` runs backward under vmap: the layouts' backward
+    kernels were handed the batch of gradients and crashed with unrelated errors ("Sparse CSR
+    tensors do not have is_contiguous", "Tensor without CPU data"). The op's gradients are dense
+    torch's, a weight's at its stored positions when its grad_fmt keeps the layout (one dense
+    tensor per gradient of the batch: a layout holds one)."""
+    dense, sparse = frozen_pair(layout, kwargs)
+    for model in (dense, sparse):
+        model[0].weight.requires_grad_(True)
+    if keeps_layout:
+        sparse[0].weight.grad_fmt = (sten.KeepAll(), layout, sten.KeepAll(), layout)
+    x0, cotangents = torch.randn(5, 8), torch.randn(3, 5, 4)
+    results = []
+    for model in (sparse, dense):
+        x = x0.clone().requires_grad_()
+        results.append(torch.autograd.grad(model(x), [x, model[0].weight], cotangents, is_grads_batched=True))
+    (gx, gw), (want_x, want_w) = results
+    kept = stored_mask(sparse[0].weight) if keeps_layout else torch.tensor(True)
+    torch.testing.assert_close(gx, want_x, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gw, want_w * kept, atol=1e-5, rtol=1e-5)
+
+
+def test_is_grads_batched_with_a_sparsifying_grad_fmt_says_why_not():
+    w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.eye(4)))
+    w.grad_fmt = (sten.ScalarFractionSparsifier(0.5), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor)
+    with pytest.raises(NotImplementedError, match="is_grads_batched=True"):
+        torch.autograd.grad(F.linear(torch.randn(2, 4), w), [w], torch.randn(3, 2, 4), is_grads_batched=True)
 
 
 def test_a_product_with_the_sparse_matrix_first_and_an_outer_backward():

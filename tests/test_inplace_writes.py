@@ -308,6 +308,68 @@ def test_writes_through_a_view_of_a_wrapper_reach_it(layout, write):
     torch.testing.assert_close(w.to_dense(), dense * stored)
 
 
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor])
+def test_a_write_through_a_view_that_lands_off_the_pattern_is_warned(layout):
+    """Values written through a view at positions the wrapper does not store are dropped (the
+    pattern is kept), which dense torch would keep: a DispatchWarning says how many
+    (``zeros_like(w).diagonal().fill_(-1)`` in ``parametrizations.orthogonal`` stored nothing,
+    silently). A write that lands on stored positions (or NaN where NaN is stored) says nothing."""
+    base = torch.tensor([[1.0, 0.0], [float("nan"), 2.0]])
+    w = sten.SparseTensorWrapper(layout.from_dense(base))
+    with torch.no_grad(), pytest.warns(sten.DispatchWarning, match=r"wrote 1 value\(s\) at positions it does not store"):
+        w.diagonal().add_(0.0)  # the diagonal is stored
+        w[0].fill_(5.0)                   # (0, 1) is not stored
+    torch.testing.assert_close(w.to_dense(), torch.tensor([[5.0, 0.0], [float("nan"), 2.0]]), equal_nan=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*positions it does not store", sten.DispatchWarning)
+        w.diagonal().mul_(2.0)
+        w[1].fill_(float("nan"))
+    torch.testing.assert_close(w.to_dense(), torch.tensor([[10.0, 0.0], [float("nan"), float("nan")]]), equal_nan=True)
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor])
+def test_creation_ops_of_a_weight_that_requires_grad_have_no_history(layout):
+    """``zeros_like(w)`` of a weight that requires grad requires no grad, as torch's (it was recorded
+    by autograd, so ``mask[rows] = 1`` on it took the autograd path of in-place writes); with
+    ``requires_grad=True`` it is a leaf that does."""
+    w = sten.SparseTensorWrapper(layout.from_dense(torch.eye(3)), requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        made = [torch.zeros_like(w), torch.ones_like(w), torch.empty_like(w), torch.full_like(w, 2.0),
+                torch.rand_like(w), w.new_zeros(2)]
+        leaf = torch.zeros_like(w, requires_grad=True)
+    assert [t.requires_grad for t in made] == [False] * len(made)
+    assert all(t.grad_fn is None for t in made)
+    assert leaf.requires_grad and leaf.is_leaf
+
+
+def test_an_assignment_that_lands_off_the_pattern_is_warned():
+    """``mask = zeros_like(w); mask[rows] = 1`` (``prune.ln_structured``'s mask) keeps ``w``'s
+    pattern: the ones at unstored positions are dropped, and a DispatchWarning says so. Updates
+    of the stored values (``add_`` of a dense tensor, as an optimizer's step) stay silent."""
+    w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(3)), requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        mask = torch.zeros_like(w)
+    with pytest.warns(sten.DispatchWarning, match=r"__setitem__ .* wrote 4 value\(s\) at positions it does not store"):
+        mask[[0, 2]] = 1
+    torch.testing.assert_close(mask.to_dense(), torch.diag(torch.tensor([1.0, 0.0, 1.0])))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*positions it does not store", sten.DispatchWarning)
+        w.add_(torch.ones(3, 3))
+    torch.testing.assert_close(w.to_dense(), 2 * torch.eye(3))
+
+
+def test_an_orthogonal_parametrization_of_a_sparse_weight_is_not_silent():
+    """``parametrizations.orthogonal`` builds its identity in ``zeros_like(weight)``: on a sparse
+    weight the diagonal it writes is dropped, and the weight it gives is not orthogonal (it
+    was silent)."""
+    lin = torch.nn.Linear(6, 6, bias=False)
+    lin.weight = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.triu(torch.randn(6, 6), 1)))
+    with pytest.warns(sten.DispatchWarning, match="positions it does not store"):
+        torch.nn.utils.parametrizations.orthogonal(lin, "weight")
+
+
 def test_orthogonal_init_writes_a_sparse_weight():
     """``nn.init.orthogonal_`` writes through ``w.view_as(q)``: it left sparse weights unchanged."""
     torch.manual_seed(0)

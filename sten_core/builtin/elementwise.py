@@ -73,6 +73,8 @@ def _operand(value: Any, layout: Any, dense_ok: bool) -> Any:
     if isinstance(value, torch.Tensor) and value.dim() > 0:
         if not dense_ok:
             raise _NotOnValues
+        if value.layout is not torch.strided:  # a torch sparse operand (Embedding(sparse=True)'s gradient)
+            value = value.to_dense()
         if value.shape != layout.shape:  # broadcasting: only an operand that expands to the layout's shape
             if torch.broadcast_shapes(value.shape, layout.shape) != layout.shape:
                 raise _NotOnValues
@@ -111,6 +113,8 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False
             return self
         if not isinstance(result, torch.Tensor) or result.shape != values.shape:
             return _dense(op, args, kwargs, inplace)
+        if kwargs.get("requires_grad"):  # zeros_like(w, requires_grad=True): a leaf that requires grad
+            return SparseTensorWrapper(layout.with_values(result.detach()), True, self.grad_fmt)
         return SparseTensorWrapper(layout.with_values(result), False, self.grad_fmt)
 
     return impl

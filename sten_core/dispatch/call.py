@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from typing import Any
 
 import torch
 
 from sten_core.dispatch.conversions import wrap
-from sten_core.dispatch.errors import DispatchWarning, Unsupported, declined, report_missing
+from sten_core.dispatch.errors import Unsupported, declined, report_missing
 from sten_core.dispatch.observers import active, notify
 from sten_core.dispatch.plan import Plan, PlanKind, is_inplace, plan_for
-from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
+from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec, is_grads_batched
 from sten_core.dispatch.writes import into_target, run_dense_in_place
 from sten_core.model.registry import OpKey, trim
 from sten_core.model.sparsifiers import KeepAll
@@ -288,8 +287,10 @@ class _Call:
         plan = plan_for(key)
         started = time.perf_counter() if active() else 0.0
         slot_of = self.slot_of
-        if plan.kind is PlanKind.FALLBACK:
-            report_missing(key)
+        # is_grads_batched: a batch of gradients (vmap'ed), which the kernels do not take
+        if plan.kind is PlanKind.FALLBACK or any(is_grads_batched(g) for g in grad_outputs):
+            if plan.kind is PlanKind.FALLBACK:
+                report_missing(key)
             by_slot = self._dense_backward(grad_outputs, needs)
             if active():
                 notify("op", key, plan.kind, time.perf_counter() - started)
@@ -346,7 +347,7 @@ class _Call:
         compute first-order gradients on detached inputs; their results would be constants here,
         and second-order terms (through the weight, or the input's own) silently lost."""
         by_slot = self._dense_backward(self._grad_outputs(grads), needs, create_graph=True)
-        return self._in_grad_formats(by_slot, create_graph=True)
+        return self._in_grad_formats(by_slot)
 
     def _grad_outputs(self, grads: tuple) -> list:
         """The incoming gradients through the outputs' gradient specs."""
@@ -354,22 +355,14 @@ class _Call:
         specs = specs + (DENSE,) * (len(grads) - len(specs))
         return [apply_spec(g, s) for g, s in zip(grads, specs)]
 
-    def _in_grad_formats(self, by_slot: list, create_graph: bool = False) -> tuple:
-        """Dense gradients per distinct input, each wrapper's in its ``grad_fmt``; under
-        ``create_graph`` a warning where that format leaves the gradient without a graph."""
+    def _in_grad_formats(self, by_slot: list) -> tuple:
+        """Dense gradients per distinct input, each wrapper's in its ``grad_fmt`` (under
+        ``create_graph`` with a graph of its own: ``apply_grad_spec`` keeps it)."""
         out = []
         for k, p in enumerate(self._first_positions()):
             g, value = by_slot[k], self.bound[p]
             if g is not None and isinstance(value, SparseTensorWrapper):
-                formatted = apply_grad_spec(g, self.grad_specs[p], value)
-                if create_graph and g.requires_grad and not formatted.requires_grad:
-                    warnings.warn(
-                        f"create_graph=True: the gradient of a {type(value.wrapped_tensor).__name__} operand of "
-                        f"{getattr(self.op, '__name__', self.op)} is stored in its grad_fmt "
-                        f"({layout_of(formatted).__name__}) without a graph of its own: differentiating through "
-                        "that .grad will not see it (gradients through the input's gradient do reach the weight)",
-                        DispatchWarning, stacklevel=3)
-                g = formatted
+                g = apply_grad_spec(g, self.grad_specs[p], value)
             out.append(g)
         return tuple(out)
 

@@ -34,7 +34,7 @@ from sten_core.model.signatures import op_name
 from sten_core.model.sparsifiers import SameFormatSparsifier
 from sten_core.model.spec import DENSE
 from sten_core.model.tensor import (SparseTensorWrapper, densify, densify_tree, map_tensors, rebuild_seq,
-                                    write_back)
+                                    refuse_sharding, write_back)
 
 
 def differentiable_dense(tree: Any, grad: bool, made: list | None = None) -> Any:
@@ -72,6 +72,7 @@ def composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs:
     autograd, and outputs go through their specs differentiably. Autograd
     itself then handles repeated arguments, tensors in lists, views and
     multiple outputs exactly as for dense tensors."""
+    refuse_sharding((args, kwargs), op)
     if plan.kind is PlanKind.FALLBACK:
         report_missing(plan.key)
     started = time.perf_counter() if active() else 0.0

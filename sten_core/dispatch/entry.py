@@ -22,7 +22,7 @@ from sten_core.dispatch.conversions import converted_inputs, refusals, wrap
 from sten_core.dispatch.dense_path import composite, inplace_with_grad
 from sten_core.dispatch.errors import Unsupported, declined, report_missing, traced
 from sten_core.dispatch.observers import active
-from sten_core.dispatch.plan import Plan, PlanKind, is_inplace, plan_for
+from sten_core.dispatch.plan import NOT_DIFFERENTIABLE, Plan, PlanKind, is_inplace, plan_for
 from sten_core.model.registry import OpKey, registry
 from sten_core.model.signatures import bind
 from sten_core.model.spec import coerce_specs
@@ -158,7 +158,7 @@ def dispatch_call(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | None = 
             if type(out) not in DENSE_TYPES:
                 out = wrap(out)
             return out if specs is None else finish_outputs(out, specs, hit.inplace, True)
-        if not hit.inplace and torch.is_grad_enabled():
+        if not hit.inplace and torch.is_grad_enabled() and op not in NOT_DIFFERENTIABLE:
             try:
                 return hit.record(op, args, kwargs, specs)
             except Unsupported as error:
@@ -174,7 +174,7 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
     plan = plan_for(key)
     if fast_key is not None and plan.direct:
         _remember_fast(fast_key, plan, key, op, args, bound, positions)
-    grad = needs_grad and torch.is_grad_enabled()
+    grad = needs_grad and torch.is_grad_enabled() and op not in NOT_DIFFERENTIABLE
     if is_inplace(op, kwargs):
         if grad and getattr(op, "__module__", None) != "torch.nn.init":   # (nn.init runs under no_grad itself)
             return inplace_with_grad(op, args, kwargs, bound, key, plan)

@@ -61,18 +61,40 @@ class Plan:
 DENSE_OUT = ((KeepAll, torch.Tensor),)
 _inplace_ops: dict[Any, bool] = {}
 
+NOT_DIFFERENTIABLE = frozenset({
+    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
+    torch.Tensor.new_full, torch.Tensor.new_tensor})
+"""Operators whose result has no gradient history, as in torch (``zeros_like(w)`` of a weight that
+requires grad is a fresh tensor that does not): calls of them are never recorded by autograd."""
+
+
+def _collectives() -> frozenset:
+    """The ``torch.distributed`` collectives that write into tensors they are given (``all_reduce(t)``,
+    ``broadcast(t)``, ``all_gather(outputs, t)``): calls that write, as ``add_`` does."""
+    if not torch.distributed.is_available():
+        return frozenset()
+    names = ("broadcast", "all_reduce", "all_reduce_coalesced", "reduce", "recv", "irecv", "all_gather",
+             "all_gather_into_tensor", "all_gather_coalesced", "gather", "scatter", "reduce_scatter",
+             "reduce_scatter_tensor", "all_to_all", "all_to_all_single")
+    return frozenset(getattr(torch.distributed, name) for name in names if hasattr(torch.distributed, name))
+
+
+COLLECTIVES = _collectives()
+
 
 def is_inplace(op: Any, kwargs: dict) -> bool:
     """Whether a call writes into its first argument (``add_``, ``__iadd__``,
     ``__setitem__``, ``F.relu(x, inplace=True)``, the tensors of ``_foreach_mul_``'s
-    list) or into ``out=``."""
+    list), into ``out=`` or into the tensors a collective is given (``dist.all_reduce``)."""
     if kwargs and (kwargs.get("out") is not None or kwargs.get("inplace") is True):
         return True
     try:
         return _inplace_ops[op]
     except (KeyError, TypeError):
         name = getattr(op, "__name__", "")
-        result = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"
+        result = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__" \
+            or op in COLLECTIVES
         try:
             _inplace_ops[op] = result
         except TypeError:

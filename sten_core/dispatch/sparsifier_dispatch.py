@@ -18,9 +18,11 @@ import torch
 
 from sten_core.dispatch.conversions import conversion_path, convert, wrap
 from sten_core.dispatch.errors import DispatchError, report_missing
+from sten_core.dispatch.graph_keeping import keeping_graph
 from sten_core.dispatch.observers import active, notify
 from sten_core.dispatch.plan import PlanKind
 from sten_core.model.layouts import builds_from_dense
+from sten_core.model.masks import stored_mask
 from sten_core.model.registry import Entry, OpKey, registry
 from sten_core.model.sparsifiers import KeepAll, SameFormatSparsifier
 from sten_core.model.spec import OutputSpec
@@ -169,6 +171,35 @@ def apply_grad_spec(grad: Any, spec: OutputSpec, value: Any, inline_done: bool =
     tensor([[1., 0.],
             [0., 1.]])
     """
+    if is_grads_batched(grad):
+        return _batched_in_grad_spec(grad, spec, value)
+    return keeping_graph(lambda g: _in_grad_spec(g, spec, value, inline_done), grad, spec.out_format)
+
+
+def is_grads_batched(grad: Any) -> bool:
+    """Whether ``grad`` is a batch of gradients (``torch.autograd.grad(..., is_grads_batched=True)``
+    runs backward under vmap: its tensors are batched)."""
+    return type(grad) in DENSE_TYPES and _is_legacy_batched(grad)
+
+
+_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda tensor: False)
+
+
+def _batched_in_grad_spec(grad: torch.Tensor, spec: OutputSpec, value: Any) -> torch.Tensor:
+    """A batch of gradients of ``value`` (``is_grads_batched``): a layout holds one gradient, so
+    each is dense, at ``value``'s stored positions where its ``grad_fmt`` keeps its layout."""
+    if isinstance(spec.inline_sparsifier, KeepAll) and isinstance(spec.external_sparsifier, KeepAll):
+        if spec.out_format in DENSE_TYPES or not isinstance(value, SparseTensorWrapper):
+            return grad
+        return grad * stored_mask(value).to(grad.device)
+    raise NotImplementedError(
+        f"torch.autograd.grad(..., is_grads_batched=True): the gradient of a {layout_of(value).__name__} "
+        f"operand has a grad_fmt that sparsifies it ({type(spec.inline_sparsifier).__name__}, "
+        f"{type(spec.external_sparsifier).__name__}), which a batch of gradients cannot take per sample; "
+        "use a grad_fmt without a sparsifier, or call autograd.grad once per gradient")
+
+
+def _in_grad_spec(grad: Any, spec: OutputSpec, value: Any, inline_done: bool) -> Any:
     if isinstance(value, SparseTensorWrapper) and type(grad) in DENSE_TYPES:
         layout = type(value.wrapped_tensor)
         if (isinstance(spec.inline_sparsifier, KeepAll) and isinstance(spec.external_sparsifier, KeepAll)

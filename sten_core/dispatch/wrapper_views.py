@@ -5,8 +5,9 @@ of that copy, not of the wrapper: ``w[0][1] = 5``, ``w.narrow(0, 2, 1).zero_()``
 ``nn.init.orthogonal_(w)`` (which writes through ``w.view_as(q)``) changed the copy and were
 lost without a word. Outside autograd such a result is a ``WrapperView``: a dense tensor whose
 in-place writes (and ``out=``, ``__setitem__``) are written back into the wrapper at its stored
-positions, as writes into the wrapper itself are; views of it are ``WrapperView``s of the same
-wrapper; every other operator gives plain tensors. Under autograd (a wrapper that requires grad)
+positions, as writes into the wrapper itself are (values written elsewhere are dropped, with a
+``DispatchWarning``: ``zeros_like(w).diagonal().fill_(1)`` on a CSR ``w`` stores nothing);
+views of it are ``WrapperView``s of the same wrapper; every other operator gives plain tensors. Under autograd (a wrapper that requires grad)
 a view stays a plain tensor of the copy, as the dense path's differentiable views are.
 
 Example:
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from sten_core.dispatch.plan import is_inplace
+from sten_core.dispatch.writes import warn_if_dropped
 from sten_core.model.tensor import SparseTensorWrapper, map_tensors, write_back
 
 _Plain = torch._C.DisableTorchFunctionSubclass
@@ -53,6 +55,7 @@ class WrapperView(torch.Tensor):
             wrapper, root = source
             with torch.no_grad():
                 write_back(wrapper, root)
+                warn_if_dropped(func, wrapper, root)
             return out
         first = next((a for a in args if isinstance(a, WrapperView)), None)
         if first is None:
@@ -61,10 +64,10 @@ class WrapperView(torch.Tensor):
 
 
 def _shares(tensor: Any, root: torch.Tensor) -> bool:
-    """Whether ``tensor`` views ``root``'s storage (a ``torch.func`` transform's tensor has none) and
-    may become a ``WrapperView``: not a dual tensor (``fwAD.make_dual(w, t)``), whose tangent a
-    subclass copy would drop."""
-    return (type(tensor) is torch.Tensor and tensor.device == root.device
+    """Whether ``tensor`` views ``root``'s storage (a ``torch.func`` transform's tensor and a
+    torch sparse one, as ``sparse_mask`` gives, have none) and may become a ``WrapperView``:
+    not a dual tensor (``fwAD.make_dual(w, t)``), whose tangent a subclass copy would drop."""
+    return (type(tensor) is torch.Tensor and tensor.layout is torch.strided and tensor.device == root.device
             and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
             and tensor.untyped_storage().data_ptr() == root.untyped_storage().data_ptr()
             and (_forward_ad._current_level < 0 or _forward_ad.unpack_dual(tensor).tangent is None))

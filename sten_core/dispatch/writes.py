@@ -16,13 +16,55 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
-from sten_core.dispatch.errors import fail
+from sten_core.dispatch.errors import DispatchWarning, fail
 from sten_core.model.layouts import builds_from_dense, to_dense_tensor
-from sten_core.model.tensor import SparseTensorWrapper, densify, map_tensors, rebuild_seq, write_back
+from sten_core.model.signatures import op_name
+from sten_core.model.tensor import SparseTensorWrapper, densify, map_tensors, rebuild_seq, refuse_sharding, write_back
+from sten_core.user_frames import user_stacklevel
+
+ASSIGNMENTS = frozenset({
+    torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.Tensor.index_fill_, torch.Tensor.index_copy_,
+    torch.Tensor.masked_fill_, torch.Tensor.masked_scatter_, torch.Tensor.scatter_, torch.Tensor.put_,
+    torch.Tensor.fill_diagonal_})
+"""In-place writes that set values at positions they choose (``mask[rows] = 1``): values they put
+where a wrapper stores nothing are dropped, and a ``DispatchWarning`` says so. Updates of the
+stored values (``add_``, ``mul_``, an optimizer's step) and ``copy_`` (documented as a write at
+the stored positions) keep the pattern without a word."""
+
+
+_FROM_TORCH = ("; torch wrote it (DistributedDataParallel copies its averaged gradient into .grad so, and a "
+               "collective writes its result so): ranks whose patterns differ (a grad_fmt with a sparsifier picks "
+               "each rank's own) drift apart; use sten.sparse_ddp, which reduces before it sparsifies")
+
+
+def warn_if_dropped(func: Any, wrapper: SparseTensorWrapper, dense: torch.Tensor) -> None:
+    """A ``DispatchWarning`` where ``write_back(wrapper, dense)`` dropped values ``func`` wrote
+    at positions ``wrapper`` does not store (its pattern is kept)."""
+    kept = densify(wrapper)
+    dropped = int(((kept != dense) & ~(kept.isnan() & dense.isnan())).sum())
+    if dropped:
+        warnings.warn(
+            f"{op_name(func)} on a {type(wrapper.wrapped_tensor).__name__} wrapper (or a view of it) wrote "
+            f"{dropped} value(s) at positions it does not store: they were dropped (the layout keeps its "
+            "pattern). Write into a dense tensor (w.to_dense()) and sparsify it to change the pattern"
+            + (_FROM_TORCH if isinstance(func, torch._ops.OpOverload) else ""),
+            DispatchWarning, stacklevel=user_stacklevel())
+
+
+def _wait_for(raw: Any) -> None:
+    """Wait for the collectives in a call's result (c10d's ``allreduce_`` returns its tensors and a
+    ``Work``): their values are written back into the wrappers once they are there."""
+    for item in raw if isinstance(raw, (tuple, list)) else (raw,):
+        if isinstance(item, _WORK):
+            item.wait()
+
+
+_WORK = getattr(getattr(torch._C, "_distributed_c10d", None), "Work", ())  # () where torch has no c10d
 
 
 def run_dense_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
@@ -34,6 +76,7 @@ def run_dense_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
     replaced by its wrapper (``add_`` and ``out=`` return their target, as in torch). The copies
     are contiguous: torch's CPU fused optimizer kernels read their lists as contiguous whatever
     the strides (scipy CSC's column-major ``to_dense()`` was updated at transposed positions)."""
+    refuse_sharding((args, kwargs), op)
     copies: dict[int, tuple] = {}
 
     def dense(tensor: torch.Tensor) -> torch.Tensor:
@@ -47,10 +90,13 @@ def run_dense_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
 
     dense_args, dense_kwargs = map_tensors(dense, (args, kwargs))
     raw = op(*dense_args, **dense_kwargs)
+    _wait_for(raw)
     back = {}
     for wrapper, d, before in copies.values():
         if not torch.equal(d, before):
             write_back(wrapper, d)
+            if op in ASSIGNMENTS or isinstance(op, torch._ops.OpOverload):  # (an aten call: from torch itself)
+                warn_if_dropped(op, wrapper, d)
         back[id(d)] = wrapper
     return map_tensors(lambda t: back.get(id(t), t), raw)
 

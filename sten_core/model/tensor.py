@@ -25,6 +25,8 @@ import torch
 from sten_core.model import torch_support
 from sten_core.model.layouts import is_layout_object, layout_metadata, supports_values, to_dense_tensor, type_name
 from sten_core.model.replacing import REPLACE_ADVICE, replacement_layout
+from sten_core.model.signatures import op_name
+from sten_core.user_frames import FSDP_MODULES, called_from
 
 aten = torch.ops.aten
 
@@ -196,11 +198,10 @@ class SparseTensorWrapper(torch.Tensor):
                 return result
             if packet is aten.add_ and isinstance(first, SparseTensorWrapper):   # autograd's grad += new
                 return services.accumulate(first, args[1])
-        dense_args, dense_kwargs = densify_tree((args, kwargs))
-        out = func(*dense_args, **dense_kwargs)
-        if func._schema.is_mutable and isinstance(first, SparseTensorWrapper):
-            return write_back(first, dense_args[0])
-        return out
+        refuse_sharding((args, kwargs), func)
+        if func._schema.is_mutable:  # (wrappers in lists too: c10d's allreduce_(Tensor[] tensors))
+            return services.run_dense_in_place(func, args, kwargs)
+        return func(*densify_tree(args), **densify_tree(kwargs))
 
 
 def _check_layout_args(wrapped_tensor: Any, requires_grad: Any) -> None:
@@ -402,7 +403,8 @@ def _alias(wrapper: SparseTensorWrapper) -> SparseTensorWrapper:
 class WrapperServices:
     """What the wrapper needs from the layers built on this module, installed
     by them when imported (``sten_core.dispatch``: ``dispatch_call``,
-    ``dense_with_grad``, ``same_format_layout``, ``convert``, ``accumulate``;
+    ``dense_with_grad``, ``same_format_layout``, ``convert``, ``accumulate``,
+    ``run_dense_in_place``;
     ``sten_core.dispatch.compiled``: ``compiled_call``, ``MISSING``;
     ``sten_core.training.serialization``: ``reduce_wrapper``;
     ``sten_core.plugins``: ``load_plugins``), so the
@@ -426,6 +428,7 @@ class WrapperServices:
     traced_sum: Any = None
     accumulate: Any = None
     eager_only_message: Any = None
+    run_dense_in_place: Any = None
 
     def install(self, **services: Any) -> None:
         for name, service in services.items():
@@ -585,6 +588,23 @@ def densify(value: Any) -> Any:
     return value
 
 
+def refuse_sharding(tree: Any, what: Any) -> None:
+    """A ``NotImplementedError`` where FSDP reaches a sparse wrapper in ``tree`` (``what``: the
+    operator, or the call in words): it shards parameters through dense operators, so the
+    wrapper would be sharded as its dense copy and trained dense, its pattern lost without a word."""
+    if not called_from(FSDP_MODULES):
+        return
+    found: list = []
+    map_tensors(lambda t: found.append(t) if isinstance(t, SparseTensorWrapper) else None, tree)
+    if found:
+        layout = type(found[0].wrapped_tensor).__name__
+        raise NotImplementedError(
+            f"FSDP (torch.distributed.fsdp) reached a sparse {layout} parameter of shape {tuple(found[0].shape)} "
+            f"({what if isinstance(what, str) else op_name(what)}): it shards parameters as dense tensors, which would drop the layout and train it dense. "
+            "Wrap sparse models with DistributedDataParallel (sten.sparse_ddp), or leave the sparse parameters "
+            "out of FSDP (fully_shard(..., ignored_params=...), FullyShardedDataParallel(ignored_states=...))")
+
+
 def densify_tree(tree: Any) -> Any:
     """``densify`` applied through tuples, lists and dicts."""
     return map_tensors(densify, tree)
@@ -663,6 +683,7 @@ def _set_data(self: SparseTensorWrapper, value: torch.Tensor) -> None:
     (no version bump), as ``x.data = t`` on a dense tensor."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"data must be a tensor, got {type(value).__name__}")
+    refuse_sharding(self, "w.data = t")
     _store(self, _replacement(self, value, "w.data = t"))
 
 

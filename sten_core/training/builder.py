@@ -92,6 +92,11 @@ class _IntermediateMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # Dynamo tracing: one graph break, the call run eagerly
+            return _eager_mode_call()(self, func, args, kwargs)
+        return self._call(func, args, kwargs)
+
+    def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self.paused:
             return func(*args, **kwargs)
         if getattr(func, "__name__", None) in _CONVERSIONS:
@@ -129,6 +134,22 @@ class _IntermediateMode(TorchFunctionMode):
         name = self.calls.identify(func, args, kwargs)
         if name is not None:
             self.calls.record(name, out)
+
+
+_EAGER_MODE_CALL: list = []
+
+
+def _eager_mode_call() -> Any:
+    """``_IntermediateMode._call`` as Dynamo meets it: never traced into (its run-time naming of
+    calls is plain Python Dynamo cannot trace), so ``torch.compile`` breaks the graph there and
+    strict ``torch.export`` names the reason. Made on first use (``disable`` imports Dynamo)."""
+    if not _EAGER_MODE_CALL:
+        _EAGER_MODE_CALL.append(torch.compiler.disable(
+            lambda mode, func, args, kwargs: mode._call(func, args, kwargs),
+            reason="SparsityBuilder.set_interm / set_interm_grad intermediates run eagerly (a graph break): "
+                   "strict torch.export and fullgraph=True cannot hold them; export the model before "
+                   "get_sparse_model(), or sparsify its weights only"))
+    return _EAGER_MODE_CALL[0]
 
 
 class _Intermediates:

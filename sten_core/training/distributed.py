@@ -48,10 +48,10 @@ import torch
 import torch.distributed as dist
 
 from sten_core.model.layouts import supports_values
+from sten_core.model.masks import stored_mask
 from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.spec import OutputSpec
 from sten_core.model.tensor import SparseTensorWrapper
-from sten_core.training.masks import stored_mask
 
 
 def _sparse_parameters(model: torch.nn.Module) -> list[tuple[str, SparseTensorWrapper]]:
@@ -254,6 +254,8 @@ def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.parallel.D
 
     A sparse parameter whose ``grad_fmt`` re-sparsifies (``reduces_in_place`` is
     False) gets ``grad_fmt = None``: its gradient is averaged densely, then formatted.
+    A sparse parameter that does not require grad when wrapped is broadcast and never
+    reduced (as DDP does with its dense ones): unfreeze before wrapping.
     """
     if not dist.is_initialized():
         raise RuntimeError("sparse_ddp needs an initialised process group (torch.distributed.init_process_group)")
@@ -268,5 +270,6 @@ def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.parallel.D
     for name, param in sparse:
         with torch.no_grad():
             dist.broadcast(_payload(param), src=_group_rank0(group), group=group)
-        param.register_post_accumulate_grad_hook(_hook(param, group, seed))
+        if param.requires_grad:  # a frozen one is broadcast only, as DDP treats its own
+            param.register_post_accumulate_grad_hook(_hook(param, group, seed))
     return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)

@@ -49,7 +49,7 @@ from typing import Any, ClassVar
 import torch
 
 from sten_core.model.layouts import supports_values
-from sten_core.training.masks import stored_mask
+from sten_core.model.masks import stored_mask
 from sten_core.training.scores import ScoreSparsifier, check_inputs, needs_of
 from sten_core.model.sparsifiers import ScalarFractionSparsifier, Sparsifier
 from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper

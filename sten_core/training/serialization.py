@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -124,9 +125,28 @@ def reduce_wrapper(wrapper: SparseTensorWrapper) -> tuple:
         name = None
     is_param = wrapper._is_param   # (nn.Parameter(wrapper) too; not a detached parameter, as in a state dict)
     if name is not None and implements(layout, StateTensors):
-        args = (is_param, name, tuple(wrapper.shape), tuple(layout.state_tensors()), wrapper.requires_grad)
+        tensors = _kept_alive(layout, tuple(layout.state_tensors()))
+        args = (is_param, name, tuple(wrapper.shape), tensors, wrapper.requires_grad)
         return (rebuild_sparse, args + ((grad_format,) if grad_format is not None else ()))
     return (_rebuild, (type(wrapper), layout, wrapper.requires_grad, wrapper.grad_fmt, is_param))
+
+
+def _kept_alive(layout: Any, tensors: tuple) -> tuple:
+    """``tensors`` (what ``layout.state_tensors()`` gave) kept alive as long as ``layout``:
+    ``torch.multiprocessing`` shares a tensor through a file descriptor that a spawned worker opens
+    later, and a tensor made just for pickling (n:m's ``[n, m, dim]``, scipy's index arrays) was
+    freed, its descriptor closed, before the worker read it (the worker died unpickling)."""
+    key = id(layout)
+    if key not in _PICKLED_STATE:
+        try:
+            weakref.finalize(layout, _PICKLED_STATE.pop, key, None)
+        except TypeError:  # a layout that takes no weak reference (__slots__): not kept
+            return tensors
+    _PICKLED_STATE[key] = tensors
+    return tensors
+
+
+_PICKLED_STATE: dict[int, tuple] = {}  # id(layout) -> its state tensors, while the layout lives
 
 
 def densify_state_dict(state_dict: dict) -> dict:

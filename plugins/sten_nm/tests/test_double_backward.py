@@ -39,3 +39,31 @@ def test_gradient_penalty_and_hessian_through_an_nm_weight(layout):
     mask = (dense != 0).float()
     for i, (a, b) in enumerate(zip(grads["nm"], grads["dense"])):
         torch.testing.assert_close(a, b * mask if i == 2 else b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", [NMTensor, GroupedNMTensor])
+def test_a_penalty_on_an_nm_weights_own_gradient_reaches_it(layout):
+    """loss + ||d loss / dW||^2 with W's gradient kept n:m: that gradient keeps its graph (it was
+    a new NMTensor without one, and the penalty's terms were lost silently)."""
+    torch.manual_seed(1)
+    t = layout.from_dense(torch.randn(8, 16), n=2, m=4)
+    dense = t.to_dense()
+    mask = (dense != 0).float()
+    fmt = (sten.KeepAll(), layout, sten.KeepAll(), layout)
+    x0 = torch.randn(3, 16)
+    results = {}
+    for mode in ("dense", "nm"):
+        w = dense.clone().requires_grad_() if mode == "dense" else \
+            sten.SparseParameterWrapper(sten.SparseTensorWrapper(t, requires_grad=True, grad_fmt=fmt))
+        x = x0.clone().requires_grad_()
+        loss = torch.tanh(F.linear(x, w)).pow(2).sum()
+        (gw,) = torch.autograd.grad(loss, (w,), create_graph=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sten.DispatchWarning)
+            penalty = (gw * gw).sum() if mode == "nm" else (gw * mask).pow(2).sum()
+            (loss + penalty).backward()
+        gw_dense = gw.to_dense() if mode == "nm" else gw * mask
+        total = w.grad.to_dense() if mode == "nm" else w.grad * mask
+        results[mode] = (gw_dense.detach(), total, x.grad)
+    for got, want in zip(results["nm"], results["dense"]):
+        torch.testing.assert_close(got, want)

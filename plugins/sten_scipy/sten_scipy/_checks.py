@@ -46,9 +46,13 @@ def check_dense(tensor: Any, where: str, name: str = "tensor") -> torch.Tensor:
 
 
 def check_operand(tensor: torch.Tensor, dtype: torch.dtype, where: str, name: str) -> torch.Tensor:
-    """A dense operand of a scipy kernel: CPU, same dtype as the sparse one."""
+    """A dense operand of a scipy kernel: CPU, same dtype as the sparse one. Under CPU autocast
+    a floating operand of another dtype (the bfloat16 output of an autocast layer before) is
+    cast to the weight's: scipy computes in float32/float64 whatever autocast says."""
     if tensor.device.type != "cpu":
         raise ValueError(f"{where}: {name} must be on the CPU (scipy.sparse is CPU-only), got device {tensor.device}")
+    if tensor.dtype != dtype and tensor.is_floating_point() and torch.is_autocast_enabled("cpu"):
+        return tensor.detach().to(dtype)
     if tensor.dtype != dtype:
         raise TypeError(f"{where}: {name} dtype {tensor.dtype} does not match the sparse operand's dtype {dtype}; "
                         f"expected {dtype}")

@@ -151,3 +151,29 @@ def test_a_csc_wrappers_dense_form_is_row_major():
     with sten.dispatch.failure_mode("warn"), warnings.catch_warnings():
         warnings.simplefilter("ignore", sten.DispatchWarning)  # (view runs densely)
         torch.testing.assert_close(w.view(-1), d.reshape(-1))
+
+
+@pytest.mark.parametrize("layout", [ScipyCsrTensor, ScipyCscTensor])
+@pytest.mark.parametrize("op", ["linear", "x @ W", "W @ x.T", "mm"])
+def test_a_bfloat16_input_under_cpu_autocast_is_computed_in_float32(layout, op):
+    """Under CPU autocast the layer before a scipy weight (a dense Linear, attention) gives bfloat16:
+    the scipy product raised a dtype mismatch where the dense model runs. The input is cast to the
+    weight's float32 (scipy ignores autocast); values and gradients are the dense model's at bf16
+    tolerance."""
+    torch.manual_seed(0)
+    dense = torch.randn(8, 8) * (torch.rand(8, 8) > 0.5)
+    x0 = torch.randn(4, 8)
+    product = {"linear": lambda h, w: F.linear(h, w), "x @ W": lambda h, w: h @ w,
+               "W @ x.T": lambda h, w: w @ h.t(), "mm": lambda h, w: torch.mm(h, w)}[op]
+    results = []
+    for w in (sten.SparseParameterWrapper(layout.from_dense(dense)), dense.clone().requires_grad_()):
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = F.linear(x, torch.eye(8))
+            assert h.dtype == torch.bfloat16
+            y = product(h, w)
+        y.float().pow(2).sum().backward()
+        gw = w.grad.to_dense() if isinstance(w.grad, sten.SparseTensorWrapper) else w.grad * (dense != 0)
+        results.append((y.float(), x.grad, gw))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)

@@ -1,4 +1,5 @@
-"""The positions a weight stores, as a boolean mask (schedules, distributed checks).
+"""The positions a weight stores, as a boolean mask (schedules, distributed checks,
+the derivative of a gradient put in a sparse format under ``create_graph``).
 
 Example:
     >>> import torch, sten_core as sten
