@@ -31,7 +31,6 @@ import torch
 
 from sten_core.dispatch.errors import UnsupportedTrainingOp
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
-from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.spec import OutputSpec
 from sten_core.model.tensor import TRACEABLE_LAYOUTS, WRAPPER_TYPES, SparseTensorWrapper, services
 
@@ -85,8 +84,7 @@ def resparsifies(grad_fmt: Any, layout: Any = None) -> bool:
     if grad_fmt is None:
         return False
     spec = OutputSpec.coerce(grad_fmt, "grad_fmt")
-    keeps = (spec.out_format is layout and spec.tmp_format is layout and isinstance(spec.inline_sparsifier, KeepAll)
-             and isinstance(spec.external_sparsifier, KeepAll))
+    keeps = spec.out_format is layout and spec.tmp_format is layout and spec.keeps_all
     return spec.out_format is not torch.Tensor and not keeps
 
 

@@ -188,7 +188,7 @@ _is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lam
 def _batched_in_grad_spec(grad: torch.Tensor, spec: OutputSpec, value: Any) -> torch.Tensor:
     """A batch of gradients of ``value`` (``is_grads_batched``): a layout holds one gradient, so
     each is dense, at ``value``'s stored positions where its ``grad_fmt`` keeps its layout."""
-    if isinstance(spec.inline_sparsifier, KeepAll) and isinstance(spec.external_sparsifier, KeepAll):
+    if spec.keeps_all:
         if spec.out_format in DENSE_TYPES or not isinstance(value, SparseTensorWrapper):
             return grad
         return grad * stored_mask(value).to(grad.device)
@@ -202,8 +202,7 @@ def _batched_in_grad_spec(grad: torch.Tensor, spec: OutputSpec, value: Any) -> t
 def _in_grad_spec(grad: Any, spec: OutputSpec, value: Any, inline_done: bool) -> Any:
     if isinstance(value, SparseTensorWrapper) and type(grad) in DENSE_TYPES:
         layout = type(value.wrapped_tensor)
-        if (isinstance(spec.inline_sparsifier, KeepAll) and isinstance(spec.external_sparsifier, KeepAll)
-                and spec.out_format is not torch.Tensor):
+        if spec.keeps_all and spec.out_format is not torch.Tensor:
             at_pattern = apply_sparsifier(SameFormatSparsifier(value), grad, layout)
             if spec.out_format is layout and spec.tmp_format is layout:
                 return at_pattern

@@ -109,12 +109,10 @@ def is_dense_grad(grad_fmt: Any) -> bool:
     """
     if grad_fmt is None:
         return False
-    from sten_core.model.sparsifiers import KeepAll
     from sten_core.model.spec import OutputSpec
 
     spec = OutputSpec.coerce(grad_fmt, "grad_fmt")
-    return (spec.out_format is torch.Tensor and spec.tmp_format is torch.Tensor
-            and isinstance(spec.inline_sparsifier, KeepAll) and isinstance(spec.external_sparsifier, KeepAll))
+    return spec.out_format is torch.Tensor and spec.tmp_format is torch.Tensor and spec.keeps_all
 
 
 def gives_dense_grad(grad_fmt: Any) -> bool:
@@ -139,12 +137,10 @@ def keeps_layout(grad_fmt: Any, layout: type) -> bool:
     """
     if grad_fmt is None:
         return False
-    from sten_core.model.sparsifiers import KeepAll
     from sten_core.model.spec import OutputSpec
 
     spec = OutputSpec.coerce(grad_fmt, "grad_fmt")
-    return (spec.out_format is layout and spec.tmp_format is layout and isinstance(spec.inline_sparsifier, KeepAll)
-            and isinstance(spec.external_sparsifier, KeepAll))
+    return spec.out_format is layout and spec.tmp_format is layout and spec.keeps_all
 
 
 def traceable(value: Any) -> bool:

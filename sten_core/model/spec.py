@@ -78,6 +78,16 @@ class OutputSpec(NamedTuple):
     external_sparsifier: Any
     out_format: type
 
+    @property
+    def keeps_all(self) -> bool:
+        """Whether neither sparsifier drops anything (both ``KeepAll``): the spec only changes
+        the format.
+
+        >>> DENSE.keeps_all
+        True
+        """
+        return isinstance(self.inline_sparsifier, KeepAll) and isinstance(self.external_sparsifier, KeepAll)
+
     @classmethod
     def coerce(cls, value: Any, name: str = "out_fmt") -> "OutputSpec":
         """Accept an ``OutputSpec`` or a 4-tuple; check its parts."""

@@ -49,7 +49,6 @@ import torch.distributed as dist
 
 from sten_core.model.layouts import supports_values
 from sten_core.model.masks import stored_mask
-from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.spec import OutputSpec
 from sten_core.model.tensor import SparseTensorWrapper
 
@@ -85,7 +84,7 @@ def reduces_in_place(param: SparseTensorWrapper) -> bool:
     if param.grad_fmt is None:
         return True
     spec = OutputSpec.coerce(param.grad_fmt, "grad_fmt")
-    if not (isinstance(spec.inline_sparsifier, KeepAll) and isinstance(spec.external_sparsifier, KeepAll)):
+    if not spec.keeps_all:
         return False
     if spec.out_format is torch.Tensor:
         return True  # a dense gradient: the dense sum is the sum
