@@ -48,8 +48,8 @@ from sten_core.model.helpers import (FLOAT_DTYPES, bias_grad, check_nm, check_te
 from sten_core.model.layouts import (DenseConvertible, Layout, Movable, StateTensors, StoredValues,
                                      builds_from_dense, implements, layout_metadata, supports_values,
                                      to_dense_tensor)
-from sten_core.model.registry import (Entry, OpKey, OverrideWarning, Registry, normalize_inp, normalize_out_pairs,
-                                      registry, trim)
+from sten_core.model.registry import (Entry, OpKey, OverrideWarning, Registry, entry_for, normalize_inp,
+                                      normalize_out_pairs, registry, trim)
 from sten_core.model.signatures import op_name
 from sten_core.model.sparsifiers import (BLOCKING, BUILTIN_SPARSIFIERS, BlockwiseFractionSparsifier, KeepAll,
                                          PerBlockFractionSparsifier, RandomFractionSparsifier,
@@ -82,7 +82,7 @@ __all__ = [
     "RandomFractionSparsifier", "Registry", "SameFormatSparsifier", "ScalarFractionSparsifier",
     "ScalarThresholdSparsifier", "SparseParameterWrapper", "SparseTensorWrapper", "Sparsifier", "StateTensors",
     "StoredValues", "bias_grad", "block_keep_mask", "builds_from_dense", "check_nm", "check_tensor", "convert", "cpu_model",
-    "densify", "failure_mode", "get_dispatch_failure", "hookimpl", "implements", "layout_metadata",
+    "densify", "entry_for", "failure_mode", "get_dispatch_failure", "hookimpl", "implements", "layout_metadata",
     "linear_inputs", "lossy_fallback", "member_grads", "needs_grad", "nm_for_sparsity", "nm_keep_mask", "nm_label",
     "normalize_inp", "note", "observing", "normalize_out_pairs", "op_name", "register_member_linear_autograd", "register_plugin", "register_traceable_layout", "register_weight_product", "registry",
     "set_dispatch_failure", "sparsify", "supports_values", "to_dense_tensor", "trim", "Unsupported", "unregister_plugin",

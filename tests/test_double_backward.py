@@ -165,6 +165,37 @@ def test_a_penalty_on_a_sparse_intermediate_gradient_reaches_the_input(out_forma
         torch.testing.assert_close(got, want)
 
 
+class _ScaledThenLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(3, 4, bias=False)
+        self.second = torch.nn.Linear(4, 1, bias=False)
+
+    def forward(self, x):
+        return self.second(self.first(x) * 1.0)
+
+
+@pytest.mark.parametrize("out_format", [sten.CooTensor, sten.CsrTensor])
+def test_a_gradient_kept_whole_in_a_layout_differentiates_at_its_exact_zeros(out_format):
+    """A ``KeepAll`` gradient format drops nothing: where the gradient is exactly zero (a zero
+    weight downstream) the layout stores nothing, yet the gradient's derivative there is not
+    zero. A penalty on ``first.weight``'s gradient reaches ``second.weight`` at that zero too."""
+    torch.manual_seed(0)
+    dense_model = _ScaledThenLinear()
+    with torch.no_grad():
+        dense_model.second.weight[0, 1] = 0.0          # dL/dh[:, 1] == 0 exactly
+    sb = sten.SparsityBuilder(dense_model)
+    sb.set_interm_grad(".mul", out_format=out_format)
+    sparse_model = sb.get_sparse_model()
+    x = torch.randn(2, 3)
+    results = []
+    for model in (dense_model, sparse_model):
+        (g,) = torch.autograd.grad(model(x).sum(), model.first.weight, create_graph=True)
+        results.append(torch.autograd.grad(g.sum(), model.second.weight)[0])
+    assert results[0][0, 1] != 0
+    torch.testing.assert_close(results[1], results[0])
+
+
 # addcmul_ adds at a sparse wrapper's stored positions only (dense adds everywhere): DenseTensor's
 WRITES = [(layout, write) for layout in LAYOUTS for write in ("mul_(s)", "div_(s)", "mul_(v)")] + \
     [(sten.DenseTensor, "addcmul_(v, v)")]

@@ -606,3 +606,78 @@ def test_pruning_a_weight_already_sparser_than_the_schedule():
     model = model.get_sparse_model()
     with pytest.raises(ValueError, match=r"'0.weight' is already sparser than 0.5 \(keeps 48 of 192, the schedule 96\)"):
         SparsityScheduler(model).add("0.weight", OneShot(0.5))
+
+
+# -- the sparsifier's own criterion under a schedule -------------------------------------
+
+def one_layer(weight: torch.Tensor) -> torch.nn.Module:
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    return torch.nn.Sequential(layer)
+
+
+@pytest.mark.parametrize("sparsifier", [sten.ScalarThresholdSparsifier(0.1), sten.KeepAll()], ids=repr)
+def test_a_sparsifier_without_a_sparsity_to_set_is_refused(sparsifier):
+    """The schedule's sparsity was ignored: a threshold was applied to ranks 1..numel
+    (keeping 6 of 16 where every |w| was below it) and KeepAll kept everything."""
+    model = one_layer(torch.randn(4, 4))
+    with pytest.raises(TypeError, match=r"weight '0.weight': a schedule sets the sparsity.*has neither"):
+        SparsityScheduler(model).add("0.weight", OneShot(0.5), layout=torch.Tensor, sparsifier=sparsifier)
+    assert type(model[0].weight) is torch.nn.Parameter
+
+
+def test_blocks_are_pruned_by_their_summed_magnitude():
+    """Blocks were scored by summed ranks: the block holding 100 was pruned for one summing to 4.6."""
+    w = torch.tensor([[100.0, 0.01, 0.02, 0.03], [1.0, 1.1, 1.2, 1.3]])
+    sparsifier = sten.BlockwiseFractionSparsifier(0.5, (1, 4))
+    sched = SparsityScheduler(one_layer(w))
+    sched.add("0.weight", OneShot(0.5), layout=torch.Tensor, sparsifier=sparsifier)
+    assert torch.equal(sched.mask("0.weight"), sparsifier.mask(w))
+
+
+def test_grouped_nm_under_a_schedule_is_the_sparsifiers_own_mask():
+    sten_nm = pytest.importorskip("sten_nm")
+    w = torch.randn(32, 32, generator=torch.Generator().manual_seed(1))
+    for sparsifier, layout in ((sten_nm.GroupedNMSparsifier(2, 4), sten_nm.GroupedNMTensor),
+                               (sten_nm.ColumnGroupedNMSparsifier(2, 4), sten_nm.ColumnGroupedNMTensor)):
+        sched = SparsityScheduler(one_layer(w))
+        sched.add("0.weight", OneShot(0.5), layout=layout, sparsifier=sparsifier)
+        assert torch.equal(sched.mask("0.weight"), sparsifier.mask(w)), sparsifier
+
+
+def test_random_pruning_keeps_the_scheduled_count():
+    """RandomFractionSparsifier drew a keep-probability mask over ranks: 30 stored where the
+    schedule (and the docs' nnz == target_nnz) says 32, and target_nnz itself drew random numbers."""
+    torch.manual_seed(0)
+    model = one_layer(torch.randn(8, 8))
+    sched = SparsityScheduler(model)
+    sched.add("0.weight", GradualPruning(0.25, 0.5, start=0, end=4, every=2), layout=sten.CooTensor,
+              sparsifier=sten.RandomFractionSparsifier(0.9))
+    for step in range(5):
+        state = torch.get_rng_state()
+        target = sched.target_nnz("0.weight")
+        assert torch.equal(torch.get_rng_state(), state)
+        assert sched.nnz("0.weight") == target == round(64 * (1 - GradualPruning(0.25, 0.5, 0, 4, 2).sparsity(step)))
+        sched.step()
+
+
+@pytest.mark.parametrize("name", ["0.weight", "0.bias"])
+def test_a_weight_the_default_layout_cannot_hold_is_refused_at_add(name):
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 4, 3))
+    with pytest.raises(ValueError, match=rf"weight '{name}' has shape .* CsrTensor holds 2-D tensors only.*CooTensor"):
+        SparsityScheduler(model).add(name, OneShot(0.5))
+    sched = SparsityScheduler(model)
+    sched.add(name, OneShot(0.5), layout=sten.CooTensor)
+    assert sched.nnz(name) == round(model.get_parameter(name).numel() * 0.5)
+
+
+@pytest.mark.parametrize(("name", "says"), [("buf", "names a buffer"), ("0", r"names a submodule \(Linear\).*'0.weight'"),
+                                            ("0.in_features", "names an attribute of type int")])
+def test_a_name_that_is_not_a_parameter_says_what_it_is(name, says):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model.register_buffer("buf", torch.ones(2))
+    for add in (lambda: SparsityScheduler(model).add(name, OneShot(0.5)),
+                lambda: sten.SparsityBuilder(model).set_weight(name, sten.ScalarFractionSparsifier(0.5))):
+        with pytest.raises(ValueError, match=rf"unknown weight '{name}': it {says}"):
+            add()

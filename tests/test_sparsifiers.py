@@ -343,3 +343,75 @@ def test_sparsifier_equality_and_repr():
     assert hash(sten.PerBlockFractionSparsifier(2, 4)) == hash(sten.PerBlockFractionSparsifier(2, 4))
     assert repr(sten.PerBlockFractionSparsifier(2, 4)) == "PerBlockFractionSparsifier(n=2, m=4)"
     assert sten.BlockwiseFractionSparsifier(0.5, 4).block_shape == (4,)
+
+
+# -- NaN, inf, ties and exact magnitudes -----------------------------------------------
+
+NAN, INF = float("nan"), float("inf")
+MAGNITUDE_SPARSIFIERS = [sten.ScalarFractionSparsifier(0.5), sten.BlockwiseFractionSparsifier(0.5, (1, 2)),
+                         sten.PerBlockFractionSparsifier(2, 4), sten.ScalarThresholdSparsifier(1.5)]
+
+
+@pytest.mark.parametrize("sparsifier", MAGNITUDE_SPARSIFIERS, ids=repr)
+def test_nan_counts_as_the_largest_magnitude(sparsifier):
+    """A NaN weight is kept (where it shows), and the kept count stays the documented one:
+    the fraction sparsifiers kept fewer values than documented (NaN never ranked), so with
+    as many NaNs as values to keep they kept nothing."""
+    x = torch.tensor([[NAN, 1.0, 2.0, 3.0, NAN, 4.0, 0.5, 0.25]])
+    mask = sparsifier.mask(x)
+    assert bool(mask[0, 0]) and bool(mask[0, 4])
+    if hasattr(sparsifier, "fraction"):
+        assert int(mask.sum()) == 4
+
+
+def test_a_fraction_with_more_nans_than_it_keeps_keeps_only_nans():
+    x = torch.tensor([NAN, 1.0, NAN, 3.0, NAN, 4.0, 0.5, NAN])
+    assert sten.ScalarFractionSparsifier(0.75).mask(x).tolist() == [True, False, True] + [False] * 5
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_dropped_nan_or_inf_is_stored_as_zero(layout):
+    """``sparsify`` multiplied by the mask: a dropped NaN stayed NaN and a dropped inf became
+    NaN (``inf * 0``), so ``F.linear`` through the weight returned NaN where dense gives numbers."""
+    x = torch.tensor([[INF, 1.0, -INF, 2.0], [NAN, 3.0, 0.5, 4.0]])
+    sparsifier = sten.SameFormatSparsifier(torch.tensor([[0.0, 1.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0]]))
+    for sp in (sten.RandomFractionSparsifier(1.0), sparsifier):
+        mask = sp.mask(x)
+        got = dense_of(sten.sparsify(sp, x, layout))
+        assert torch.equal(got, torch.where(mask, x, 0.0)) and not got.isnan().any()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_per_block_ties_keep_the_lower_index_in_every_layout(layout):
+    """``nm_keep_mask`` took ``torch.topk``'s order for ties (the higher indices), while the
+    n:m layouts keep the lower ones: the pattern depended on the layout."""
+    x = torch.tensor([[1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]], dtype=torch.bfloat16)
+    kept = dense_of(sten.sparsify(sten.PerBlockFractionSparsifier(2, 4), x, layout)) != 0
+    assert kept.tolist() == [[True, True, False, False, True, True, False, False]]
+
+
+def test_per_block_ties_match_the_nm_layouts():
+    sten_nm = pytest.importorskip("sten_nm")
+    x = torch.randint(-2, 3, (8, 16)).float()
+    want = sten.PerBlockFractionSparsifier(2, 4).mask(x)
+    assert torch.equal(sten.sparsify(sten.PerBlockFractionSparsifier(2, 4), x, sten_nm.NMTensor).wrapped_tensor.mask(), want)
+    assert torch.equal(sten_nm.NMSparsifier(2, 4).mask(x), want)
+
+
+def test_block_sums_keep_float64_precision():
+    """Blocks were summed in float32: blocks differing below its precision tied."""
+    x = torch.tensor([[2.0 ** 24, 2.0 ** 24 + 1.0]], dtype=torch.float64)
+    assert sten.BlockwiseFractionSparsifier(0.5, (1, 1)).mask(x).tolist() == [[False, True]]
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.int64, torch.bool])
+def test_magnitudes_of_integers_are_exact(dtype):
+    """|-128| of an int8 wrapped to -128 (pruned first); large int64s lost precision in float32."""
+    if dtype is torch.bool:
+        x = torch.tensor([True, False, True, False])
+        assert sten.ScalarFractionSparsifier(0.5).mask(x).tolist() == [True, False, True, False]
+        return
+    big = {torch.int8: -128, torch.int32: -(2 ** 31), torch.int64: 2 ** 40 + 1}[dtype]
+    second = {torch.int8: 127, torch.int32: 2 ** 31 - 1, torch.int64: 2 ** 40}[dtype]
+    x = torch.tensor([second, 1, big, 0], dtype=dtype)
+    assert sten.ScalarFractionSparsifier(0.75).mask(x).tolist() == [False, False, True, False]

@@ -165,13 +165,13 @@ def resolve(key: OpKey) -> Entry | None:
         return None  # nothing to compute on: the dispatcher's fallback reports it
     op = key.op
     if op in INPLACE:
-        return Entry(_on_values(op, True, True), len(key.inp))
+        return Entry(_on_values(op, True, True), len(key.inp), all_args=True)  # (alpha, value, ...)
     if key.out is not None:
         return None
     if op in ZERO_PRESERVING:
-        return Entry(_on_values(op, False, op not in (T.div, torch.div, T.__truediv__)), len(key.inp))
+        return Entry(_on_values(op, False, op not in (T.div, torch.div, T.__truediv__)), len(key.inp), all_args=True)
     if op in SAME_PATTERN_ONLY:
-        return Entry(_on_values(op, False, False, sparse_only=True), len(key.inp))
+        return Entry(_on_values(op, False, False, sparse_only=True), len(key.inp), all_args=True)
     return None
 
 

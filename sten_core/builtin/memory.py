@@ -202,4 +202,4 @@ def resolve(key: OpKey) -> Entry | None:
     if key.direction != "fwd" or key.out is not None or not key.inp or key.inp[0] in (None, torch.Tensor):
         return None
     impl = _IMPLS.get(key.op)
-    return None if impl is None else Entry(impl, len(key.inp))
+    return None if impl is None else Entry(impl, len(key.inp), all_args=True)  # reads device, dtype, ...

@@ -134,4 +134,4 @@ def resolve(key: OpKey) -> Entry | None:
         return None
     if not key.inp or key.inp[0] in (None, torch.Tensor):
         return None
-    return Entry(_move, len(key.inp))
+    return Entry(_move, len(key.inp), all_args=True)  # reads the target from the call

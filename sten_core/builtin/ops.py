@@ -349,10 +349,10 @@ def register(registry: Any) -> None:
         for X in SPARSE_2D:  # a sparse input times a sparse weight (paper A.1)
             register_weight_product(registry, F.linear, L, linear_sparse_sparse_fwd, linear_sparse_sparse_bwd(False),
                                     linear_sparse_sparse_bwd(True), input_layout=X)
-        registry.register_fwd_op_impl(torch.addmm, (T, T, L), [keep], addmm_dense_sparse_fwd)
+        registry.register_fwd_op_impl(torch.addmm, (T, T, L, ...), [keep], addmm_dense_sparse_fwd)  # beta, alpha
         registry.register_bwd_op_impl(torch.addmm, (T,), (keep, keep, keep), (T, T, L), addmm_dense_sparse_bwd(False))
         registry.register_bwd_op_impl(torch.addmm, (T,), (keep, keep, (KeepAll, L)), (T, T, L),
                                       addmm_dense_sparse_bwd(True))
         for M in SPARSE_2D:
-            registry.register_fwd_op_impl(torch.add, (L, M), [(KeepAll, CooTensor)], add_union_fwd)
+            registry.register_fwd_op_impl(torch.add, (L, M, ...), [(KeepAll, CooTensor)], add_union_fwd)  # alpha
             registry.register_bwd_op_impl(torch.add, (T,), (keep, keep), (L, M), add_union_bwd)

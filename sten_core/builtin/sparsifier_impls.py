@@ -19,6 +19,7 @@ import torch
 
 from sten_core.dispatch import convert, lossy_fallback
 from sten_core.model.layouts import Layout, builds_from_dense, supports_values
+from sten_core.model.masks import masked
 from sten_core.model.registry import Entry, OpKey
 from sten_core.model.sparsifiers import BUILTIN_SPARSIFIERS, KeepAll, SameFormatSparsifier, Sparsifier
 from sten_core.model.tensor import SparseTensorWrapper, densify
@@ -26,7 +27,7 @@ from sten_core.model.tensor import SparseTensorWrapper, densify
 
 def masked_dense(sparsifier: Any, tensor: torch.Tensor) -> torch.Tensor:
     dense = densify(tensor)
-    return dense * sparsifier.mask(dense).to(dense.device)
+    return masked(dense, sparsifier.mask(dense))
 
 
 def into(layout: type):
@@ -47,11 +48,11 @@ def same_format(sparsifier: SameFormatSparsifier, tensor: torch.Tensor, grad_fmt
     ref_layout = ref.wrapped_tensor if isinstance(ref, SparseTensorWrapper) else ref
     dense = densify(tensor)
     if isinstance(ref_layout, torch.Tensor):
-        return dense * (ref_layout != 0)
+        return masked(dense, ref_layout != 0)
     if supports_values(ref_layout):
         values = ref_layout.gather(dense).to(ref_layout.values().dtype)
         return SparseTensorWrapper(ref_layout.with_values(values), False, grad_fmt)
-    return SparseTensorWrapper(type(ref_layout).from_dense(dense * sparsifier.mask(dense)), False, grad_fmt)
+    return SparseTensorWrapper(type(ref_layout).from_dense(masked(dense, sparsifier.mask(dense))), False, grad_fmt)
 
 
 def resolve(key: OpKey) -> Any:

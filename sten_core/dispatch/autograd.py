@@ -17,7 +17,7 @@ import torch
 
 from sten_core.dispatch.call import _Call, grad_spec, tensors_in
 from sten_core.dispatch.graph_keeping import keeping_graph
-from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
+from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec, grad_positions
 from sten_core.model.layouts import attribute_tensors, unshared_dense
 from sten_core.model.signatures import op_name
 from sten_core.model.spec import DENSE, OutputSpec
@@ -80,7 +80,7 @@ class _Sparsify(torch.autograd.Function):
     def backward(fctx: Any, grad: Any) -> Any:
         if fctx.grad_spec is not DENSE:
             spec = fctx.grad_spec
-            grad = keeping_graph(lambda g: apply_spec(g, spec), grad, spec.out_format)
+            grad = keeping_graph(lambda g: apply_spec(g, spec), grad, spec.out_format, grad_positions(spec, None))
         if isinstance(grad, SparseTensorWrapper) and grad.requires_grad:  # create_graph=True
             return dense_with_grad(grad), None, None
         return densify(grad), None, None

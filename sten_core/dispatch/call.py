@@ -68,7 +68,7 @@ _KEEP_ALL_LIST = [KeepAll()]
 
 
 def run_impl(plan: Plan, ctx: OpContext, specs: CallSpecs | None) -> Any:
-    """Call a plan's implementation on ``ctx.inputs`` (``plan.nargs`` of them);
+    """Call a plan's implementation on ``ctx.inputs`` (``plan.nargs`` of them, or all);
     bare layout objects in its output are wrapped."""
     raw = plan.entry.fn(ctx, ctx.inputs, _KEEP_ALL_LIST if specs is None else specs.sparsifiers)
     return raw if type(raw) in DENSE_TYPES else wrap(raw)
@@ -181,8 +181,9 @@ class _Call:
                 inputs = self.converted
             else:
                 inputs = detach_at(self.bound, self.positions) if detach else list(self.bound)
-            nargs = plan.nargs
-            inputs = inputs[:nargs] + [None] * (nargs - len(inputs))
+            if not plan.all_args:
+                nargs = plan.nargs
+                inputs = inputs[:nargs] + [None] * (nargs - len(inputs))
             self.ctx = OpContext(op, inputs, (self.args, self.kwargs))
             raw = run_impl(plan, self.ctx, self.specs)
             if detach:

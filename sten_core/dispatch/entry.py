@@ -24,7 +24,7 @@ from sten_core.dispatch.errors import Unsupported, declined, report_missing, tra
 from sten_core.dispatch.observers import active
 from sten_core.dispatch.plan import NOT_DIFFERENTIABLE, Plan, PlanKind, is_inplace, plan_for
 from sten_core.model.registry import OpKey, registry
-from sten_core.model.signatures import bind
+from sten_core.model.signatures import bind, given_past
 from sten_core.model.spec import coerce_specs
 from sten_core.model.tensor import DENSE_TYPES, PLAIN_TYPES, WRAPPER_TYPES, SparseTensorWrapper, layout_of
 from sten_core.plugins import manager as plugins
@@ -78,7 +78,7 @@ class _Fast:
     __slots__ = ("plan", "fn", "key", "nargs", "pad", "fill", "positions", "inplace")
 
     def __init__(self, plan: Plan, key: OpKey, op: Any, args: tuple, bound: list, positions: list[int]):
-        n, nargs = len(args), plan.nargs
+        n, nargs = len(args), len(bound) if plan.all_args else plan.nargs
         padded = list(bound) + [None] * max(0, nargs - len(bound))
         self.plan, self.fn, self.key, self.nargs = plan, plan.entry.fn, key, nargs
         self.pad = tuple(padded[n:nargs])  # defaults completing the implementation's inputs
@@ -110,7 +110,7 @@ def _remember_fast(fast_key: tuple, plan: Plan, key: OpKey, op: Any, args: tuple
                    positions: list[int]) -> None:
     """Cache a positional call's plan by its argument kinds, when the kinds determine its key."""
     n = len(args)
-    if all(p < n for p in positions) and all(
+    if (plan.all_args or n <= plan.nargs) and all(p < n for p in positions) and all(
             type(a) in WRAPPER_TYPES or type(a) in DENSE_TYPES or type(a) in PLAIN_TYPES for a in args):
         _fast[fast_key] = _Fast(plan, key, op, args, bound, positions)
 
@@ -172,6 +172,13 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
     inp, positions, needs_grad = _scan(bound)
     key = OpKey("fwd", op, inp, None if specs is None else specs.pairs)
     plan = plan_for(key)
+    if plan.entry is not None and not plan.all_args and len(bound) > plan.nargs:
+        unseen = given_past(op, bound, plan.nargs)
+        if unseen:  # the implementation would run without them: the dense path, saying why
+            return _dense_instead(op, args, kwargs, specs, key, plan.entry.fn, Unsupported(
+                f"this call gives {', '.join(unseen)}, and the implementation receives the {plan.nargs} "
+                f"argument{'s' if plan.nargs != 1 else ''} its pattern lists; list the argument in inp "
+                "(None for a non-tensor) or end inp with ... to receive every argument"))
     if fast_key is not None and plan.direct:
         _remember_fast(fast_key, plan, key, op, args, bound, positions)
     grad = needs_grad and torch.is_grad_enabled() and op not in NOT_DIFFERENTIABLE

@@ -40,7 +40,7 @@ class Plan:
     """How a key is executed: its ``kind``, and the implementation ``entry``
     and per-input ``conversions`` it runs."""
 
-    __slots__ = ("kind", "entry", "conversions", "key", "fixes_inline", "nargs", "direct")
+    __slots__ = ("kind", "entry", "conversions", "key", "fixes_inline", "nargs", "all_args", "direct")
 
     def __init__(self, kind: PlanKind, key: OpKey, entry: Entry | None = None, conversions: tuple = ()):
         self.kind = kind
@@ -50,6 +50,7 @@ class Plan:
         # implementations produce tmp_format themselves; the rest need the inline sparsifier applied
         self.fixes_inline = kind in (PlanKind.IMPL, PlanKind.CONVERT, PlanKind.GENERIC)
         self.nargs = max(entry.nargs, len(key.inp)) if entry is not None else 0
+        self.all_args = entry is not None and entry.all_args  # it receives every argument, not nargs
         self.direct = kind in (PlanKind.IMPL, PlanKind.GENERIC)  # runs the implementation on the inputs as they are
 
     def __repr__(self) -> str:

@@ -18,7 +18,7 @@ import torch
 
 from sten_core.dispatch.conversions import conversion_path, convert, wrap
 from sten_core.dispatch.errors import DispatchError, report_missing
-from sten_core.dispatch.graph_keeping import keeping_graph
+from sten_core.dispatch.graph_keeping import every_position, keeping_graph
 from sten_core.dispatch.observers import active, notify
 from sten_core.dispatch.plan import PlanKind
 from sten_core.model.layouts import builds_from_dense
@@ -173,7 +173,20 @@ def apply_grad_spec(grad: Any, spec: OutputSpec, value: Any, inline_done: bool =
     """
     if is_grads_batched(grad):
         return _batched_in_grad_spec(grad, spec, value)
-    return keeping_graph(lambda g: _in_grad_spec(g, spec, value, inline_done), grad, spec.out_format)
+    return keeping_graph(lambda g: _in_grad_spec(g, spec, value, inline_done), grad, spec.out_format,
+                         grad_positions(spec, value))
+
+
+def grad_positions(spec: OutputSpec, value: Any) -> Callable[[Any], torch.Tensor | None]:
+    """Where a gradient put in ``spec`` (``value``'s ``grad_fmt``) depends on the dense gradient,
+    as ``keeping_graph``'s ``kept``: ``value``'s stored positions for a sparse ``value`` whose
+    format keeps its layout, every position where nothing is sparsified away (zeros a layout
+    does not store are still the gradient's values), else the positions the result stores."""
+    if not spec.keeps_all:
+        return stored_mask
+    if isinstance(value, SparseTensorWrapper):
+        return lambda out: stored_mask(value)
+    return every_position
 
 
 def is_grads_batched(grad: Any) -> bool:

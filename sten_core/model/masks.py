@@ -1,5 +1,6 @@
 """The positions a weight stores, as a boolean mask (schedules, distributed checks,
-the derivative of a gradient put in a sparse format under ``create_graph``).
+the derivative of a gradient put in a sparse format under ``create_graph``), and a
+tensor kept at a mask's positions only.
 
 Example:
     >>> import torch, sten_core as sten
@@ -30,3 +31,13 @@ def stored_mask(value: Any) -> torch.Tensor:
         ones = layout.with_values(torch.ones_like(layout.values()))
         return to_dense_tensor(ones) != 0
     return to_dense_tensor(layout) != 0
+
+
+def masked(dense: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``dense`` where ``mask`` is set, 0 elsewhere: a dropped NaN or inf is 0, where
+    ``dense * mask`` would leave NaN (``inf * 0``, ``nan * 0``).
+
+    >>> masked(torch.tensor([float("inf"), 2.0]), torch.tensor([False, True]))
+    tensor([0., 2.])
+    """
+    return dense.where(mask.to(device=dense.device, dtype=torch.bool), 0)

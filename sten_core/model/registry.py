@@ -95,11 +95,11 @@ def _layout_entry(entry: Any, name: str) -> Any:
         return None
     if entry is torch.nn.Parameter:
         return torch.Tensor
+    if entry is Ellipsis:
+        raise TypeError(f"{name}: ... (every further argument) may only end a pattern")
     if not isinstance(entry, type):
         raise TypeError(f"{name}: expected a layout class, torch.Tensor or None, got {entry!r}")
     return entry
-
-
 
 
 def _sparsifier_class(entry: Any, name: str) -> type:
@@ -120,11 +120,13 @@ def _check_callable(fn: Any, name: str, expected: str) -> None:
 
 
 def normalize_inp(inp: Any, op: Any, name: str = "inp") -> tuple:
-    """Check an input pattern against the operator's signature and trim it."""
+    """Check an input pattern against the operator's signature and trim it (a trailing
+    ``...``, "and every further argument", is dropped: see ``takes_every_argument``)."""
     if isinstance(inp, type) or inp is None:
         inp = (inp,)
     if not isinstance(inp, (tuple, list)):
         raise TypeError(f"{name} must be a tuple of layout classes / None, got {inp!r}")
+    inp = inp[:-1] if takes_every_argument(inp) else inp
     pattern = trim(tuple(_layout_entry(e, f"{name}[{i}]") for i, e in enumerate(inp)))
     params = signature_of(op)
     if params is not None and len(pattern) > len(params.names):
@@ -160,8 +162,24 @@ def _keep_all() -> type:
     return KeepAll
 
 
-def _full_length(inp: Any) -> int:
-    return len(inp) if isinstance(inp, (tuple, list)) else 1
+def takes_every_argument(inp: Any) -> bool:
+    """Whether a pattern ends with ``...``: its implementation receives every argument of
+    the call, not only those the pattern lists (``inp=(MyLayout, ...)`` for ``torch.sum``
+    sees ``dim`` and ``keepdim``). Without it, a call giving an argument past the pattern a
+    value other than its default is not run by the implementation, which could not see it."""
+    return isinstance(inp, (tuple, list)) and len(inp) > 0 and inp[-1] is Ellipsis
+
+
+def entry_for(impl: Callable, inp: Any) -> Entry:
+    """The ``Entry`` of an implementation registered for the pattern ``inp``: it receives as
+    many bound arguments as ``inp`` lists, or all of them where ``inp`` ends with ``...``.
+
+    >>> entry_for(print, (None, ...)).all_args
+    True
+    """
+    if takes_every_argument(inp):
+        return Entry(impl, len(inp) - 1, all_args=True)
+    return Entry(impl, len(inp) if isinstance(inp, (tuple, list)) else 1)
 
 
 def _count_positional(fn: Callable) -> int:
@@ -180,6 +198,7 @@ class Entry(NamedTuple):
     fn: Callable
     nargs: int  # how many bound arguments it receives (its pattern's full length)
     arity: int = 3  # positional parameters of fn (sparsifier impls take 2 or 3)
+    all_args: bool = False  # it receives every argument of the call (a pattern ending with ...)
 
 
 class Registry:
@@ -334,7 +353,7 @@ class Registry:
             out = None  # the original STen's out=[]: the default dense output
         _check_callable(impl, "impl", "impl(ctx, inputs, output_sparsifiers)")
         key = OpKey("fwd", operator, normalize_inp(inp, operator), normalize_out_pairs(out))
-        self._put("impls", key, Entry(impl, _full_length(inp)))
+        self._put("impls", key, entry_for(impl, inp))
         return impl
 
     def register_bwd_op_impl(self, operator: Any, grad_out: Any, grad_inp: Any, inp: Any, impl: Callable) -> Callable:
@@ -348,7 +367,7 @@ class Registry:
         if params is not None and len(grads) > max(len(pattern), len(params.names)):
             raise ValueError(f"grad_inp has {len(grads)} entries but {op_name(operator)} takes {len(params.names)} arguments")
         key = OpKey("bwd", operator, pattern, grads, grad_out)
-        self._put("impls", key, Entry(impl, _full_length(inp)))
+        self._put("impls", key, entry_for(impl, inp))
         return impl
 
     def register_sparsifier_implementation(self, sparsifier: type, inp: type, out: type, impl: Callable) -> Callable:

@@ -147,6 +147,44 @@ def bind(op: Any, args: tuple, kwargs: dict) -> list:
     return bound
 
 
+def given_past(op: Any, bound: list, n: int) -> list[str]:
+    """The arguments of a bound call past its first ``n`` that it gives a value other than
+    the default, as ``name=value`` (``argument i=value`` where the signature is unknown):
+    what an implementation receiving ``n`` arguments would not see.
+
+    >>> given_past(torch.add, bind(torch.add, (1, 2), {"alpha": 3}), 2)
+    ['alpha=3']
+    >>> given_past(torch.add, bind(torch.add, (1, 2, 1), {}), 2)
+    []
+    """
+    try:
+        binder = _binders[op]
+    except (KeyError, TypeError):
+        binder = _binder(op)
+    names = signature_of(op).names if binder is not None else ()
+    given = []
+    for i in range(n, len(bound)):
+        value = bound[i]
+        if i < len(names):  # a parameter of the signature: given unless it is the default
+            if not _is_default(value, binder.fill[i]):
+                given.append(f"{names[i]}={value!r}")
+        elif value is not None:  # a keyword the signature does not list, or an unknown op's argument
+            given.append(f"argument {i}={value!r}")
+    return given
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if value is default:
+        return True
+    if isinstance(value, torch.Tensor) or isinstance(default, torch.Tensor):
+        return False
+    try:
+        return type(value) is type(default) and bool(value == default) or (
+            isinstance(value, (int, float)) and isinstance(default, (int, float)) and value == default)
+    except Exception:  # an argument whose == is not a truth value
+        return False
+
+
 def op_name(op: Any) -> str:
     """A readable name: ``torch.add``, ``torch.nn.functional.linear``, ``Tensor.add_``;
     for a callable without a ``__name__``, what it is (``functools.partial(torch.add)``, the

@@ -68,6 +68,10 @@ class Sparsifier:
     """
 
     kind: ClassVar[str] = MATERIALIZING
+    #: Whether ``mask`` depends only on how magnitudes compare, never on their sums (a
+    #: pruning schedule then hands it ranks, which keep every position pruned earlier below
+    #: every kept one; other sparsifiers get the magnitudes with those positions zeroed).
+    compares_only: ClassVar[bool] = False
 
     def params(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
@@ -121,17 +125,22 @@ class ScalarThresholdSparsifier(Sparsifier):
         self.threshold = float(threshold)
 
     def mask(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.abs() >= self.threshold
+        return magnitude(tensor) >= self.threshold
 
 
 class ScalarFractionSparsifier(Sparsifier):
     """Magnitude pruning: drops the ``fraction`` of values of smallest magnitude.
 
-    Exactly ``round(numel * (1 - fraction))`` values are kept; among equal
-    magnitudes at the threshold the earliest (row-major) are kept.
+    Exactly ``round(numel * (1 - fraction))`` values are kept (Python's ``round``:
+    a half rounds to even, so 0.5 of 5 values keeps 2); among equal magnitudes at the
+    threshold the earliest (row-major) are kept; NaN counts as the largest magnitude.
+
+    >>> ScalarFractionSparsifier(0.5).mask(torch.tensor([1.0, float("nan"), -3.0, 2.0]))
+    tensor([False,  True,  True, False])
     """
 
     kind = MATERIALIZING
+    compares_only = True
 
     def __init__(self, fraction: float):
         self.fraction = _check_fraction(fraction)
@@ -144,7 +153,8 @@ class BlockwiseFractionSparsifier(Sparsifier):
     """Drops the ``fraction`` of blocks with the smallest summed magnitude.
 
     ``block_shape`` tiles the last ``len(block_shape)`` dims; edge blocks are
-    partial. Exactly ``round(num_blocks * (1 - fraction))`` blocks are kept.
+    partial. Exactly ``round(num_blocks * (1 - fraction))`` blocks are kept (ties:
+    the earliest block; a block holding NaN counts as the largest).
     """
 
     kind = MATERIALIZING
@@ -160,9 +170,14 @@ class BlockwiseFractionSparsifier(Sparsifier):
 class PerBlockFractionSparsifier(Sparsifier):
     """n:m sparsity: keeps the ``n`` largest magnitudes of every ``m``
     consecutive values along the last dimension (a short last group keeps
-    ``min(n, size)``)."""
+    ``min(n, size)``); ties keep the lower index, NaN counts as the largest.
+
+    >>> PerBlockFractionSparsifier(2, 4).mask(torch.tensor([1.0, 1.0, 1.0, 1.0]))
+    tensor([ True,  True, False, False])
+    """
 
     kind = BLOCKING
+    compares_only = True
 
     def __init__(self, n: int, m: int):
         for name, v in (("n", n), ("m", m)):
@@ -239,16 +254,34 @@ def random_keep_mask(tensor: torch.Tensor, fraction: float) -> torch.Tensor:
     return torch.rand(tensor.shape, device=tensor.device) >= fraction
 
 
+def magnitude(tensor: torch.Tensor) -> torch.Tensor:
+    """``|tensor|`` as the score magnitude sparsifiers rank by, exact in every dtype:
+    integers and bools widened to int64 (``|-128|`` of an int8 is 128), NaN as the
+    largest (``inf``: a NaN weight stays stored, where it shows, not pruned away).
+
+    >>> magnitude(torch.tensor([-2.0, float("nan")]))
+    tensor([2., inf])
+    """
+    t = tensor.detach()
+    if not t.is_floating_point() and not t.is_complex():
+        return t.to(torch.int64).abs()
+    mag = t.abs()
+    return torch.where(mag.isnan(), torch.full_like(mag, float("inf")), mag)
+
+
 def _keep_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
     """Boolean mask over a 1-D ``scores`` keeping exactly ``keep`` largest,
-    ties at the threshold resolved by position (earliest first)."""
+    ties at the threshold resolved by position (earliest first); NaN scores
+    count as the largest."""
     numel = scores.numel()
     if keep <= 0:
         return torch.zeros_like(scores, dtype=torch.bool)
     if keep >= numel:
         return torch.ones_like(scores, dtype=torch.bool)
-    if scores.dtype not in (torch.float32, torch.float64):
-        scores = scores.float()
+    if scores.dtype == torch.bool:
+        scores = scores.to(torch.int64)
+    elif scores.is_floating_point():
+        scores = torch.where(scores.isnan(), torch.full_like(scores, float("inf")), scores)
     threshold = torch.kthvalue(scores, numel - keep + 1).values
     above = scores > threshold
     ties = scores == threshold
@@ -258,7 +291,7 @@ def _keep_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
 
 def fraction_keep_mask(tensor: torch.Tensor, fraction: float) -> torch.Tensor:
     """Keep the ``round(numel * (1 - fraction))`` largest magnitudes."""
-    flat = tensor.detach().reshape(-1).abs()
+    flat = magnitude(tensor).reshape(-1)
     keep = round(flat.numel() * (1.0 - fraction))
     return _keep_top(flat, keep).view(tensor.shape)
 
@@ -274,7 +307,10 @@ def block_keep_mask(tensor: torch.Tensor, fraction: float, block_shape: Sequence
     pad = []
     for s, b, c in reversed(list(zip(tail, block_shape, counts))):
         pad += [0, c * b - s]
-    padded = torch.nn.functional.pad(tensor.detach().abs().float(), pad)
+    mag = magnitude(tensor)
+    if mag.is_floating_point() and mag.element_size() < 4:
+        mag = mag.float()                       # half-precision sums would round
+    padded = torch.nn.functional.pad(mag, pad)
     shape = list(lead)
     for c, b in zip(counts, block_shape):
         shape += [c, b]
@@ -290,16 +326,17 @@ def block_keep_mask(tensor: torch.Tensor, fraction: float, block_shape: Sequence
 
 
 def nm_keep_mask(tensor: torch.Tensor, n: int, m: int) -> torch.Tensor:
-    """Keep the ``n`` largest magnitudes of every ``m`` along the last dim."""
+    """Keep the ``n`` largest magnitudes of every ``m`` along the last dim (ties: the
+    lower index; NaN counts as the largest)."""
     if tensor.dim() == 0:
         raise ValueError("tensor must have at least 1 dim for n:m sparsity")
     k = tensor.shape[-1]
     groups = math.ceil(k / m) if k else 0
-    padded = torch.nn.functional.pad(tensor.detach().abs(), (0, groups * m - k), value=-1.0)
+    padded = torch.nn.functional.pad(magnitude(tensor), (0, groups * m - k), value=-1)
     grouped = padded.reshape(*tensor.shape[:-1], groups, m)
     mask = torch.zeros_like(grouped, dtype=torch.bool)
     if n > 0 and groups:
-        idx = torch.topk(grouped, n, dim=-1, sorted=False).indices
+        idx = torch.sort(grouped, dim=-1, descending=True, stable=True).indices[..., :n]
         mask.scatter_(-1, idx, True)
     mask = mask.reshape(*tensor.shape[:-1], groups * m)[..., :k]
     return mask.contiguous()
@@ -331,7 +368,7 @@ def scalar_mask_sparsify(tensor: torch.Tensor, frac: float) -> torch.Tensor:
     """
     _check_tensor(tensor)
     frac = _check_fraction(frac, "frac")
-    flat = tensor.detach().reshape(-1).abs()
+    flat = magnitude(tensor).reshape(-1)
     dropped = math.ceil(round(frac * flat.numel(), 9))  # round: 0.7 * 10 is 7.000000000000001
     keep = _keep_top(flat, flat.numel() - dropped).view(tensor.shape)
     return tensor * keep

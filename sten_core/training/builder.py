@@ -49,6 +49,7 @@ from sten_core.model.spec import OutputSpec, check_sparsifier
 from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper
 from sten_core.training.fx_calls import (_CONVERSIONS, _NOT_TENSOR_METHODS, _CountedCalls, _FxCalls, _Graph,
                                         _fx_node_names, _traces)
+from sten_core.training.weight_names import unknown_weight
 
 
 def _spec(inline: Any, tmp: Any, external: Any, out: Any, what: str) -> OutputSpec:
@@ -281,7 +282,7 @@ class SparsityBuilder:
             return
         if name in _tied_names(model):
             return  # another name of a tied parameter: both names are sparsified, and stay tied
-        raise ValueError(f"unknown weight {name!r}; the model's parameters are: {', '.join(names)}")
+        raise unknown_weight(model, name)
 
     def set_weight(self, name: str, initial_sparsifier: Any = None, inline_sparsifier: Any = None,
                    tmp_format: type = torch.Tensor, external_sparsifier: Any = None,

@@ -49,10 +49,11 @@ from typing import Any, ClassVar
 import torch
 
 from sten_core.model.layouts import supports_values
-from sten_core.model.masks import stored_mask
+from sten_core.model.masks import masked, stored_mask
 from sten_core.training.scores import ScoreSparsifier, check_inputs, needs_of
-from sten_core.model.sparsifiers import ScalarFractionSparsifier, Sparsifier
+from sten_core.model.sparsifiers import RandomFractionSparsifier, ScalarFractionSparsifier, Sparsifier, magnitude
 from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper
+from sten_core.training.weight_names import unknown_weight
 
 
 def _int(value: Any, name: str, minimum: int = 0) -> int:
@@ -196,36 +197,54 @@ class PruneRegrow(Schedule):
 
 def selector_at(sparsifier: Any, sparsity: float) -> Any:
     """The sparsifier choosing the kept positions at ``sparsity`` from
-    non-negative ranks, or ``None`` where everything is kept.
+    non-negative scores, or ``None`` where everything is kept.
 
     Fraction sparsifiers get ``fraction=sparsity``; n:m ones (``n``, ``m``
     attributes) keep ``n = round(m * (1 - sparsity))`` of every ``m``; score
-    sparsifiers choose unstructured. A sparsity whose ``n`` rounds to 0 is a ``ValueError``.
+    sparsifiers and ``RandomFractionSparsifier`` (random scores) choose
+    unstructured. A sparsity whose ``n`` rounds to 0 is a ``ValueError``; a
+    sparsifier with neither (a threshold, ``KeepAll``) a ``TypeError``.
 
     >>> from sten_core.model.sparsifiers import PerBlockFractionSparsifier
     >>> selector_at(PerBlockFractionSparsifier(3, 4), 0.5).n
     2
     """
+    unstructured = sparsifier is None or isinstance(sparsifier, (ScoreSparsifier, RandomFractionSparsifier))
+    has_nm = hasattr(sparsifier, "n") and hasattr(sparsifier, "m")
+    if not (unstructured or hasattr(sparsifier, "fraction") or has_nm):
+        raise TypeError(
+            f"a schedule sets the sparsity of its weight, so its sparsifier must take one: a fraction "
+            f"(ScalarFractionSparsifier, BlockwiseFractionSparsifier, a score sparsifier) or n:m (n, m: "
+            f"PerBlockFractionSparsifier, NMSparsifier); {sparsifier!r} has neither. Apply it once with "
+            "sten.sparsify / SparsityBuilder instead")
     if sparsity == 0.0:
         return None
-    if isinstance(sparsifier, ScoreSparsifier) or sparsifier is None:
+    if unstructured:
         return ScalarFractionSparsifier(sparsity)
     if hasattr(sparsifier, "fraction"):
         new = copy.copy(sparsifier)
         new.fraction = sparsity
         return new
-    if hasattr(sparsifier, "n") and hasattr(sparsifier, "m"):
-        n = round(sparsifier.m * (1.0 - sparsity))
-        if n >= sparsifier.m:
-            return None
-        if n < 1:
-            raise ValueError(f"{sparsifier!r} cannot reach sparsity {sparsity:.4g}: that keeps n = round({sparsifier.m} * "
-                             f"(1 - {sparsity:.4g})) = {n} of every {sparsifier.m}, and an n:m pattern keeps n >= 1 "
-                             f"(its highest sparsity is {1 - 1 / sparsifier.m:.4g})")
-        new = copy.copy(sparsifier)
-        new.n = n
-        return new
-    return sparsifier
+    n = round(sparsifier.m * (1.0 - sparsity))
+    if n >= sparsifier.m:
+        return None
+    if n < 1:
+        raise ValueError(f"{sparsifier!r} cannot reach sparsity {sparsity:.4g}: that keeps n = round({sparsifier.m} * "
+                         f"(1 - {sparsity:.4g})) = {n} of every {sparsifier.m}, and an n:m pattern keeps n >= 1 "
+                         f"(its highest sparsity is {1 - 1 / sparsifier.m:.4g})")
+    new = copy.copy(sparsifier)
+    new.n = n
+    return new
+
+
+def selection_scores(selector: Any, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """What ``selector.mask`` chooses from at a pruning step: ``ranks`` of ``scores`` for a
+    sparsifier that only compares them (ranks keep every position outside ``allowed`` below
+    every one inside, even where scores tie at zero); for one that sums them (blocks, grouped
+    n:m) the scores themselves, zero outside ``allowed``."""
+    if getattr(selector, "compares_only", False):
+        return ranks(scores, allowed)
+    return masked(scores, allowed)
 
 
 def ranks(scores: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
@@ -253,7 +272,7 @@ def layout_from_mask(layout: type, dense: torch.Tensor, mask: torch.Tensor, para
     ``m``, ``dim``); a layout with the stored-values protocol gets its pattern
     from ``from_dense`` of a tensor that is nonzero exactly on ``mask``, then the
     values of ``dense`` (``with_values``, so zeros stay stored); any other is
-    ``from_dense(dense * mask)``, which keeps only the nonzeros.
+    ``from_dense`` of ``dense`` kept at ``mask``, which keeps only the nonzeros.
 
     >>> import sten_core as sten
     >>> layout_from_mask(sten.CsrTensor, torch.zeros(2, 2), torch.eye(2, dtype=torch.bool)).nnz
@@ -266,13 +285,13 @@ def layout_from_mask(layout: type, dense: torch.Tensor, mask: torch.Tensor, para
     if layout in (CsrTensor, CscTensor, CooTensor):
         return _torch_layout_from_mask(layout, dense, mask)
     kwargs, takes_mask = _from_dense_kwargs(layout, params)
-    masked = dense * mask
+    kept = masked(dense, mask)
     if takes_mask:
-        return layout.from_dense(masked, mask=mask, **kwargs)
+        return layout.from_dense(kept, mask=mask, **kwargs)
     pattern = layout.from_dense(mask.to(dense.dtype), **kwargs)
     if supports_values(pattern):
-        return pattern.with_values(pattern.gather(masked).to(dense.dtype))
-    return layout.from_dense(masked, **kwargs)
+        return pattern.with_values(pattern.gather(kept).to(dense.dtype))
+    return layout.from_dense(kept, **kwargs)
 
 
 def _torch_layout_from_mask(layout: type, dense: torch.Tensor, mask: torch.Tensor) -> Any:
@@ -290,6 +309,17 @@ def _torch_layout_from_mask(layout: type, dense: torch.Tensor, mask: torch.Tenso
     crow[1:] = torch.cumsum(counts, 0)
     make = torch.sparse_csr_tensor if layout is CsrTensor else torch.sparse_csc_tensor
     return layout(make(crow, idx[1].contiguous(), values, dense.shape, check_invariants=False))
+
+
+def _check_dims(name: str, param: torch.Tensor, layout: type) -> None:
+    """Refuse at ``add`` a weight that ``layout`` cannot hold for its number of dims (the
+    builtin CSR/CSC hold matrices; a conv weight or a bias is not one)."""
+    from sten_core.builtin.torch_layouts import CscTensor, CsrTensor
+
+    if layout in (CsrTensor, CscTensor) and param.dim() != 2:
+        raise ValueError(f"weight {name!r} has shape {tuple(param.shape)}, and layout {layout.__name__} holds 2-D "
+                         f"tensors only{' (the default for a dense weight)' if layout is CsrTensor else ''}; pass "
+                         "layout=sten.CooTensor (any number of dims) or layout=torch.Tensor (a masked dense weight)")
 
 
 def _from_dense_kwargs(layout: type, params: dict | None) -> tuple[dict, bool]:
@@ -432,8 +462,7 @@ class SparsityScheduler:
         """
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under every name
         if not isinstance(name, str) or name not in params:
-            names = dict(self.model.named_parameters())
-            raise ValueError(f"unknown weight {name!r}; the model's parameters are: {', '.join(names)}")
+            raise unknown_weight(self.model, name)
         if name in self.entries:
             raise ValueError(f"weight {name!r} is already scheduled")
         tie = next((other for other, e in self.entries.items() if e.param is params[name]), None)
@@ -453,7 +482,12 @@ class SparsityScheduler:
             raise TypeError(f"layout must be a layout class, got {layout!r}")
         if layout is not torch.Tensor and not callable(getattr(layout, "from_dense", None)):
             raise TypeError(f"layout {layout.__name__} has no from_dense")
+        _check_dims(name, param, layout)
         self._check_not_in_ddp(name, param, layout)
+        try:
+            selector_at(sparsifier, 0.0)
+        except TypeError as err:
+            raise TypeError(f"weight {name!r}: {err}") from None
         if schedule.regrows and not isinstance(selector_at(sparsifier, 0.5), ScalarFractionSparsifier):
             raise ValueError(f"PruneRegrow needs an unstructured sparsifier (magnitude or score), got {sparsifier!r}")
         path, _, attr = name.rpartition(".")
@@ -623,7 +657,9 @@ class SparsityScheduler:
         sp = entry.sparsifier
         if isinstance(sp, ScoreSparsifier) or callable(getattr(sp, "score", None)):
             return sp.scores(dense, **self._inputs(entry)) if hasattr(sp, "scores") else sp.score(dense, **self._inputs(entry))
-        return dense.abs()
+        if isinstance(sp, RandomFractionSparsifier):
+            return torch.rand(dense.shape, device=dense.device)
+        return magnitude(dense)
 
     def _apply(self, entry: _Entry, step: int, force: bool = False) -> None:
         schedule = entry.schedule
@@ -643,7 +679,8 @@ class SparsityScheduler:
                 if not bool(new.all()):
                     raise ValueError(f"{entry.name!r} is already sparser than {sparsity} and {type(schedule).__name__} only prunes")
             else:
-                new = self._prune(entry, selector, ranks(self._scores(entry, dense), old), old, sparsity)
+                new = self._prune(entry, selector, selection_scores(selector, self._scores(entry, dense), old), old,
+                                  sparsity)
             self._install(entry, dense, old, new, selector)
         entry.history.append((step, int(new.sum())))
 
@@ -705,11 +742,11 @@ class SparsityScheduler:
         except ValueError as err:
             raise ValueError(f"{self._where(entry)}: {err}{hint}") from err
 
-    def _prune(self, entry: _Entry, selector: Any, ranked: torch.Tensor, old: torch.Tensor, sparsity: float) -> torch.Tensor:
-        """A pruning schedule's new mask: ``selector`` on scores ranked within ``old``; it
-        must keep a subset of ``old`` (a pruned position never comes back)."""
+    def _prune(self, entry: _Entry, selector: Any, scores: torch.Tensor, old: torch.Tensor, sparsity: float) -> torch.Tensor:
+        """A pruning schedule's new mask: ``selector`` on scores within ``old``
+        (``selection_scores``); it must keep a subset of ``old`` (a pruned position never comes back)."""
         try:
-            new = selector.mask(ranked).to(torch.bool)
+            new = selector.mask(scores).to(torch.bool)
         except ValueError as err:
             raise ValueError(f"{self._where(entry, sparsity)}: {err}") from err
         if not bool((new & ~old).any()):
@@ -813,11 +850,12 @@ class SparsityScheduler:
                 if isinstance(t, SparseTensorWrapper):
                     layout = t.wrapped_tensor
                     if supports_values(layout):
-                        layout.values().mul_(layout.gather(mask.to(layout.dtype)))
+                        values = layout.values()
+                        values.copy_(masked(values, layout.gather(mask.to(layout.dtype)) != 0))
                     else:
-                        t.wrapped_tensor = type(layout).from_dense(t.to_dense() * mask)
+                        t.wrapped_tensor = type(layout).from_dense(masked(t.to_dense(), mask))
                 else:
-                    t.mul_(mask.to(t.dtype))
+                    t.copy_(masked(t, mask))
 
     def _replace_param(self, entry: _Entry, old: torch.Tensor, new: SparseParameterWrapper) -> None:
         """Swap a dense parameter for its sparse wrapper in the module and the optimizer."""

@@ -77,7 +77,7 @@ def register(registry: Any) -> None:
 
     T = torch.Tensor
     inp = (T, T, NMTensor)
-    registry.register_fwd_op_impl(torch.addmm, inp, [(KeepAll, T)], addmm_fwd)
+    registry.register_fwd_op_impl(torch.addmm, (*inp, ...), [(KeepAll, T)], addmm_fwd)   # (beta, alpha)
     for wfmt, sparse in ((T, False), (NMTensor, True)):
         registry.register_bwd_op_impl(torch.addmm, (T,), ((KeepAll, T), (KeepAll, T), (KeepAll, wfmt)), inp,
                                       _addmm_backward(sparse))

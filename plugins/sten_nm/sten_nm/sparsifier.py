@@ -29,6 +29,7 @@ class NMSparsifier(_Base):
     """
 
     kind = BLOCKING
+    compares_only = True
 
     def __init__(self, n: int, m: int, dim: int = 1):
         self.n, self.m = check_nm(n, m)
@@ -89,6 +90,8 @@ class GroupedNMSparsifier(NMSparsifier):
     GroupedNMSparsifier(n=2, m=4, group=True)
     """
 
+    compares_only = False  # rows are grouped by summed magnitudes
+
     def __init__(self, n: int, m: int, group: bool = True):
         super().__init__(n, m, 1)
         self.group = bool(group)
@@ -124,6 +127,8 @@ class ColumnGroupedNMSparsifier(NMSparsifier):
     >>> ColumnGroupedNMSparsifier(2, 4)
     ColumnGroupedNMSparsifier(n=2, m=4, g=None)
     """
+
+    compares_only = False  # columns are assigned by summed magnitudes
 
     def __init__(self, n: int, m: int, g: "int | None" = None):
         from .column_grouped import check_patterns

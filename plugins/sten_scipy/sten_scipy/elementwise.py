@@ -172,11 +172,11 @@ def register(registry: Any, grad_outs: tuple, table: Any) -> None:
         mine = (KeepAll, L)
         for op in ADD_OPS:
             for inp in ((L, T), (T, L), (L, None)):  # (L, None): a scalar other
-                registry.register_fwd_op_impl(op, inp, [keep], add_dense_fwd)
+                registry.register_fwd_op_impl(op, (*inp, ...), [keep], add_dense_fwd)   # (alpha)
             for M in SCIPY_LAYOUTS:
                 for out in SCIPY_LAYOUTS:
-                    registry.register_fwd_op_impl(op, (L, M), [(KeepAll, out)], add_union_fwd(out))
-                table.hook(op, (L, M), [keep], add_dense_fwd)
+                    registry.register_fwd_op_impl(op, (L, M, ...), [(KeepAll, out)], add_union_fwd(out))
+                table.hook(op, (L, M, ...), [keep], add_dense_fwd)
                 table.default(op, (L, M), [mine])
             for g in grad_outs:
                 for inp, sparse_pos in (((L, T), (0,)), ((T, L), (1,)), ((L, None), (0,))) + tuple(((L, M), (0, 1)) for M in SCIPY_LAYOUTS):

@@ -145,14 +145,14 @@ def register(registry: Any, grad_outs: tuple, table: Any) -> None:
     for L in SCIPY_LAYOUTS:
         wants = [keep] + [(KeepAll, M) for M in SCIPY_LAYOUTS]
         for op in T_OPS:
-            registry.register_fwd_op_impl(op, (L,), [(KeepAll, TRANSPOSED[L])], t_fwd(False))
-            table.hook(op, (L,), [keep], t_fwd(True))
+            registry.register_fwd_op_impl(op, (L, ...), [(KeepAll, TRANSPOSED[L])], t_fwd(False))   # (the dims)
+            table.hook(op, (L, ...), [keep], t_fwd(True))
             table.default(op, (L,), [(KeepAll, TRANSPOSED[L])])
             for g in grad_outs:
                 for want in wants:
                     registry.register_bwd_op_impl(op, (g,), (want,), (L,), t_bwd(want[1]))
         for op in SUM_OPS:
-            registry.register_fwd_op_impl(op, (L,), [keep], sum_fwd)
+            registry.register_fwd_op_impl(op, (L, ...), [keep], sum_fwd)   # (dim, keepdim, dtype)
             for g in grad_outs:
                 for want in wants:
                     registry.register_bwd_op_impl(op, (g,), (want,), (L,), sum_bwd(want[1]))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sten_core.plugin_api import Entry, OpKey, normalize_inp, normalize_out_pairs
+from sten_core.plugin_api import Entry, OpKey, entry_for, normalize_inp, normalize_out_pairs
 
 
 class OpTable:
@@ -38,7 +38,7 @@ class OpTable:
 
     def hook(self, op: Any, inp: tuple, out: Any, fn: Callable) -> None:
         """Serve ``fn`` for an explicit ``out`` through ``sten_resolve_op``."""
-        self.hooked[(op, normalize_inp(inp, op), normalize_out_pairs(out))] = Entry(fn, len(inp))
+        self.hooked[(op, normalize_inp(inp, op), normalize_out_pairs(out))] = entry_for(fn, inp)
 
     def resolve(self, key: OpKey, registry: Any) -> Entry | None:
         if key.direction != "fwd":
