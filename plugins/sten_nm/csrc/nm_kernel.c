@@ -1542,20 +1542,32 @@ typedef struct { const nm_mat *A; float *D; int64_t ldd; } decompress_args;
 
 static void decompress_task(void *p, int tid, int nth)
 {
+    /* per row: zero it, then walk the index words in order (no division per element:
+     * 768x3072 2:4, 2 threads, Xeon SPR: 4.6 ms with `e / n`, `e % per` per element) */
     decompress_args *a = (decompress_args *)p;
     const nm_mat *A = a->A;
     const int n = A->n, m = A->m, bits = A->bits, per = A->per;
     const uint32_t mask = (1u << bits) - 1u;
-    const int64_t gn = A->G * n;
+    const int64_t gn = A->G * n, C = A->C;
     int64_t r0, r1;
     split(A->R, tid, nth, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
         float *row = a->D + r * a->ldd;
-        for (int64_t c = 0; c < A->C; c++) row[c] = 0.0f;
+        memset(row, 0, (size_t)C * sizeof(float));
         const float *v = A->vals + r * gn;
-        for (int64_t e = 0; e < gn; e++) {
-            const int64_t c = (e / n) * m + ((A->idx[r * A->iw + e / per] >> (bits * (int)(e % per))) & mask);
-            if (c < A->C) row[c] = v[e];
+        const uint32_t *words = A->idx + r * A->iw;
+        int64_t e = 0, base = 0; /* element, and its group's first column */
+        int j = 0;               /* element within its group */
+        for (int64_t wi = 0; e < gn; wi++) {
+            const uint32_t word = words[wi];
+            for (int k = 0; k < per && e < gn; k++, e++) {
+                const int64_t c = base + ((word >> (bits * k)) & mask);
+                if (c < C) row[c] = v[e];
+                if (++j == n) {
+                    j = 0;
+                    base += m;
+                }
+            }
         }
     }
 }
