@@ -121,3 +121,37 @@ def test_an_ellipsis_pattern_is_the_same_key_as_without_it():
 def test_ellipsis_only_ends_a_pattern():
     with pytest.raises(TypeError, match=r"inp\[1\]"):
         sten.registry.register_fwd_op_impl(torch.add, (Listed, ..., torch.Tensor), None, lambda c, i, o: None)
+
+
+@pytest.mark.parametrize("op", [torch.sum, torch.Tensor.sum, torch.mean, torch.prod], ids=lambda op: op.__qualname__)
+def test_reduction_options_reach_their_own_slots(op):
+    """STen knew ``torch.sum`` as ``(input, dim)`` and ``torch.prod`` as ``(input, dtype)``:
+    ``torch.sum(w, dim=1, dtype=torch.float64)`` reached an implementation of
+    ``(L, None, None)`` as ``[w, 1, float64]`` (``keepdim=float64``) and ``torch.prod(w, 1)``
+    put the 1 into ``dtype``: a float32 ``(3, 1)`` result where dense gives float64 ``(3,)``."""
+    seen = []
+
+    def reduce(ctx, inputs, outs):
+        w, dim, keepdim = inputs
+        seen.append((dim, keepdim))
+        return op(w.wrapped_tensor.data, dim, keepdim)
+
+    try:
+        with sten.registry.owner(OWNER):
+            sten.registry.register_layout(Listed)
+            sten.registry.register_fwd_op_impl(op, (Listed, None, None), None, reduce)
+        sten.dispatch.reset_warnings()
+        w = listed()
+        for args, kwargs, runs in (((1,), {}, True), ((1, True), {}, True), ((), {"dim": 0, "keepdim": True}, True),
+                                   ((1,), {"dtype": torch.float64}, False)):
+            seen.clear()
+            got, messages = dispatch_warnings(lambda: op(w, *args, **kwargs))
+            want = op(w.to_dense(), *args, **kwargs)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            torch.testing.assert_close(got, want)
+            assert bool(seen) == runs, (args, kwargs)
+            if not runs:
+                assert "dtype=torch.float64" in messages[0]
+    finally:
+        sten.registry.remove_owner(OWNER)
+        sten.dispatch.reset_warnings()

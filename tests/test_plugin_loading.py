@@ -264,3 +264,45 @@ def test_sten_plugins_in_strict_mode_prints_the_report_then_fails(monkeypatch, c
     assert rows["builtin"]["available"] and rows["broken"]["available"] is False
     assert "failed to load: ImportError: no module named broken_dep" in rows["broken"]["reason"]
     assert err.startswith("sten: error: sten plugin 'broken' failed to load")
+
+
+def test_a_user_registration_stays_in_force_over_plugins_registering_later():
+    """Plugins load on the first dispatched call, so user code's ``sten.register_*`` usually
+    runs before them: the plugin's registration of the same key went on top and the
+    user's implementation never ran, silently."""
+    from sten_core.model.registry import Registry
+
+    reg = Registry()
+    mine, theirs = (lambda x: "mine"), (lambda x: "theirs")
+    reg.register_conversion(int, float, mine)
+    with reg.owner("plugin"):
+        reg.register_conversion(int, float, theirs)
+    assert reg.conversions[(int, float)] is mine and reg.owner_of("conversions", (int, float)) == "user"
+    reg.remove_owner("plugin")
+    assert reg.conversions[(int, float)] is mine
+    with reg.owner("plugin"):
+        reg.register_conversion(int, float, theirs)
+    again = lambda x: "again"  # noqa: E731
+    reg.register_conversion(int, float, again)  # user code registering again wins as before
+    assert reg.conversions[(int, float)] is again and reg.owner_of("conversions", (int, float)) == "user"
+
+
+def test_a_user_implementation_registered_before_the_first_call_runs(tmp_path):
+    script = tmp_path / "user_impl.py"
+    script.write_text(
+        "import torch, torch.nn.functional as F, sten_core as sten\n"
+        "called = []\n"
+        "@sten.register_fwd_op_impl(operator=F.linear, inp=(torch.Tensor, sten.CsrTensor), "
+        "out=[(sten.KeepAll, torch.Tensor)])\n"
+        "def my_linear(ctx, inputs, outs):\n"
+        "    called.append(1)\n"
+        "    return inputs[0] @ inputs[1].to_dense().t()\n"
+        "w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(3)))\n"
+        "F.linear(torch.ones(2, 3), w)\n"
+        "assert called, 'the built-in F.linear ran instead'\n"
+        "print('ok')\n")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

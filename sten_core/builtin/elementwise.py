@@ -25,9 +25,10 @@ from typing import Any, Callable
 import torch
 
 from sten_core.dispatch.conversions import convert_exactly
+from sten_core.dispatch.writes import other_pattern, write_growing
 from sten_core.model.layouts import Layout, supports_values
 from sten_core.model.registry import Entry, OpKey
-from sten_core.model.tensor import SparseTensorWrapper, densify_tree, write_back
+from sten_core.model.tensor import SparseTensorWrapper, densify, densify_tree, write_back
 
 T = torch.Tensor
 INPLACE = {
@@ -123,7 +124,9 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False
 def _copy_from_sparse(self: SparseTensorWrapper, src: SparseTensorWrapper) -> SparseTensorWrapper:
     """``param.copy_(sparse)`` takes the source's values *and* pattern (as loading does): in
     ``param``'s layout class, exactly (``convert_exactly``), else a ``ValueError`` naming
-    both layouts (``load_state_dict`` adds the key), then in ``param``'s dtype."""
+    both layouts (``load_state_dict`` adds the key), then in ``param``'s dtype. A wrapper that
+    is not a parameter (optimizer state: Rprop's ``prev.copy_(grad)``) grows its pattern to
+    hold the source where its layout can (``write_growing``), else the ``ValueError`` says so."""
     from sten_core.model.tensor import _copy_layout
 
     layout = self.wrapped_tensor
@@ -132,8 +135,18 @@ def _copy_from_sparse(self: SparseTensorWrapper, src: SparseTensorWrapper) -> Sp
             converted = src.wrapped_tensor
         else:
             source = type(src.wrapped_tensor).__name__
-            what = f"copy_ of a {source} value (load_state_dict of a checkpoint in another layout)"
-            converted = convert_exactly(src, self, what, LOAD_ADVICE.replace("{source}", source))
+            if not self._is_param and supports_values(layout):
+                if write_growing(self, densify(src).to(self.dtype), T.copy_, lossy=False) is not None:
+                    return self
+                what = (f"copy_ of a {source} value into a {type(layout).__name__} that is not a parameter "
+                        "(optimizer state, a gradient, a buffer)")
+                advice = (f"{type(layout).__name__} cannot take the source's pattern: keep this tensor dense, or "
+                          "give the weight a grad_fmt whose layout is the weight's own (or one such as CsrTensor "
+                          "that holds any pattern)")
+            else:
+                what = f"copy_ of a {source} value (load_state_dict of a checkpoint in another layout)"
+                advice = LOAD_ADVICE.replace("{source}", source)
+            converted = convert_exactly(src, self, what, advice)
         new = _copy_layout(converted)
         if supports_values(new) and new.values().dtype != self.dtype:
             new = new.with_values(new.values().to(self.dtype))
@@ -153,7 +166,10 @@ def _dense(op: Any, args: tuple, kwargs: dict, inplace: bool) -> Any:
     dense_args, dense_kwargs = densify_tree((args, kwargs))
     result = op(*dense_args, **dense_kwargs)
     if inplace:
-        return write_back(args[0], dense_args[0])
+        target = args[0]
+        if not target._is_param and other_pattern(target, (*args[1:], *kwargs.values())):
+            return write_growing(target, dense_args[0], op)  # buf.add_(grad): SGD's momentum
+        return write_back(target, dense_args[0])
     return result
 
 

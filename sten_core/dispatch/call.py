@@ -24,6 +24,7 @@ from sten_core.dispatch.plan import Plan, PlanKind, is_inplace, plan_for
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec, is_grads_batched
 from sten_core.dispatch.writes import into_target, run_dense_in_place
 from sten_core.model.registry import OpKey, trim
+from sten_core.model.signatures import op_name
 from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.spec import DENSE, OutputSpec
 from sten_core.model.tensor import (DENSE_TYPES, PLAIN_TYPES, WRAPPER_TYPES, SparseTensorWrapper, _bump_version,
@@ -305,6 +306,13 @@ class _Call:
             declined(key, plan.entry.fn, error)
             return self._in_grad_formats(self._dense_backward(grad_outputs, needs))
         raw = (raw,) if not isinstance(raw, (tuple, list)) else tuple(raw)
+        missing = [pos for pos in self.positions if pos >= len(raw) and needs[slot_of[pos]]]
+        if missing:  # a forgotten gradient (or return) would leave the input silently untrained
+            raise TypeError(
+                f"the backward implementation {op_name(plan.entry.fn)} of {key.describe()} returned {len(raw)} "
+                f"gradient{'s' if len(raw) != 1 else ''}, but argument{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))} of {op_name(self.op)} need{'s' if len(missing) == 1 else ''} one: "
+                "return one gradient (or None) per argument, in the operator's signature order")
         raw = tuple(wrap(g) for g in raw)
         if active():
             notify("op", key, plan.kind, time.perf_counter() - started)

@@ -173,7 +173,7 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
     key = OpKey("fwd", op, inp, None if specs is None else specs.pairs)
     plan = plan_for(key)
     if plan.entry is not None and not plan.all_args and len(bound) > plan.nargs:
-        unseen = given_past(op, bound, plan.nargs)
+        unseen = given_past(op, bound, plan.nargs, kwargs)
         if unseen:  # the implementation would run without them: the dense path, saying why
             return _dense_instead(op, args, kwargs, specs, key, plan.entry.fn, Unsupported(
                 f"this call gives {', '.join(unseen)}, and the implementation receives the {plan.nargs} "

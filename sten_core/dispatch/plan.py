@@ -103,6 +103,11 @@ def is_inplace(op: Any, kwargs: dict) -> bool:
         return result
 
 
+def _an_implementation(answer: Any) -> str | None:
+    """What a ``sten_resolve_op`` answer should have been, where it is not an ``Entry`` or a callable."""
+    return None if isinstance(answer, Entry) or callable(answer) else "an implementation (a callable or an Entry)"
+
+
 def resolve(key: OpKey) -> Plan:
     """Resolve ``key`` by the chain in the package docstring (uncached)."""
     entry = registry.impls.get(key)
@@ -112,7 +117,7 @@ def resolve(key: OpKey) -> Plan:
         entry = registry.impls.get(key._replace(out=DENSE_OUT))
         if entry is not None:
             return Plan(PlanKind.IMPL, key._replace(out=DENSE_OUT), entry)
-    hooked = plugins.first_result("sten_resolve_op", key=key)  # a raising plugin: warned, skipped
+    hooked = plugins.first_result("sten_resolve_op", key=key, _valid=_an_implementation)  # a bad answer: warned, skipped
     if hooked is not None:
         entry = hooked if isinstance(hooked, Entry) else Entry(hooked, len(key.inp))
         return Plan(PlanKind.GENERIC, key, entry)

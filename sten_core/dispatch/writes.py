@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from sten_core.dispatch.errors import DispatchWarning, fail
-from sten_core.model.layouts import builds_from_dense, to_dense_tensor
+from sten_core.model.layouts import builds_from_dense, supports_values, to_dense_tensor
+from sten_core.model.masks import stored_mask
 from sten_core.model.signatures import op_name
 from sten_core.model.tensor import SparseTensorWrapper, densify, map_tensors, rebuild_seq, refuse_sharding, write_back
 from sten_core.user_frames import user_stacklevel
@@ -94,6 +95,10 @@ def run_dense_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
     back = {}
     for wrapper, d, before in copies.values():
         if not torch.equal(d, before):
+            if not wrapper._is_param and other_pattern(wrapper, partners(op, args, kwargs, wrapper)):
+                write_growing(wrapper, d, op)  # _foreach_add_(bufs, grads): SGD's momentum, foreach
+                back[id(d)] = wrapper
+                continue
             write_back(wrapper, d)
             if op in ASSIGNMENTS or isinstance(op, torch._ops.OpOverload):  # (an aten call: from torch itself)
                 warn_if_dropped(op, wrapper, d)
@@ -151,3 +156,80 @@ def accumulate(target: SparseTensorWrapper, new: torch.Tensor) -> SparseTensorWr
          f"weight's pattern (or a layout such as CsrTensor that can hold any pattern)",
          ("lossy accumulation", layout_cls))
     return write_back(target, dense)
+
+
+def write_growing(target: SparseTensorWrapper, dense: torch.Tensor, func: Any,
+                  lossy: bool = True) -> SparseTensorWrapper | None:
+    """An in-place result ``dense`` stored into ``target``, a wrapper that is not a parameter
+    (optimizer state, a gradient, a temporary), computed with a sparse operand of another
+    pattern: the pattern grows to hold the result (the positions ``target`` stores, zeros
+    included, and the result's nonzeros) where ``target``'s layout can store that pattern;
+    otherwise the result is kept at the stored positions and a ``DispatchWarning`` counts what
+    was dropped. Keeping the pattern silently dropped the other operand's values outside it:
+    SGD's momentum buffer, a clone of the first gradient, kept that gradient's pattern, so with
+    a ``grad_fmt`` that picks a pattern per step the later gradients were lost at the weight's
+    other positions. A parameter keeps its pattern (an optimizer step on the weight). With
+    ``lossy=False`` nothing is dropped: ``None`` where the layout cannot hold the result."""
+    stored = stored_mask(target).to(dense.device)
+    wanted = stored | (dense != 0)
+    if torch.equal(wanted, stored):  # nothing lands off the pattern
+        return write_back(target, dense)
+    grown = layout_at(type(target.wrapped_tensor), dense, wanted)
+    if grown is not None:
+        target.wrapped_tensor = grown
+        return target
+    if not lossy:
+        return None
+    write_back(target, dense)
+    warn_if_dropped(func, target, dense)
+    return target
+
+
+def layout_at(layout_cls: type, dense: torch.Tensor, mask: torch.Tensor) -> Any:
+    """A ``layout_cls`` layout storing exactly the positions of ``mask`` (zeros included), with
+    ``dense``'s values there, or ``None`` where the layout cannot (n:m patterns, no stored-values
+    protocol): its pattern is ``from_dense`` of the mask itself, then its values are gathered."""
+    if not builds_from_dense(layout_cls):
+        return None
+    try:
+        pattern = layout_cls.from_dense(mask.to(dense.dtype))
+    except (ValueError, TypeError, RuntimeError):
+        return None
+    if not supports_values(pattern) or bool((stored_mask_of(pattern) != mask).any()):
+        return None
+    values = pattern.values()
+    return pattern.with_values(pattern.gather(dense).to(values.dtype))
+
+
+def stored_mask_of(layout: Any) -> torch.Tensor:
+    """``stored_mask`` of a bare layout."""
+    return stored_mask(SparseTensorWrapper(layout))
+
+
+def other_pattern(target: SparseTensorWrapper, operands: Any) -> bool:
+    """Whether a wrapper among ``operands`` stores another pattern than ``target`` (a layout
+    with the stored-values protocol; others are rebuilt by their ``SameFormatSparsifier``)."""
+    layout = target.wrapped_tensor
+    if not supports_values(layout):
+        return False
+    for value in operands:
+        if isinstance(value, SparseTensorWrapper) and value.wrapped_tensor is not layout:
+            other = value.wrapped_tensor
+            if type(other) is not type(layout) or not layout.same_pattern(other):
+                return True
+    return False
+
+
+def partners(op: Any, args: tuple, kwargs: dict, target: SparseTensorWrapper) -> list:
+    """The tensors a call combines with ``target``: for a ``torch._foreach_*`` op, those at
+    ``target``'s index in the other lists (``_foreach_add_(bufs, grads)`` pairs ``bufs[i]`` with
+    ``grads[i]``); otherwise every other tensor of the call."""
+    if getattr(op, "__name__", "").startswith("_foreach_") and args and isinstance(args[0], (list, tuple)):
+        index = next((i for i, t in enumerate(args[0]) if t is target), None)
+        if index is None:
+            return []
+        lists = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, (list, tuple))]
+        return [a[index] for a in lists if index < len(a)]
+    found: list = []
+    map_tensors(lambda t: found.append(t) if t is not target else None, (args, kwargs))
+    return found

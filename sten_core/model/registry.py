@@ -114,9 +114,22 @@ def _sparsifier_class(entry: Any, name: str) -> type:
     return cls
 
 
-def _check_callable(fn: Any, name: str, expected: str) -> None:
+def _check_callable(fn: Any, name: str, expected: str, nargs: int | None = None) -> None:
+    """Refuse a non-callable ``fn``, or one that cannot be called with ``nargs`` positional
+    arguments (it would fail only at the first call, with Python's bare message)."""
     if not callable(fn):
         raise TypeError(f"{name} must be callable ({expected}), got {fn!r}")
+    if nargs is None:
+        return
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or an extension: nothing to check
+        return
+    try:
+        signature.bind(*[None] * nargs)
+    except TypeError as error:
+        raise TypeError(f"{name} {getattr(fn, '__qualname__', fn)}{signature} cannot be called as {expected}: "
+                        f"{error}") from None
 
 
 def normalize_inp(inp: Any, op: Any, name: str = "inp") -> tuple:
@@ -201,6 +214,9 @@ class Entry(NamedTuple):
     all_args: bool = False  # it receives every argument of the call (a pattern ending with ...)
 
 
+USER = "user"  # the owner of registrations made outside any plugin (user code)
+
+
 class Registry:
     """All registrations, by kind, each tagged with its owner plugin."""
 
@@ -211,9 +227,9 @@ class Registry:
         self.compiled: dict[tuple, Callable] = {}  # (operator, input layouts) -> traceable kernel
         self._owners: dict[Any, str] = {}  # (kind, key) -> the owner of the registration in force
         self._stacks: dict[Any, list[tuple[str, Any]]] = {}  # (kind, key) -> [(owner, value), ...], in force last
-        self._owner = "user"
+        self._owner = USER
         self._listeners: list[Callable[[], None]] = []
-        self.silent_owners: set[str] = {"user"}
+        self.silent_owners: set[str] = {USER}
         """Owners whose registrations another owner may override without an
         ``OverrideWarning``: the user context and the core's built-in plugins
         (loaded first, so a plugin's override of them does not depend on load order)."""
@@ -279,16 +295,24 @@ class Registry:
 
         The last registration wins while it exists: the earlier ones of other
         owners are kept underneath (a stack per key), and ``remove_owner``
-        brings the previous one back. An owner re-registering replaces its own
+        brings the previous one back. A registration of user code (owner
+        ``"user"``) stays in force over plugins registering the key later:
+        plugins load on the first dispatched call, which may come after it. An owner re-registering replaces its own
         entry; registering the value already in force (the same layout class
         under its name) keeps the current owner in force.
         """
         table, slot = getattr(self, kind), (kind, key)
         stack = self._stacks.get(slot, []) if key in table else []  # a key removed by hand starts afresh
         if key in table and (not stack or stack[-1][1] is not table[key]):  # set by hand: that one is in force
-            stack = stack[:-1] + [(self._owners.get(slot, "user"), table[key])]
+            stack = stack[:-1] + [(self._owners.get(slot, USER), table[key])]
         stack = [(owner, old) for owner, old in stack if owner != self._owner]
-        if stack and stack[-1][1] is value:
+        below_user = len(stack)
+        if self._owner != USER:  # plugins load on first use: user code's registrations stay in force
+            while below_user and stack[below_user - 1][0] == USER:
+                below_user -= 1
+        if below_user < len(stack):
+            stack.insert(below_user, (self._owner, value))
+        elif stack and stack[-1][1] is value:
             stack.insert(len(stack) - 1, (self._owner, value))  # the same object: ownership unchanged
         else:
             if stack:
@@ -326,7 +350,7 @@ class Registry:
         name = name or cls.__name__
         previous = self.layouts.get(name)
         if previous is not None and previous is not cls and _qualified(previous) != _qualified(cls):
-            owner = self._owners.get(("layouts", name), "user")
+            owner = self._owners.get(("layouts", name), USER)
             raise ValueError(
                 f"layout name {name!r} is taken: {_qualified(previous)} (registered by {owner!r}) and "
                 f"{_qualified(cls)} (by {self._owner!r}) would overwrite each other and checkpoints would "
@@ -351,7 +375,7 @@ class Registry:
             raise TypeError(f"operator must be a callable torch operator, got {operator!r}")
         if isinstance(out, (list, tuple)) and len(out) == 0:
             out = None  # the original STen's out=[]: the default dense output
-        _check_callable(impl, "impl", "impl(ctx, inputs, output_sparsifiers)")
+        _check_callable(impl, "impl", "impl(ctx, inputs, output_sparsifiers)", 3)
         key = OpKey("fwd", operator, normalize_inp(inp, operator), normalize_out_pairs(out))
         self._put("impls", key, entry_for(impl, inp))
         return impl
@@ -359,7 +383,7 @@ class Registry:
     def register_bwd_op_impl(self, operator: Any, grad_out: Any, grad_inp: Any, inp: Any, impl: Callable) -> Callable:
         if not callable(operator):
             raise TypeError(f"operator must be a callable torch operator, got {operator!r}")
-        _check_callable(impl, "impl", "impl(ctx, grad_outputs, input_sparsifiers)")
+        _check_callable(impl, "impl", "impl(ctx, grad_outputs, input_sparsifiers)", 3)
         grad_out = tuple(_layout_entry(g, "grad_out") for g in (grad_out if isinstance(grad_out, (tuple, list)) else (grad_out,)))
         grads = normalize_out_pairs(grad_inp, "grad_inp")
         pattern = normalize_inp(inp, operator)

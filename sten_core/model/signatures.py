@@ -35,6 +35,24 @@ _EXPLICIT = {
     "mm": ("input", "mat2", ("out", None)),
     "addmm": ("input", "mat1", "mat2", ("beta", 1), ("alpha", 1), ("out", None)),
     "linear": ("input", "weight", ("bias", None)),
+    # reductions: the overloads merged, positional parameters first in torch's order (the
+    # overrides name only (input, dim) for sum, and put dtype second for prod, out for max)
+    "sum": ("input", ("dim", None), ("keepdim", False), ("dtype", None), ("out", None)),
+    "nansum": ("input", ("dim", None), ("keepdim", False), ("dtype", None), ("out", None)),
+    "mean": ("input", ("dim", None), ("keepdim", False), ("dtype", None), ("out", None)),
+    "prod": ("input", ("dim", None), ("keepdim", False), ("dtype", None), ("out", None)),
+    "amax": ("input", ("dim", ()), ("keepdim", False), ("out", None)),
+    "amin": ("input", ("dim", ()), ("keepdim", False), ("out", None)),
+    "max": ("input", ("dim", None), ("keepdim", False), ("out", None), ("other", None)),
+    "min": ("input", ("dim", None), ("keepdim", False), ("out", None), ("other", None)),
+    "argmax": ("input", ("dim", None), ("keepdim", False), ("out", None)),
+    "argmin": ("input", ("dim", None), ("keepdim", False), ("out", None)),
+    "median": ("input", ("dim", None), ("keepdim", False), ("out", None)),
+    "all": ("input", ("dim", None), ("keepdim", False), ("out", None)),
+    "logsumexp": ("input", "dim", ("keepdim", False), ("out", None)),
+    "std": ("input", ("dim", None), ("unbiased", True), ("keepdim", False), ("correction", None), ("out", None)),
+    "var": ("input", ("dim", None), ("unbiased", True), ("keepdim", False), ("correction", None), ("out", None)),
+    "count_nonzero": ("input", ("dim", None)),
 }
 
 
@@ -147,29 +165,34 @@ def bind(op: Any, args: tuple, kwargs: dict) -> list:
     return bound
 
 
-def given_past(op: Any, bound: list, n: int) -> list[str]:
+def given_past(op: Any, bound: list, n: int, kwargs: dict | None = None) -> list[str]:
     """The arguments of a bound call past its first ``n`` that it gives a value other than
-    the default, as ``name=value`` (``argument i=value`` where the signature is unknown):
-    what an implementation receiving ``n`` arguments would not see.
+    the default, as ``name=value``: what an implementation receiving ``n`` arguments would
+    not see. Keywords the signature does not name (``bind`` appends them) always count,
+    named where ``kwargs`` is given.
 
     >>> given_past(torch.add, bind(torch.add, (1, 2), {"alpha": 3}), 2)
     ['alpha=3']
     >>> given_past(torch.add, bind(torch.add, (1, 2, 1), {}), 2)
     []
+    >>> given_past(torch.sub, bind(torch.sub, (1, 2), {"rounding": 0}), 2, {"rounding": 0})
+    ['rounding=0']
     """
     try:
         binder = _binders[op]
     except (KeyError, TypeError):
         binder = _binder(op)
     names = signature_of(op).names if binder is not None else ()
+    unnamed = [k for k in (kwargs or {}) if binder is None or k not in binder.index]
+    labels = dict(zip(range(len(bound) - len(unnamed), len(bound)), unnamed))
     given = []
     for i in range(n, len(bound)):
         value = bound[i]
-        if i < len(names):  # a parameter of the signature: given unless it is the default
+        if i < len(names) and i not in labels:  # a parameter of the signature: given unless it is the default
             if not _is_default(value, binder.fill[i]):
                 given.append(f"{names[i]}={value!r}")
-        elif value is not None:  # a keyword the signature does not list, or an unknown op's argument
-            given.append(f"argument {i}={value!r}")
+        elif value is not None or i in labels:  # a keyword the signature does not name, or an unknown op's argument
+            given.append(f"{labels.get(i, f'argument {i}')}={value!r}")
     return given
 
 
@@ -195,11 +218,14 @@ def op_name(op: Any) -> str:
         >>> import functools
         >>> op_name(torch.add), op_name(torch.Tensor.add_), op_name(functools.partial(torch.mul, other=2))
         ('torch.add', 'Tensor.add_', 'functools.partial(torch.mul)')
-        >>> op_name(None)
-        'None'
+        >>> op_name(None), op_name(torch.Tensor.mT.__get__)
+        ('None', 'Tensor.mT.__get__')
     """
     if isinstance(op, _ATEN_OPS):  # torch.ops.aten.add.Tensor: its own str is aten.add.Tensor
         return f"torch.ops.{op}"
+    owner = getattr(op, "__self__", None)
+    if type(owner).__name__ == "getset_descriptor" and getattr(owner, "__objclass__", None) is torch._C.TensorBase:
+        return f"Tensor.{owner.__name__}.{op.__name__}"  # w.T, w.mT: the property's getter
     name = getattr(op, "__name__", None)
     if not isinstance(name, str):
         return _unnamed(op)

@@ -28,7 +28,7 @@ import importlib.metadata
 import os
 import threading
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import pluggy
 
@@ -143,11 +143,12 @@ def _register_into(pm: pluggy.PluginManager, plugin: Any, name: str, deferred: l
 _hook_errors_warned: set[tuple[str, str]] = set()
 
 
-def first_result(hook_name: str, **kwargs: Any) -> Any:
+def first_result(hook_name: str, *, _valid: Callable[[Any], str | None] | None = None, **kwargs: Any) -> Any:
     """The first non-``None`` answer of the firstresult hook ``hook_name``,
     asking each plugin in pluggy's order (``tryfirst`` ones first, then the
     last registered first, ``trylast`` ones at the end) on its own: a plugin
-    whose hook raises is warned about once (``PluginHookWarning``, naming the
+    whose hook raises, or answers what ``_valid`` refuses (it returns what was
+    expected instead), is warned about once (``PluginHookWarning``, naming the
     plugin, the hook and the error) and counts as answering ``None``, so one
     broken plugin never breaks calls on another's layouts. Dispatch asks once
     per key (plans are cached).
@@ -168,6 +169,11 @@ def first_result(hook_name: str, **kwargs: Any) -> Any:
         except Exception as error:
             _warn_hook_error(impl.plugin_name, hook_name, error)
             continue
+        expected = None if result is None or _valid is None else _valid(result)
+        if expected is not None:
+            _warn_hook_error(impl.plugin_name, hook_name, TypeError(f"it returned {result!r}, not {expected}"),
+                             "answered")
+            continue
         if result is not None:
             return result
     return None
@@ -184,12 +190,12 @@ def _call_with_wrappers(caller: Any, hook_name: str, impls: list, kwargs: dict) 
         return None
 
 
-def _warn_hook_error(plugin_name: str, hook_name: str, error: Exception) -> None:
+def _warn_hook_error(plugin_name: str, hook_name: str, error: Exception, what: str = "raised") -> None:
     if (plugin_name, hook_name) in _hook_errors_warned:
         return
     _hook_errors_warned.add((plugin_name, hook_name))
     warnings.warn(
-        f"sten plugin {plugin_name!r}: its {hook_name} hook raised {type(error).__name__}: {error}; "
+        f"sten plugin {plugin_name!r}: its {hook_name} hook {what} {type(error).__name__}: {error}; "
         f"its answer is taken as None (this plugin's bug; it is reported once)",
         PluginHookWarning, stacklevel=user_stacklevel())
 

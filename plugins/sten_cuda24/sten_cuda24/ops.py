@@ -256,9 +256,7 @@ def _act_fwd(name: str) -> Any:
     def impl(ctx: Any, inputs: list, output_sparsifiers: list) -> Any:
         from .sparsifiers import sparsify_24
 
-        x = inputs[0]
-        if name == "gelu" and len(inputs) > 1 and inputs[1] not in (None, "none"):
-            raise ValueError(f"the fused 2:4 gelu computes the exact (erf) gelu; approximate={inputs[1]!r} is not offered")
+        x = inputs[0]  # the pattern is (T,): a call giving approximate= or inplace= runs densely (named)
         sp = output_sparsifiers[0] if output_sparsifiers else None
         if getattr(sp, "transposable", False):
             raise ValueError("the fused activation + 2:4 kernel makes row-wise masks only (transposable=False)")

@@ -1,0 +1,106 @@
+"""Mistakes a plugin author makes, caught where they are made instead of turning into a
+silently untrained weight or another plugin's broken calls.
+
+- A backward implementation returning fewer gradients than the inputs that need one (or
+  ``None`` for all of them, a forgotten ``return``) left ``w.grad`` at ``None``: the weight
+  never trained, silently. It is a ``TypeError`` naming the implementation.
+- An implementation whose signature cannot take ``(ctx, inputs, output_sparsifiers)`` failed
+  at its first call with Python's bare "takes 2 positional arguments but 3 were given"; it is
+  refused when registered.
+- A ``sten_resolve_op`` hook answering something that is not an implementation (a string)
+  made calls on *other* plugins' layouts raise ``'str' object is not callable``; the answer is
+  warned about, naming the plugin, and skipped.
+"""
+
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sten_core as sten
+from sten_core.plugin_api import PluginHookWarning, register_weight_product
+from fake_layouts import DenseCopyLayout
+
+OWNER = "test-implementation-mistakes"
+
+
+class Forgetful(DenseCopyLayout):
+    """A layout whose F.linear backward returns what each test gives it."""
+
+
+@pytest.fixture
+def backward_returning():
+    returned = {}
+
+    def fwd(ctx, inputs, outs):
+        x, w = inputs[0], inputs[1]
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w.wrapped_tensor.data)
+
+    def bwd(ctx, grad_outputs, sparsifiers):
+        x, w = ctx.saved_tensors
+        g = grad_outputs[0]
+        return returned["fn"](g @ w.wrapped_tensor.data, g.t() @ x)
+
+    try:
+        with sten.registry.owner(OWNER):
+            sten.registry.register_layout(Forgetful)
+            register_weight_product(sten.registry, F.linear, Forgetful, fwd, bwd)
+        yield returned
+    finally:
+        sten.registry.remove_owner(OWNER)
+
+
+@pytest.mark.parametrize("returns", ["grad x only", "None"])
+def test_a_backward_missing_a_needed_gradient_is_an_error(backward_returning, returns):
+    backward_returning["fn"] = (lambda gx, gw: (gx,)) if returns == "grad x only" else (lambda gx, gw: None)
+    w = sten.SparseParameterWrapper(Forgetful.from_dense(torch.randn(3, 5)))
+    x = torch.randn(2, 5, requires_grad=True)
+    with pytest.raises(TypeError, match=r"returned 1 gradient, but argument 1 of torch.nn.functional.linear needs one"):
+        F.linear(x, w).sum().backward()
+
+
+def test_a_backward_may_return_none_for_an_input_that_needs_no_gradient(backward_returning):
+    backward_returning["fn"] = lambda gx, gw: (None, gw)
+    w = sten.SparseParameterWrapper(Forgetful.from_dense(torch.randn(3, 5)))
+    x = torch.randn(2, 5)
+    F.linear(x, w).sum().backward()
+    torch.testing.assert_close(w.grad, torch.ones(2, 3).t() @ x)
+
+
+@pytest.mark.parametrize("register", ["fwd", "bwd"])
+def test_an_implementation_that_cannot_take_three_arguments_is_refused_when_registered(register):
+    def two(ctx, inputs):
+        return None
+
+    with pytest.raises(TypeError, match=r"<locals>.two\(ctx, inputs\) cannot be called as impl\(ctx, "):
+        if register == "fwd":
+            sten.registry.register_fwd_op_impl(torch.tanh, (Forgetful,), None, two)
+        else:
+            sten.registry.register_bwd_op_impl(torch.tanh, (torch.Tensor,), ((sten.KeepAll, torch.Tensor),),
+                                               (Forgetful,), two)
+    assert not any(key.op is torch.tanh and Forgetful in key.inp for key in sten.registry.impls)
+
+
+def test_a_resolve_hook_answering_a_non_implementation_is_skipped_and_named():
+    sten.dispatch.reset_warnings()
+
+    @sten.hookimpl
+    def sten_resolve_op(key):
+        return "oops"
+
+    plugin = types.SimpleNamespace(sten_resolve_op=sten_resolve_op)
+    sten.plugins.register_plugin(plugin, name="answers-a-string")
+    try:
+        w = sten.SparseTensorWrapper(sten.CooTensor.from_dense(torch.randn(3, 4)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = torch.tanh(w)
+        messages = [str(c.message) for c in caught if issubclass(c.category, PluginHookWarning)]
+        assert any("'answers-a-string'" in m and "returned 'oops', not an implementation" in m for m in messages)
+        torch.testing.assert_close(got, torch.tanh(w.to_dense()))
+    finally:
+        sten.plugins.unregister_plugin("answers-a-string")
+        sten.dispatch.reset_warnings()
