@@ -104,3 +104,25 @@ def test_a_resolve_hook_answering_a_non_implementation_is_skipped_and_named():
     finally:
         sten.plugins.unregister_plugin("answers-a-string")
         sten.dispatch.reset_warnings()
+
+
+class _Picks(sten.Sparsifier):
+    """A sparsifier whose implementation into ``Forgetful`` returns what a test gives it."""
+
+
+@pytest.mark.parametrize("returns", ["a COO wrapper", "the dense tensor"])
+def test_a_sparsifier_implementation_returning_another_format_is_an_error(returns):
+    """``sten.sparsify(S(), A, L)`` returned the COO wrapper, and ``set_weight(out_format=L)``
+    made a plain dense parameter, silently."""
+    made = {"a COO wrapper": lambda t: sten.SparseTensorWrapper(sten.CooTensor.from_dense(t)),
+            "the dense tensor": lambda t: t}[returns]
+    try:
+        with sten.registry.owner(OWNER):
+            sten.registry.register_layout(Forgetful)
+            sten.registry.register_sparsifier_implementation(_Picks, torch.Tensor, Forgetful,
+                                                             lambda sp, t, grad_fmt=None: made(t))
+        with pytest.raises(TypeError, match=r"registered for out=Forgetful, returned a (CooTensor|Tensor): return a "
+                                            r"Forgetful"):
+            sten.sparsify(_Picks(), torch.randn(3, 4), Forgetful)
+    finally:
+        sten.registry.remove_owner(OWNER)

@@ -24,6 +24,7 @@ from sten_core.dispatch.plan import PlanKind
 from sten_core.model.layouts import builds_from_dense
 from sten_core.model.masks import stored_mask
 from sten_core.model.registry import Entry, OpKey, registry
+from sten_core.model.signatures import op_name
 from sten_core.model.sparsifiers import KeepAll, SameFormatSparsifier
 from sten_core.model.spec import OutputSpec
 from sten_core.model.tensor import DENSE_TYPES, WRAPPER_TYPES, SparseTensorWrapper, densify, layout_of
@@ -49,10 +50,10 @@ def _resolve_sparsifier(key: OpKey) -> tuple[PlanKind, Callable]:
     sp_cls, (inp,), out = key.op, key.inp, key.out
     entry = registry.impls.get(key)
     if entry is not None:
-        return PlanKind.IMPL, _call_sparsifier_entry(entry)
+        return PlanKind.IMPL, _call_sparsifier_entry(entry, out)
     hooked = plugins.first_result("sten_resolve_op", key=key)  # a raising plugin: warned, skipped
     if isinstance(hooked, Entry):
-        return PlanKind.GENERIC, _call_sparsifier_entry(hooked)
+        return PlanKind.GENERIC, _call_sparsifier_entry(hooked, out)
     if hooked is not None:
         return PlanKind.GENERIC, lambda sp, t, grad_fmt=None: wrap(hooked(sp, t, grad_fmt))
     if sp_cls is KeepAll:
@@ -61,13 +62,13 @@ def _resolve_sparsifier(key: OpKey) -> tuple[PlanKind, Callable]:
         return PlanKind.CONVERT, lambda sp, t, grad_fmt=None: convert(t, out)
     dense_key = OpKey("sparsifier", sp_cls, (torch.Tensor,), out)
     if inp is not torch.Tensor and dense_key in registry.impls:
-        impl = _call_sparsifier_entry(registry.impls[dense_key])
+        impl = _call_sparsifier_entry(registry.impls[dense_key], out)
         return PlanKind.CONVERT, lambda sp, t, grad_fmt=None: impl(sp, densify(t), grad_fmt)
     for (k, entry) in list(registry.impls.items()):
         if k.direction == "sparsifier" and k.op is sp_cls and k.inp[0] in (inp, torch.Tensor):
             path = conversion_path(k.out, out) if k.out is not torch.Tensor else None
             if path is not None:
-                impl = _call_sparsifier_entry(entry)
+                impl = _call_sparsifier_entry(entry, k.out)
                 return PlanKind.CONVERT, lambda sp, t, grad_fmt=None, impl=impl: convert(impl(sp, densify(t), grad_fmt), out)
 
     buildable = out is torch.Tensor or builds_from_dense(out)
@@ -80,11 +81,30 @@ def _resolve_sparsifier(key: OpKey) -> tuple[PlanKind, Callable]:
     return PlanKind.FALLBACK, fallback
 
 
-def _call_sparsifier_entry(entry: Entry) -> Callable:
+def _call_sparsifier_entry(entry: Entry, out: type) -> Callable:
+    """The sparsifier implementation of ``entry`` as ``impl(sp, t, grad_fmt=None)``, its result
+    wrapped and checked to be what it was registered to produce (``out``)."""
     fn = entry.fn
-    if entry.arity >= 3:
-        return lambda sp, t, grad_fmt=None: wrap(fn(sp, t, grad_fmt))
-    return lambda sp, t, grad_fmt=None: wrap(fn(sp, t))
+    takes_grad_fmt = entry.arity >= 3
+
+    def run(sp: Any, t: Any, grad_fmt: Any = None) -> Any:
+        result = wrap(fn(sp, t, grad_fmt) if takes_grad_fmt else fn(sp, t))
+        if not _is_a(result, out):
+            got = type(result.wrapped_tensor if isinstance(result, SparseTensorWrapper) else result).__name__
+            raise TypeError(f"the sparsifier implementation {op_name(fn)}, registered for out={out.__name__}, "
+                            f"returned a {got}: return "
+                            + ("a dense torch.Tensor" if out is torch.Tensor else
+                               f"a {out.__name__} (a bare layout or a SparseTensorWrapper of one)"))
+        return result
+
+    return run
+
+
+def _is_a(result: Any, out: type) -> bool:
+    """Whether a sparsifier's ``result`` is of the format ``out``."""
+    if isinstance(result, SparseTensorWrapper):
+        return isinstance(result.wrapped_tensor, out)
+    return out is torch.Tensor and isinstance(result, torch.Tensor)
 
 
 def sparsify(sparsifier: Any, tensor: Any, out_format: type, grad_fmt: Any = None) -> Any:

@@ -297,9 +297,10 @@ class Registry:
         owners are kept underneath (a stack per key), and ``remove_owner``
         brings the previous one back. A registration of user code (owner
         ``"user"``) stays in force over plugins registering the key later:
-        plugins load on the first dispatched call, which may come after it. An owner re-registering replaces its own
-        entry; registering the value already in force (the same layout class
-        under its name) keeps the current owner in force.
+        plugins load on the first dispatched call, which may come after it.
+        An owner re-registering replaces its own entry; registering the value
+        already in force (the same layout class under its name) keeps the
+        current owner in force.
         """
         table, slot = getattr(self, kind), (kind, key)
         stack = self._stacks.get(slot, []) if key in table else []  # a key removed by hand starts afresh
