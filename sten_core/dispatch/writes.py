@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from sten_core.dispatch.errors import DispatchWarning, fail
-from sten_core.model.layouts import builds_from_dense, supports_values, to_dense_tensor
+from sten_core.model.layouts import builds_from_dense, pattern_of_mask, supports_values, to_dense_tensor
 from sten_core.model.masks import stored_mask
 from sten_core.model.signatures import op_name
 from sten_core.model.tensor import SparseTensorWrapper, densify, map_tensors, rebuild_seq, refuse_sharding, write_back
@@ -186,19 +186,18 @@ def write_growing(target: SparseTensorWrapper, dense: torch.Tensor, func: Any,
 
 
 def layout_at(layout_cls: type, dense: torch.Tensor, mask: torch.Tensor) -> Any:
-    """A ``layout_cls`` layout storing exactly the positions of ``mask`` (zeros included), with
-    ``dense``'s values there, or ``None`` where the layout cannot (n:m patterns, no stored-values
-    protocol): its pattern is ``from_dense`` of the mask itself, then its values are gathered."""
+    """``pattern_of_mask`` where the layout stores exactly the positions of ``mask`` (zeros
+    included), else ``None`` (an n:m layout and a mask off its pattern, no stored-values
+    protocol, a ``from_dense`` that refuses the mask)."""
     if not builds_from_dense(layout_cls):
         return None
     try:
-        pattern = layout_cls.from_dense(mask.to(dense.dtype))
+        layout = pattern_of_mask(layout_cls, dense, mask)
     except (ValueError, TypeError, RuntimeError):
         return None
-    if not supports_values(pattern) or bool((stored_mask_of(pattern) != mask).any()):
+    if layout is None or bool((stored_mask_of(layout) != mask).any()):
         return None
-    values = pattern.values()
-    return pattern.with_values(pattern.gather(dense).to(values.dtype))
+    return layout
 
 
 def stored_mask_of(layout: Any) -> torch.Tensor:

@@ -149,6 +149,23 @@ def supports_values(layout: Any) -> bool:
     return implements(layout, StoredValues) and layout.values() is not None
 
 
+def pattern_of_mask(layout_cls: type, dense: torch.Tensor, mask: torch.Tensor, **from_dense_kwargs: Any) -> Any:
+    """A ``layout_cls`` object whose pattern is ``from_dense`` of ``mask`` itself (zeros of
+    ``dense`` at ``mask`` stay stored) with ``dense``'s values gathered there, or ``None``
+    where the layout has no stored-values protocol. The layout may store more than ``mask``
+    (an n:m layout fills each group to ``n``); those positions get ``dense``'s values too.
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> pattern_of_mask(sten.CooTensor, torch.zeros(2, 2), torch.eye(2, dtype=torch.bool)).nnz
+        2
+    """
+    pattern = layout_cls.from_dense(mask.to(dense.dtype), **from_dense_kwargs)
+    if not supports_values(pattern):
+        return None
+    return pattern.with_values(pattern.gather(dense).to(pattern.values().dtype))
+
+
 def is_layout_object(value: Any) -> bool:
     """Whether ``value`` is a layout instance: an object with a ``to_dense()`` method,
     neither a class nor a ``torch.Tensor``.

@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from sten_core.model.layouts import supports_values
+from sten_core.model.layouts import pattern_of_mask, supports_values
 from sten_core.model.masks import masked, stored_mask
 from sten_core.training.scores import ScoreSparsifier, check_inputs, needs_of
 from sten_core.model.sparsifiers import RandomFractionSparsifier, ScalarFractionSparsifier, Sparsifier, magnitude
@@ -288,10 +288,8 @@ def layout_from_mask(layout: type, dense: torch.Tensor, mask: torch.Tensor, para
     kept = masked(dense, mask)
     if takes_mask:
         return layout.from_dense(kept, mask=mask, **kwargs)
-    pattern = layout.from_dense(mask.to(dense.dtype), **kwargs)
-    if supports_values(pattern):
-        return pattern.with_values(pattern.gather(kept).to(dense.dtype))
-    return layout.from_dense(kept, **kwargs)
+    exact = pattern_of_mask(layout, kept, mask, **kwargs)
+    return exact if exact is not None else layout.from_dense(kept, **kwargs)
 
 
 def _torch_layout_from_mask(layout: type, dense: torch.Tensor, mask: torch.Tensor) -> Any:
