@@ -51,6 +51,9 @@ from sten_core.training.scores import MovementSparsifier, ScoreSparsifier, Taylo
 from sten_core.training.serialization import densify_state_dict, load_dense_state_dict
 from sten_core.tools.summary import summary
 from sten_core.training.pruning import SparseGPTSparsifier, WandaSparsifier, prune
+from sten_core.model import jit_save as _jit_save
+
+_jit_save.install()  # torch.jit.save of a scripted sparse module: an error, not a segfault
 
 
 def register_fwd_op_impl(operator: Callable, inp: Any, out: Any = None) -> Callable:
