@@ -10,6 +10,8 @@ silently untrained weight or another plugin's broken calls.
 - A ``sten_resolve_op`` hook answering something that is not an implementation (a string)
   made calls on *other* plugins' layouts raise ``'str' object is not callable``; the answer is
   warned about, naming the plugin, and skipped.
+- A forward implementation returning ``None`` (out of place) or a numpy / scipy array gave the
+  user that object as the operator's result; it is a ``TypeError`` naming the implementation.
 """
 
 import types
@@ -124,5 +126,43 @@ def test_a_sparsifier_implementation_returning_another_format_is_an_error(return
         with pytest.raises(TypeError, match=r"registered for out=Forgetful, returned a (CooTensor|Tensor): return a "
                                             r"Forgetful"):
             sten.sparsify(_Picks(), torch.randn(3, 4), Forgetful)
+    finally:
+        sten.registry.remove_owner(OWNER)
+
+
+@pytest.mark.parametrize("returns", ["None", "a numpy array", "a scipy matrix"])
+def test_an_implementation_returning_none_or_an_array_is_an_error(returns):
+    """A forgotten ``return`` made ``torch.tanh(w)`` give ``None``, and a layout's numpy storage
+    returned unwrapped came back as the operator's result: both failed far from their cause."""
+    import numpy as np
+    import scipy.sparse
+
+    made = {"None": lambda w: None, "a numpy array": lambda w: np.tanh(w.wrapped_tensor.data.numpy()),
+            "a scipy matrix": lambda w: scipy.sparse.csr_matrix(w.wrapped_tensor.data.numpy())}[returns]
+    try:
+        with sten.registry.owner(OWNER):
+            sten.registry.register_layout(Forgetful)
+            sten.registry.register_fwd_op_impl(torch.tanh, (Forgetful,), None, lambda ctx, inputs, outs: made(inputs[0]))
+        w = sten.SparseTensorWrapper(Forgetful.from_dense(torch.randn(3, 4)))
+        got = {"None": "None", "a numpy array": "a numpy.ndarray", "a scipy matrix": r"a scipy.csr_matrix"}[returns]
+        with pytest.raises(TypeError, match=rf"implementation .* of .*tanh.* returned {got}: an implementation returns"):
+            torch.tanh(w)
+    finally:
+        sten.registry.remove_owner(OWNER)
+
+
+def test_an_in_place_implementation_may_return_none():
+    def add_(ctx, inputs, outs):
+        target, other = inputs[0], inputs[1]
+        target.wrapped_tensor.data.add_(other)
+        return None
+
+    try:
+        with sten.registry.owner(OWNER):
+            sten.registry.register_layout(Forgetful)
+            sten.registry.register_fwd_op_impl(torch.Tensor.add_, (Forgetful, torch.Tensor), None, add_)
+        w = sten.SparseTensorWrapper(Forgetful.from_dense(torch.zeros(2, 2)))
+        w.add_(torch.ones(2, 2))
+        torch.testing.assert_close(w.to_dense(), torch.ones(2, 2))
     finally:
         sten.registry.remove_owner(OWNER)

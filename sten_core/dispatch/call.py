@@ -72,7 +72,37 @@ def run_impl(plan: Plan, ctx: OpContext, specs: CallSpecs | None) -> Any:
     """Call a plan's implementation on ``ctx.inputs`` (``plan.nargs`` of them, or all);
     bare layout objects in its output are wrapped."""
     raw = plan.entry.fn(ctx, ctx.inputs, _KEEP_ALL_LIST if specs is None else specs.sparsifiers)
-    return raw if type(raw) in DENSE_TYPES else wrap(raw)
+    if type(raw) in DENSE_TYPES:
+        return raw
+    if raw is None or _foreign_array(raw):
+        _check_result(plan, ctx, raw)
+    return wrap(raw)
+
+
+_ARRAY_RESULT_OPS = frozenset({torch.Tensor.numpy, torch.Tensor.__array__})
+"""Operators whose implementations may return a numpy array."""
+
+
+def _foreign_array(value: Any) -> bool:
+    """Whether ``value`` is a numpy array or a scipy sparse matrix (not a numpy scalar)."""
+    module = type(value).__module__.split(".")[0]
+    return module in ("numpy", "scipy") and hasattr(value, "shape") and (
+        type(value).__name__ == "ndarray" or callable(getattr(value, "tocsr", None)))
+
+
+def _check_result(plan: Plan, ctx: OpContext, raw: Any) -> None:
+    """Refuse what an implementation of an out-of-place operator can only have returned by mistake:
+    ``None`` (a forgotten ``return``) or a numpy / scipy array (a layout's storage not wrapped);
+    either one reached the user as the operator's result and failed far from its cause."""
+    args, kwargs = ctx.call_args
+    if raw is None and is_inplace(ctx.op, kwargs):
+        return
+    if raw is not None and ctx.op in _ARRAY_RESULT_OPS:
+        return
+    got = "None" if raw is None else f"a {type(raw).__module__.split('.')[0]}.{type(raw).__name__}"
+    raise TypeError(
+        f"the implementation {op_name(plan.entry.fn)} of {plan.key.describe()} returned {got}: an implementation "
+        "returns the operator's result (a torch.Tensor, a layout object, which STen wraps, or a tuple of them)")
 
 
 def finish_outputs(raw: Any, specs: CallSpecs | None, inplace: bool, inline_done: bool) -> Any:
