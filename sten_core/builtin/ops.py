@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from sten_core.dispatch.compiled_products import WEIGHT_FIRST_MATMULS, WEIGHT_FIRST_MMS
 from sten_core.dispatch.errors import Unsupported
 from sten_core.model.helpers import register_weight_product
+from sten_core.model.signatures import op_name
 from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.tensor import SparseTensorWrapper
 from sten_core.builtin.torch_layouts import CooTensor, CscTensor, CsrTensor, _Compressed
@@ -38,6 +39,25 @@ def _amp(*tensors: torch.Tensor) -> list[torch.Tensor]:
     dtype = torch.get_autocast_dtype("cpu")
     return [t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
             for t in tensors]
+
+
+def _same_dtype(op: str, **operands: Any) -> None:
+    """Refuse operands of different dtypes, as dense torch does (after autocast's casts, which
+    ``_amp`` made; a weight under autocast counts in autocast's dtype unless float64): the
+    weight used to be cast to the input's dtype, rounding a float64 weight to float32 and making
+    the result's dtype depend on whether a bias was given."""
+    amp = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+    dtypes = {}
+    for name, t in operands.items():
+        if t is not None:
+            dtype = t.dtype
+            if amp is not None and isinstance(t, SparseTensorWrapper) and dtype.is_floating_point \
+                    and dtype != torch.float64:
+                dtype = amp
+            dtypes[name] = dtype
+    if len(set(dtypes.values())) > 1:
+        got = ", ".join(f"{name} {str(dtype).replace('torch.', '')}" for name, dtype in dtypes.items())
+        raise RuntimeError(f"{op}: expected all operands to have the same dtype (as dense torch does), got {got}")
 
 
 def _sparse(w: SparseTensorWrapper, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -78,6 +98,7 @@ def linear_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> torch.Tensor
     x, w, bias = (list(inputs) + [None])[:3]
     _matrices(weight=w)
     x, bias = _amp(x, bias)
+    _same_dtype("F.linear", input=x, weight=w, bias=bias)
     x2 = _as_rows(x)
     y = _sparse_times(_sparse(w, x2.dtype), x2.t()).t().contiguous()   # (W xᵀ)ᵀ: rows, as dense's
     if bias is not None:
@@ -132,7 +153,8 @@ def linear_bwd(sparse_weight_grad: bool) -> Callable:
         needs = ctx.needs_input_grad + (True,) * 3
         grad_x = _sparse_times(_sparse(w, g2.dtype).t(), g2.t()).t().reshape(x.shape) if needs[0] else None
         grad_w = _weight_grad(w, g2, x2, sparse_weight_grad) if needs[1] else None
-        grad_b = g2.sum(0) if len(ctx.inputs) > 2 and ctx.inputs[2] is not None and needs[2] else None
+        bias = ctx.inputs[2] if len(ctx.inputs) > 2 else None
+        grad_b = g.sum_to_size(bias.shape) if bias is not None and needs[2] else None  # bias may be [B, N]
         return grad_x, grad_w, grad_b
 
     return impl
@@ -218,7 +240,8 @@ def linear_sparse_sparse_bwd(sparse_weight_grad: bool) -> Callable:
         if needs[1]:
             x_dense = _as_rows(densify_any(x).to(g.dtype))
             grad_w = _weight_grad(w, g2, x_dense, sparse_weight_grad)
-        grad_b = g2.sum(0) if len(ctx.inputs) > 2 and ctx.inputs[2] is not None and needs[2] else None
+        bias = ctx.inputs[2] if len(ctx.inputs) > 2 else None
+        grad_b = g.sum_to_size(bias.shape) if bias is not None and needs[2] else None  # bias may be [B, N]
         return grad_x, grad_w, grad_b
 
     return impl
@@ -235,6 +258,7 @@ def mm_sparse_dense_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> tor
     _matrices(input=a)
     _check_mm(ctx, a, b)
     (b,) = _amp(b)
+    _same_dtype(op_name(ctx.op), input=a, other=b)
     ctx.save_for_backward(a, b)
     return _from_columns(_sparse_times(_sparse(a, b.dtype), _as_columns(b)), b)
 
@@ -254,6 +278,7 @@ def mm_dense_sparse_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> tor
     _matrices(other=b)
     _check_mm(ctx, a, b)
     (a,) = _amp(a)
+    _same_dtype(op_name(ctx.op), input=a, other=b)
     ctx.save_for_backward(a, b)
     a2 = _as_rows(a)
     y = _sparse_times(_sparse(b, a.dtype).t(), a2.t()).t().contiguous()
@@ -281,12 +306,15 @@ def addmm_dense_sparse_fwd(ctx: Any, inputs: list, output_sparsifiers: list) -> 
     bias, x, w = inputs[:3]
     beta, alpha = _scalars(ctx)
     bias, x = _amp(bias, x)
+    _same_dtype("torch.addmm", input=bias, mat1=x, mat2=w)
     if x.dim() != 2 or w.dim() != 2:
         raise RuntimeError(f"torch.addmm: expected 2-D matrices, got {x.dim()}-D and {w.dim()}-D tensors")
     ctx.save_for_backward(x, w, bias)
     y = _sparse_times(_sparse(w, x.dtype).t(), x.t()).t().contiguous()
     if alpha != 1:
         y = y * alpha
+    if beta == 0:  # torch ignores input then: NaN or inf there must not reach the result
+        return y
     return y + (bias if beta == 1 else beta * bias)
 
 

@@ -30,6 +30,15 @@ def _check_dense(tensor: Any, cls: type, ndim: int | None = None) -> torch.Tenso
     return tensor
 
 
+def _concrete(data: torch.Tensor) -> bool:
+    """Whether ``data`` holds real indices to canonicalise (not meta, not fake while compiling)."""
+    if data.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(data)
+
+
 def _bad_data(cls: type, data: Any) -> None:
     """The ``TypeError`` of ``CsrTensor(3)`` or ``CsrTensor(dense)``: what the constructor takes."""
     got = f"a {data.layout} tensor" if isinstance(data, torch.Tensor) else type(data).__name__
@@ -130,8 +139,17 @@ class _Members(_TorchLayout):
     """
 
     def __init__(self, data: torch.Tensor, members: tuple | None = None):
+        if members is None and isinstance(data, torch.Tensor) and data.layout is self._torch_layout \
+                and _concrete(data):
+            data = self._canonical(data)
         super().__init__(data, check=members is None)  # (built from members: while tracing, data is dense)
         self._members = members if members is not None else self._extract(data)
+
+    @classmethod
+    def _canonical(cls, data: torch.Tensor) -> torch.Tensor:
+        """``data`` with each position stored once: every stored value is then one entry, which
+        in-place updates and optimizer steps rely on (the default: ``data`` as is)."""
+        return data
 
     @property
     def nnz(self) -> int:
@@ -186,6 +204,12 @@ class CooTensor(_Members):
     def from_dense(cls, tensor: torch.Tensor) -> "CooTensor":
         return cls(_check_dense(tensor, cls).to_sparse().coalesce())
 
+    @classmethod
+    def _canonical(cls, data: torch.Tensor) -> torch.Tensor:
+        """Coalesced: an uncoalesced COO tensor (``torch.sparse_coo_tensor``'s default) may store a
+        position twice; its value is their sum, and a step applied to each entry counted twice."""
+        return data if data.is_coalesced() else data.coalesce()
+
     @staticmethod
     def _extract(data: torch.Tensor) -> tuple:
         return _own(data._indices(), data._values())
@@ -207,6 +231,21 @@ class _Compressed(_Members):
         super().__init__(data, members)
         self._coords: tuple[torch.Tensor, torch.Tensor] | None = None
         self.size_2d = (int(data.shape[0]), int(data.shape[1]))  # plain ints: read while compiling
+
+    @classmethod
+    def _canonical(cls, data: torch.Tensor) -> torch.Tensor:
+        """``data`` checked against torch's invariants (built without ``check_invariants``, a
+        compressed tensor may repeat or misorder an index: a position stored twice took each
+        update twice, and kernels may read out of bounds): a ``ValueError`` if it breaks them."""
+        members = cls._extract(data)
+        try:
+            cls._build(members, tuple(data.shape), check=True)
+        except RuntimeError as error:
+            raise ValueError(
+                f"{cls.__name__}(data): data breaks torch's {data.layout} invariants ({error}); a tensor with "
+                "repeated indices can be summed into a valid one with "
+                f"data.to_sparse_coo().coalesce().to_sparse_{'csr' if cls._compress_dim == 0 else 'csc'}()") from error
+        return data
 
     def coords(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Row and column index of every stored value (cached)."""

@@ -719,7 +719,44 @@ def _view_as(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """``t.view_as(w)`` is ``t.view(w.shape)``, as torch defines it: for a dense ``t`` a dense
     view with no dispatch (what ``vector_to_parameters`` assigns to ``w.data``; it fell back
     with a warning, an error in raise mode), for a wrapper its dispatched ``view``."""
-    return self.view(other.shape)
+    same = _differentiable_self_view(self, other)
+    return same if same is not None else self.view(other.shape)
+
+
+def _module_load(self: torch.Tensor, other: Any, assign: bool = False) -> Any:
+    """``Tensor.module_load``: what ``load_state_dict`` swaps into a parameter when
+    ``torch.__future__.set_swap_module_params_on_conversion(True)`` is on. As without the flag
+    (``param.copy_(value)``), a wrapper gets the value by ``copy_`` rules (exact, or at its stored
+    positions, or the ``ValueError``), here into a copy of itself; torch's default copied into
+    the dense view and swapped that in, so the weight lost its layout and the next optimizer step
+    failed. ``assign=True`` and a dense ``self`` run torch's default."""
+    if assign or not isinstance(self, SparseTensorWrapper):
+        return other.detach() if assign else self.copy_(other).detach()
+    cls = SparseParameterWrapper if isinstance(self, SparseParameterWrapper) else SparseTensorWrapper
+    new = cls(_copy_layout(self.wrapped_tensor), self.requires_grad, self.grad_fmt)   # the same class
+    with torch.no_grad():
+        new.copy_(other)
+    new._is_param = self._is_param   # (nn.Parameter(wrapper) too)
+    return new
+
+
+def _expand_as(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``t.expand_as(w)`` is ``t.expand(w.shape)`` (see ``_differentiable_self_view``)."""
+    same = _differentiable_self_view(self, other)
+    return same if same is not None else self.expand(other.shape)
+
+
+def _differentiable_self_view(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor | None:
+    """For a wrapper that requires grad viewed or expanded to its own shape, its differentiable
+    dense value (``to_dense()``), whose ``grad_fn`` leads straight to the wrapper's own node:
+    torch finds a leaf's gradient accumulator as ``w.view_as(w).grad_fn.next_functions[0][0]``
+    (``get_gradient_edge``, ``register_multi_grad_hook``; Megatron-LM and Apex hook
+    ``w.expand_as(w)``'s), and the dense path's extra view put an unused densify node there:
+    the hooks never fired and ``autograd.grad`` refused the edge. ``None`` otherwise."""
+    if not isinstance(self, SparseTensorWrapper) or not self.requires_grad or not torch.is_grad_enabled() \
+            or tuple(other.shape) != tuple(self.shape) or torch.compiler.is_compiling():
+        return None
+    return services.dense_with_grad(self)
 
 
 _T = torch.Tensor
@@ -744,6 +781,7 @@ for _name in ("shape", "dtype", "device", "requires_grad", "grad", "grad_fn", "i
         _PASSTHROUGH.add(_prop.__get__)
 _SPECIAL = {_T.detach: _detach, _T.to_dense: _to_dense_method, _T.data.__get__: _get_data,
             _T.data.__set__: _set_data, _T.requires_grad_: _requires_grad_,
-            _T.requires_grad.__set__: _set_requires_grad, _T.view_as: _view_as}
+            _T.requires_grad.__set__: _set_requires_grad, _T.view_as: _view_as, _T.expand_as: _expand_as,
+            _T.module_load: _module_load}
 _PASS = object()  # marks functions that run as on any tensor (metadata)
 _HANDLERS: dict = {**{f: _PASS for f in _PASSTHROUGH}, **_SPECIAL}

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -102,11 +103,29 @@ def _format_part(name: str, layout: type) -> type:
 def rebuild_sparse(is_param: bool, layout_name: str, shape: tuple, tensors: tuple, requires_grad: bool,
                    grad_format: str | None = None) -> SparseTensorWrapper:
     """Inverse of ``reduce_wrapper`` (a safe global for ``torch.load``)."""
+    if _in_torch("_legacy_load"):
+        raise RuntimeError(LEGACY_FORMAT.format(what="this file's sparse tensors cannot be rebuilt"))
     plugins.ensure_loaded()
     layout_cls = registry.layout(layout_name)
     layout = layout_cls.from_state_tensors(tuple(tensors), tuple(shape))
     cls = SparseParameterWrapper if is_param else SparseTensorWrapper
     return cls(layout, requires_grad, _grad_format(grad_format, layout_cls))
+
+
+LEGACY_FORMAT = ("STen: torch.save's legacy format (_use_new_zipfile_serialization=False) does not hold sparse "
+                 "tensors: its loader reads the tensors' data only after the objects holding them are rebuilt, so {what}")
+
+
+def _in_torch(function: str, depth: int = 40) -> bool:
+    """Whether ``torch.serialization``'s ``function`` is on the call stack (within ``depth`` frames)."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == "torch.serialization":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def reduce_wrapper(wrapper: SparseTensorWrapper) -> tuple:
@@ -116,6 +135,8 @@ def reduce_wrapper(wrapper: SparseTensorWrapper) -> tuple:
     ``grad_fmt`` or one of ``GRAD_FORMAT_NAMES`` (which a state dict's detached
     wrappers keep) is named in plain form.
     """
+    if _in_torch("_legacy_save"):   # the file would not load back (see rebuild_sparse)
+        raise RuntimeError(LEGACY_FORMAT.format(what="the file would not load back: save in torch.save's default format"))
     layout = wrapper.wrapped_tensor
     plugins.ensure_loaded()
     name = _layout_name(type(layout))

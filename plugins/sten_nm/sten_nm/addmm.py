@@ -30,6 +30,8 @@ def nm_addmm(bias: torch.Tensor, x: torch.Tensor, weight: Any, *, beta: Any = 1,
     y = nm_matmul(x, weight)
     if alpha != 1:
         y = y * alpha
+    if beta == 0:  # torch ignores input then: NaN or inf there must not reach the result
+        return y
     return y + (bias if beta == 1 else beta * bias)
 
 

@@ -268,6 +268,21 @@ def column_grouped_keep_mask(score: torch.Tensor, n: int, m: int, g: Optional[in
                                           values_later=True)._stored_positions()
 
 
+_BIG_SCORE = torch.finfo(torch.float32).max / 2 ** 22
+"""Where magnitudes are clamped for the assignment: ~1e32, so that NaN (twice it) ranks first and
+sums of a chunk's scores stay finite (an infinite score made the pattern sums inf * 0 = NaN)."""
+
+
+def _magnitude_score(tensor: torch.Tensor) -> torch.Tensor:
+    """``|tensor|`` as the assignment's score: NaN above everything, inf and huge values tied.
+
+    >>> _magnitude_score(torch.tensor([float("nan"), float("inf"), -1.0])).tolist()[2]
+    1.0
+    """
+    score = tensor.detach().float().abs()
+    return torch.where(score.isnan(), torch.tensor(2 * _BIG_SCORE), score.clamp(max=_BIG_SCORE))
+
+
 class ColumnGroupedNMTensor(_Base):
     """The paper's grouped n:m weight ``[out, in]`` (see the module docstring).
 
@@ -372,7 +387,7 @@ class ColumnGroupedNMTensor(_Base):
             return t.with_values(t.gather(tensor.detach() * keep))    # slots off the mask hold 0
         else:
             if score is None:
-                score = tensor.detach().float().abs().nan_to_num(nan=float("inf"))
+                score = _magnitude_score(tensor)
                 nonzero = tensor.detach() != 0
             else:
                 score = _check_same_shape(score, tensor, "score").detach().float()

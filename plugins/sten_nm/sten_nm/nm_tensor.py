@@ -74,6 +74,24 @@ def check_offsets(indices: torch.Tensor, rows: int, C: int, n: int, m: int, name
                              f"(distinct positions in increasing order), got {offs[r, g].tolist()}")
 
 
+def largest_n(a: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """Bool mask of the ``n`` largest magnitudes of every ``m`` consecutive entries of each row of
+    ``a``, ranked in ``a``'s own dtype (ties: lower index; NaN largest, as ``nm_compress``).
+
+    >>> largest_n(torch.tensor([[1.0, 1.0 + 1e-12, 0.0, 0.0]], dtype=torch.float64), 1, 4).tolist()
+    [[False, True, False, False]]
+    """
+    R, C = a.shape
+    G = -(-C // m)
+    mag = a.abs()
+    mag = torch.where(mag.isnan(), torch.tensor(float("inf"), dtype=mag.dtype), mag)
+    keyed = torch.full((R, G * m), -1.0, dtype=mag.dtype)
+    keyed[:, :C] = mag
+    order = torch.sort(keyed.view(R, G, m), dim=-1, descending=True, stable=True).indices[..., :n]
+    mask = torch.zeros((R, G, m), dtype=torch.bool).scatter_(-1, order, True)
+    return mask.view(R, G * m)[:, :C]
+
+
 class NMTensor(_Base):
     """n:m sparse 2-D tensor (values plus packed in-group offsets).
 
@@ -144,13 +162,16 @@ class NMTensor(_Base):
         if dim == 0:
             a = a.t()
             mask = mask.t() if mask is not None else None
+        if mask is None and a.dtype == torch.float64:   # ranked in float64: fp32 rounding reorders
+            mask = largest_n(a, n, m)                     # 1 and 1 + 1e-12, or 1e-300 and 2e-300
         vals, idx = _kernel.compress(a.float(), n, m, mask=mask)
         if tensor.dtype != torch.float32:
             # keep the original dtype's values exactly (fp64 would lose bits through fp32)
             cols = cls._cols(idx, a.shape[1], n, m, a.shape[0])
             vals = cls._gather_cols(a.contiguous(), cols)
-            if mask is not None:  # fill slots (not in the mask) hold 0
-                vals = vals * cls._gather_cols(mask.to(a.dtype).contiguous(), cols)
+            if mask is not None:  # fill slots (not in the mask) hold 0, whatever the dense value there
+                kept = cls._gather_cols(mask.to(a.dtype).contiguous(), cols) != 0
+                vals = torch.where(kept, vals, torch.zeros((), dtype=vals.dtype))
         return cls._trusted(vals, idx, tensor.shape, n, m, dim)
 
     # -- metadata ----------------------------------------------------------------

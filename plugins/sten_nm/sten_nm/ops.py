@@ -349,6 +349,8 @@ def grouped_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = 
     _check_input(x, "input", K, f"F.linear with a weight of shape {(N, K)}", _on_meta(W))
     if bias is not None:
         _check_input(bias, "bias", N, f"F.linear with a weight of shape {(N, K)}", _on_meta(W))
+        if bias.dim() != 1:   # the kernel adds bias[:N] to every row
+            raise ValueError(f"bias must be 1-D of size {N}, got shape {tuple(bias.shape)}")
     amp = _autocast_dtype(x, W._vals, bias)
     dtype = _out_dtype(x, W._vals, bias)
     if amp is not None:  # as dense under autocast: operands rounded to amp, result in amp

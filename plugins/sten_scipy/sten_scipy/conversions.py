@@ -21,6 +21,7 @@ import torch
 
 from sten_core.plugin_api import CooTensor, CscTensor, CsrTensor
 
+from ._checks import SUPPORTED, TORCH_TO_NUMPY
 from .compressed import ScipyCompressed
 from .csc import ScipyCscTensor
 from .csr import ScipyCsrTensor
@@ -47,17 +48,26 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().contiguous().numpy()
 
 
+def _values(t: torch.Tensor, target: type) -> np.ndarray:
+    """The stored values as numpy, or the layout's dtype error (numpy said "Got unsupported
+    ScalarType BFloat16")."""
+    if t.dtype not in TORCH_TO_NUMPY:
+        raise TypeError(f"{target.__name__}: dtype must be {SUPPORTED}, got {t.dtype} (convert the tensor "
+                        "with .float() first)")
+    return _numpy(t)
+
+
 def torch_csr_to_scipy(x: CsrTensor) -> ScipyCsrTensor:
     """The core's ``CsrTensor`` → ``ScipyCsrTensor``."""
     data = x.data
-    return ScipyCsrTensor.from_parts(_numpy(data.values()).copy(), _numpy(data.col_indices()).copy(),
+    return ScipyCsrTensor.from_parts(_values(data.values(), ScipyCsrTensor).copy(), _numpy(data.col_indices()).copy(),
                                      _numpy(data.crow_indices()).copy(), tuple(data.shape))
 
 
 def torch_csc_to_scipy(x: CscTensor) -> ScipyCscTensor:
     """The core's ``CscTensor`` → ``ScipyCscTensor``."""
     data = x.data
-    return ScipyCscTensor.from_parts(_numpy(data.values()).copy(), _numpy(data.row_indices()).copy(),
+    return ScipyCscTensor.from_parts(_values(data.values(), ScipyCscTensor).copy(), _numpy(data.row_indices()).copy(),
                                      _numpy(data.ccol_indices()).copy(), tuple(data.shape))
 
 
@@ -83,7 +93,7 @@ def from_coo(target: type) -> Callable[[CooTensor], ScipyCompressed]:
         counts = torch.bincount(major, minlength=coo.shape[target._major])
         indptr = torch.zeros(counts.numel() + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=indptr[1:])
-        return target.from_parts(_numpy(values).copy(), _numpy(minor).copy(), _numpy(indptr), tuple(coo.shape))
+        return target.from_parts(_values(values, target).copy(), _numpy(minor).copy(), _numpy(indptr), tuple(coo.shape))
 
     return convert
 

@@ -81,7 +81,7 @@ def linear_bwd(want_w: type | None) -> Callable:
         grad_x = dense_times_sparse(g2, layout).reshape(x.shape) if _needs(ctx, 0) else None
         grad_w = grad_of(w, want_w, lambda: g2.t() @ x2, lambda lay: sampled(lay, g2.t(), x2)) if _needs(ctx, 1) else None
         has_bias = len(ctx.inputs) > 2 and ctx.inputs[2] is not None
-        grad_b = g2.sum(0).reshape(ctx.inputs[2].shape) if has_bias and _needs(ctx, 2) else None
+        grad_b = g2.sum_to_size(ctx.inputs[2].shape) if has_bias and _needs(ctx, 2) else None  # () or (out_f,)
         return grad_x, grad_w, grad_b
 
     return impl

@@ -57,3 +57,12 @@ def test_registered_through_the_registry():
     for a, b in ((ScipyCsrTensor, sten.CsrTensor), (sten.CsrTensor, ScipyCsrTensor), (ScipyCscTensor, sten.CscTensor),
                  (sten.CscTensor, ScipyCscTensor), (sten.CooTensor, ScipyCsrTensor), (ScipyCscTensor, sten.CooTensor)):
         assert (a, b) in pairs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dst", [ScipyCsrTensor, ScipyCscTensor])
+def test_a_half_precision_source_gets_the_layouts_dtype_error(dst, dtype):
+    """numpy's "Got unsupported ScalarType BFloat16" named neither the layout nor the fix."""
+    w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.randn(4, 8).to(dtype)))
+    with pytest.raises(TypeError, match=rf"{dst.__name__}: dtype must be float32 or float64, got {dtype}.*\.float\(\)"):
+        sten.convert(w, dst)
