@@ -123,3 +123,18 @@ def test_loading_a_legacy_file_with_sparse_tensors_is_an_error(monkeypatch):
     buf.seek(0)
     with pytest.raises(RuntimeError, match=r"legacy format .* this file's sparse tensors cannot be rebuilt"):
         torch.load(buf, weights_only=False)
+
+
+def test_a_model_built_under_inference_mode_gets_torchs_message():
+    """It was torch's raw "Inference tensors do not track version counter" from STen's dispatcher."""
+    with torch.inference_mode():
+        builder = sten.SparsityBuilder(torch.nn.Linear(16, 8))
+        builder.set_weight("weight", sten.ScalarFractionSparsifier(0.5), out_format=sten.CsrTensor)
+        model = builder.get_sparse_model()
+    x = torch.randn(5, 16)
+    with torch.inference_mode():   # (torch's sparse to_dense writes in place: inference tensors need the mode)
+        want = torch.nn.functional.linear(x, model.weight.to_dense(), model.bias)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want)
+    with pytest.raises(RuntimeError, match=r"[Ii]nference tensor.*make a clone"):   # as dense torch
+        model(x.requires_grad_()).sum().backward()

@@ -259,8 +259,8 @@ class _Call:
         self.where, saved, held = [], [], []
         for t in stash.tensors:
             if type(t) in WRAPPER_TYPES and id(t) not in outputs:
-                with _NoTorchFunction():
-                    held.append((t, t._version))
+                with _NoTorchFunction():   # an inference tensor (made under inference_mode) has no counter
+                    held.append((t, None if t.is_inference() else t._version))
                 self.where.append((True, len(held) - 1))
             else:
                 saved.append(t)
@@ -279,6 +279,9 @@ class _Call:
                 out.append(from_autograd[j])
                 continue
             wrapper, version = self.held[j]
+            if version is None:
+                out.append(wrapper)
+                continue
             with _NoTorchFunction():
                 now = wrapper._version
             if now != version:
