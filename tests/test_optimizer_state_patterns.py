@@ -99,3 +99,22 @@ def test_rprop_state_in_a_layout_that_cannot_take_the_gradient_says_what_happene
     F.linear(torch.randn(4, 16), w).pow(2).sum().backward()
     with pytest.raises(ValueError, match=r"into a NMTensor that is not a parameter \(optimizer state.*grad_fmt"):
         opt.step()
+
+
+@pytest.mark.parametrize("update", ["lerp_", "_foreach_lerp_", "mul_add_"])
+def test_an_ema_parameter_combined_with_a_parameter_of_another_pattern_warns(update):
+    """``ema_w.lerp_(w)`` keeps ``ema_w``'s pattern, so ``w``'s values outside it (regrown by
+    ``PruneRegrow``) were dropped silently; writes combining two parameters now say so."""
+    torch.manual_seed(0)
+    ema = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.randn(4, 4) * (torch.rand(4, 4) > 0.5)))
+    w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.randn(4, 4) * (torch.rand(4, 4) > 0.5)))
+    calls = {"lerp_": lambda: ema.lerp_(w, 0.5), "_foreach_lerp_": lambda: torch._foreach_lerp_([ema], [w], 0.5),
+             "mul_add_": lambda: ema.mul_(0.5).add_(w, alpha=0.5)}
+    want = ema.to_dense().lerp(w.to_dense(), 0.5) * (ema.to_dense() != 0)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        calls[update]()
+    dropped = [str(c.message) for c in caught if issubclass(c.category, sten.DispatchWarning)
+               and "at positions it does not store: they were dropped" in str(c.message)]
+    assert dropped, [str(c.message) for c in caught]
+    torch.testing.assert_close(ema.to_dense(), want)   # the pattern is kept, as documented

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from sten_core.dispatch.conversions import convert_exactly
-from sten_core.dispatch.writes import other_pattern, write_growing
+from sten_core.dispatch.writes import another_params_pattern, other_pattern, warn_if_dropped, write_growing
 from sten_core.model.layouts import Layout, supports_values
 from sten_core.model.registry import Entry, OpKey
 from sten_core.model.tensor import SparseTensorWrapper, densify, densify_tree, write_back
@@ -167,8 +167,11 @@ def _dense(op: Any, args: tuple, kwargs: dict, inplace: bool) -> Any:
     result = op(*dense_args, **dense_kwargs)
     if inplace:
         target = args[0]
-        if not target._is_param and other_pattern(target, (*args[1:], *kwargs.values())):
+        operands = (*args[1:], *kwargs.values())
+        if not target._is_param and other_pattern(target, operands):
             return write_growing(target, dense_args[0], op)  # buf.add_(grad): SGD's momentum
+        if target._is_param and another_params_pattern(target, operands):
+            warn_if_dropped(op, target, dense_args[0])        # ema_w.lerp_(w): w's pattern changed
         return write_back(target, dense_args[0])
     return result
 

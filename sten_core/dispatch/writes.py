@@ -100,8 +100,9 @@ def run_dense_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
                 back[id(d)] = wrapper
                 continue
             write_back(wrapper, d)
-            if op in ASSIGNMENTS or isinstance(op, torch._ops.OpOverload):  # (an aten call: from torch itself)
-                warn_if_dropped(op, wrapper, d)
+            if op in ASSIGNMENTS or isinstance(op, torch._ops.OpOverload) \
+                    or (wrapper._is_param and another_params_pattern(wrapper, partners(op, args, kwargs, wrapper))):
+                warn_if_dropped(op, wrapper, d)   # (an aten call: from torch itself)
         back[id(d)] = wrapper
     return map_tensors(lambda t: back.get(id(t), t), raw)
 
@@ -217,6 +218,16 @@ def other_pattern(target: SparseTensorWrapper, operands: Any) -> bool:
             if type(other) is not type(layout) or not layout.same_pattern(other):
                 return True
     return False
+
+
+def another_params_pattern(target: SparseTensorWrapper, operands: Any) -> bool:
+    """Whether an in-place write into the parameter ``target`` combines it with another
+    *parameter* of another pattern (an EMA copy's ``ema_w.lerp_(w, 0.1)`` after ``w``'s pattern
+    changed): the write keeps ``target``'s pattern, so the values it drops are worth a warning.
+    An optimizer step combines a parameter with its gradient and state, never with another
+    parameter, and drops quietly by design."""
+    return any(isinstance(value, SparseTensorWrapper) and value._is_param for value in operands) \
+        and other_pattern(target, operands)
 
 
 def partners(op: Any, args: tuple, kwargs: dict, target: SparseTensorWrapper) -> list:

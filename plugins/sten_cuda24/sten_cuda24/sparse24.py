@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -85,7 +86,12 @@ class Sparse24Tensor(Layout):
         if transposable:
             if tensor.dim() != 2:
                 raise ValueError(f"the transposed pair needs a 2-D tensor, got {tensor.dim()}-D")
-            encoding.compress(tensor.t())  # raises, naming the group, when not 2:4 along dim 0
+            try:
+                encoding.compress(tensor.t())  # raises, naming the group, when not 2:4 along dim 0
+            except ValueError as error:   # named in the transpose's coordinates: swap them back
+                raise ValueError(re.sub(r"group of 4 at row (\d+), columns (\d+)\.\.(\d+)",
+                                        r"group of 4 at column \1, rows \2..\3 (transposable=True needs 2:4 "
+                                        r"along the columns too)", str(error))) from None
             return cls.from_dense_masked(tensor, tensor != 0, transposable=True)
         packed, meta = encoding.compress(encoding.as_rows(tensor))
         return cls(packed, meta, tensor.shape)

@@ -65,6 +65,12 @@ def test_sparse24_errors():
         Sparse24Tensor.from_dense(pruned(2, 4, 8), transposable=True)
     with pytest.raises(TypeError, match="torch.Tensor"):
         Sparse24Tensor.from_dense([[1.0]])
+    rows_only = torch.zeros(3, 7)   # 2:4 along every row; column 5 holds 3 nonzeros (it said "row 5")
+    rows_only[torch.arange(3), torch.arange(3)] = 1.0
+    rows_only[:, 5] = 1.0
+    with pytest.raises(ValueError, match=r"group of 4 at column 5, rows 0\.\.3 \(transposable=True needs 2:4 along "
+                                         r"the columns too\) has 3 nonzeros"):
+        Sparse24Tensor.from_dense(rows_only, transposable=True)
 
 
 def test_sparse24_pickles():
