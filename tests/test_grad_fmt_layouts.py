@@ -137,3 +137,28 @@ def test_set_weight_grad_keeping_a_bf16_csr_layout_trains():
     torch.optim.SGD(sparse.parameters(), lr=0.1).step()
     assert type(w.wrapped_tensor) is sten.CsrTensor
     torch.testing.assert_close(w.to_dense().float(), before - 0.1 * w.grad.to_dense().float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("grad_layout", [sten.CooTensor, sten.CsrTensor])
+def test_a_weight_used_twice_sums_its_gradients_in_the_grad_fmts_layout(grad_layout):
+    """Each use's gradient is sparsified by the ``grad_fmt`` (its own pattern); autograd's sum of
+    the two was a plain dense tensor. It is now in the layout, on the union of the patterns."""
+    torch.manual_seed(0)
+    fmt = (sten.KeepAll(), torch.Tensor, sten.ScalarFractionSparsifier(0.5), grad_layout)
+    w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.randn(8, 8)), grad_fmt=fmt)
+    x = torch.randn(4, 8)
+    h = F.linear(x, w)
+    parts = []
+    h.register_hook(lambda g: parts.append(("h", g)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        F.linear(h, w).sum().backward()
+    assert type(w.grad.wrapped_tensor) is grad_layout
+    # the reference: each use's dense gradient sparsified on its own, then summed
+    outer = torch.ones(4, 8).t() @ h.detach()     # F.linear(h, w)'s gradient for w
+    inner = parts[0][1].t() @ x                   # F.linear(x, w)'s
+
+    def half(t):
+        return sten.sparsify(sten.ScalarFractionSparsifier(0.5), t, grad_layout).to_dense()
+
+    torch.testing.assert_close(w.grad.to_dense(), half(outer) + half(inner))

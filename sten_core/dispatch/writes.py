@@ -159,6 +159,20 @@ def accumulate(target: SparseTensorWrapper, new: torch.Tensor) -> SparseTensorWr
     return write_back(target, dense)
 
 
+def sum_growing(a: SparseTensorWrapper, b: SparseTensorWrapper) -> SparseTensorWrapper | None:
+    """``a + b`` of two wrappers of one layout class and different patterns (autograd summing
+    a weight's gradients from two uses, each re-sparsified by its ``grad_fmt``) in that layout,
+    holding the union of their stored positions and the sum's nonzeros; ``None`` where the layout
+    cannot hold it (n:m), and the sum is then dense, exactly. It was always dense: ``w.grad``
+    of a weight used twice lost the layout its ``grad_fmt`` asked for."""
+    from sten_core.model.tensor import _copy_layout
+
+    if type(a.wrapped_tensor) is not type(b.wrapped_tensor) or not supports_values(a.wrapped_tensor):
+        return None
+    summed = SparseTensorWrapper(_copy_layout(a.wrapped_tensor), False, a.grad_fmt)
+    return write_growing(summed, densify(a) + densify(b), torch.add, lossy=False)
+
+
 def write_growing(target: SparseTensorWrapper, dense: torch.Tensor, func: Any,
                   lossy: bool = True) -> SparseTensorWrapper | None:
     """An in-place result ``dense`` stored into ``target``, a wrapper that is not a parameter

@@ -198,6 +198,11 @@ class SparseTensorWrapper(torch.Tensor):
                 return result
             if packet is aten.add_ and isinstance(first, SparseTensorWrapper):   # autograd's grad += new
                 return services.accumulate(first, args[1])
+            if packet is aten.add and isinstance(first, SparseTensorWrapper) and isinstance(args[1], SparseTensorWrapper) \
+                    and not _has_fake_members(first.wrapped_tensor):
+                summed = services.sum_growing(first, args[1])   # autograd summing a weight's two gradients
+                if summed is not None:
+                    return summed
         refuse_sharding((args, kwargs), func)
         if func._schema.is_mutable:  # (wrappers in lists too: c10d's allreduce_(Tensor[] tensors))
             return services.run_dense_in_place(func, args, kwargs)
@@ -404,7 +409,7 @@ class WrapperServices:
     """What the wrapper needs from the layers built on this module, installed
     by them when imported (``sten_core.dispatch``: ``dispatch_call``,
     ``dense_with_grad``, ``same_format_layout``, ``convert``, ``accumulate``,
-    ``run_dense_in_place``;
+    ``run_dense_in_place``, ``sum_growing``;
     ``sten_core.dispatch.compiled``: ``compiled_call``, ``MISSING``;
     ``sten_core.training.serialization``: ``reduce_wrapper``;
     ``sten_core.plugins``: ``load_plugins``), so the
@@ -427,6 +432,7 @@ class WrapperServices:
     watch_gradient: Any = None
     traced_sum: Any = None
     accumulate: Any = None
+    sum_growing: Any = None
     eager_only_message: Any = None
     run_dense_in_place: Any = None
 
