@@ -262,3 +262,39 @@ def test_node_on_tuples_is_not_a_tensor():
 def test_size_is_not_a_tensor():
     with pytest.raises(ValueError, match="'size' is not a tensor operation"):
         sten.SparsityBuilder(Block()).set_interm("size", inline_sparsifier=sten.ScalarThresholdSparsifier(0.5))
+
+
+class _TrainingOnlyAdd(torch.nn.Module):
+    """Training adds ``h + b`` before the output's ``+``: fx calls them ``add`` and ``add_1`` in
+    training, while in eval the output's ``+`` alone is ``add``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.register_buffer("b", torch.full((8,), 0.1))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.training:
+            h = h + self.b
+        return torch.relu(h) + torch.sigmoid(h)
+
+
+@pytest.mark.parametrize("name, output_sparse", [("add", {True: False, False: False}),
+                                                 ("add_1", {True: True, False: True})])
+def test_a_name_means_the_same_call_in_training_and_in_eval(name, output_sparse):
+    """Names were looked up in each mode's own graph: ``set_interm("add")`` sparsified the inner
+    ``h + b`` in training and the module's output in eval, and ``add_1`` nothing in eval."""
+    torch.manual_seed(0)
+    builder = sten.SparsityBuilder(_TrainingOnlyAdd())
+    builder.set_interm(name, inline_sparsifier=sten.ScalarFractionSparsifier(0.5), tmp_format=sten.CooTensor,
+                       external_sparsifier=sten.KeepAll(), out_format=sten.CooTensor)
+    model = builder.get_sparse_model()
+    x = torch.randn(4, 8)
+    for training in (True, False):
+        model.train(training)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.no_grad():
+                out = model(x)
+        assert isinstance(out, sten.SparseTensorWrapper) is output_sparse[training], (name, training)

@@ -110,21 +110,68 @@ class _Graph:
 
     @classmethod
     def trace(cls, module: torch.nn.Module) -> "_Graph | None":
-        """The graph of ``module`` (``None`` where ``torch.fx.symbolic_trace`` fails).
-        The attributes fx adds to the module it traces (``_tensor_constant0``) are removed."""
-        before = set(vars(module))
-        try:
-            graph = torch.fx.symbolic_trace(module).graph
-        except Exception:
-            return None
-        finally:
-            for added in set(vars(module)) - before:
-                delattr(module, added)
+        """The graph of ``module`` (``None`` where ``torch.fx.symbolic_trace`` fails)."""
+        graph = _fx_graph(module)
+        return None if graph is None else cls.of(graph)
+
+    @classmethod
+    def of(cls, graph: torch.fx.Graph) -> "_Graph":
         return cls([_detach(node) for node in graph.nodes])
 
     def calls(self) -> list[str]:
         """The names of the function and method calls (what ``set_interm`` may name)."""
         return [name for name in self.order if self.nodes[name].op in ("call_function", "call_method")]
+
+
+def _fx_graph(module: torch.nn.Module, stack_traces: bool = False) -> torch.fx.Graph | None:
+    """``module``'s fx graph (``None`` where fx cannot trace it), with each node's source stack
+    when ``stack_traces``. The attributes fx adds to the module it traces (``_tensor_constant0``)
+    are removed."""
+    before = set(vars(module))
+    tracer = torch.fx.Tracer()
+    tracer.record_stack_traces = stack_traces
+    try:
+        return tracer.trace(module)
+    except Exception:
+        return None
+    finally:
+        for added in set(vars(module)) - before:
+            delattr(module, added)
+
+
+def _source(node: torch.fx.Node) -> tuple:
+    """What makes a node the same call in another trace of its module: its kind, its target and
+    the frames of the user's code that made it (torch's own frames left out)."""
+    frames = tuple(line.strip() for line in (node.stack_trace or "").splitlines()
+                   if line.lstrip().startswith("File ") and _TORCH_DIR not in line)
+    return node.op, str(node.target), frames
+
+
+_TORCH_DIR = torch.__file__.rsplit("__init__.py", 1)[0]
+
+
+def _align(graph: torch.fx.Graph, reference: torch.fx.Graph) -> None:
+    """Rename ``graph``'s nodes after ``reference``'s where they are the same call (``_source``:
+    the same source line, the n-th time): fx numbers the nodes of each trace anew, so where a
+    ``self.training`` branch adds a call, the eval graph's ``add`` was the training graph's
+    ``add_1`` and a ``set_interm`` name sparsified another tensor in eval. Calls of ``graph``
+    alone keep their fx names where the reference does not use them, else get an ``_eval`` suffix."""
+    candidates: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
+    for node in reference.nodes:
+        candidates[_source(node)].append(node.name)
+    taken = {node.name for node in reference.nodes}
+    names, given = {}, set()
+    for node in graph.nodes:
+        key = _source(node)
+        name = candidates[key].popleft() if candidates[key] else None
+        if name is None:
+            name = node.name
+            while name in taken or name in given:
+                name += "_eval"
+        names[node] = name
+        given.add(name)
+    for node, name in names.items():
+        node.name = name
 
 
 def _detach(node: torch.fx.Node) -> _Node:
@@ -146,15 +193,17 @@ def _traces(module: torch.nn.Module) -> dict[bool, _Graph | None]:
     """``module``'s graph in training and in eval mode (``self.training`` branches differ);
     the training flags of ``module`` and of its submodules are restored afterwards."""
     flags = [(m, m.training) for m in module.modules()]
-    graphs: dict[bool, _Graph | None] = {}
+    traced: dict[bool, torch.fx.Graph | None] = {}
     try:
         for mode in (True, False):
             module.train(mode)
-            graphs[mode] = _Graph.trace(module)
+            traced[mode] = _fx_graph(module, stack_traces=True)
     finally:
         for m, flag in flags:
             m.training = flag
-    return graphs
+    if traced[True] is not None and traced[False] is not None:
+        _align(traced[False], traced[True])   # a name means one call in both modes
+    return {mode: None if graph is None else _Graph.of(graph) for mode, graph in traced.items()}
 
 
 # -- identifying the calls of one forward ---------------------------------------------
