@@ -52,13 +52,17 @@ class _NotOnValues(Exception):
 
 def _fills_zeros(op: Any, operands: tuple) -> bool:
     """Whether an out-of-place ``mul`` / ``div`` turns the unstored zeros into something else:
-    ``0 * inf``, ``0 * nan``, ``0 / 0`` and ``0 / nan`` are NaN (dense torch's values there)."""
+    ``0 * inf``, ``0 * nan``, ``0 / 0`` and ``0 / nan`` are NaN (dense torch's values there); a
+    sparse divisor has zeros wherever it stores nothing (``a / a`` is NaN there)."""
     div = op in DIVS
     for value in operands:
         if isinstance(value, (int, float)):
             if (value == 0 or math.isnan(value)) if div else not math.isfinite(value):
                 return True
-        elif isinstance(value, torch.Tensor) and not isinstance(value, SparseTensorWrapper):
+        elif isinstance(value, SparseTensorWrapper):
+            if div and value.wrapped_tensor.nnz != value.numel():   # 0 / 0 at the divisor's unstored zeros
+                return True
+        elif isinstance(value, torch.Tensor):
             bad = (value == 0) | value.isnan() if div else ~torch.isfinite(value)
             if bool(bad.any()):
                 return True
@@ -86,6 +90,16 @@ def _operand(value: Any, layout: Any, dense_ok: bool) -> Any:
     return value
 
 
+def _filled(op: Any, target: SparseTensorWrapper, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """For ``fill_`` / ``masked_fill_``, which set values at positions they choose, the dense
+    tensor they mean to leave (so the values put where ``target`` stores nothing are counted and
+    warned about, as ``w[mask] = v`` is); ``None`` for other operators."""
+    if op is not T.fill_ and op is not T.masked_fill_:
+        return None
+    with torch.no_grad():
+        return getattr(densify(target), op.__name__)(*args[1:], **kwargs)
+
+
 def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False) -> Callable:
     """An implementation on stored values; ``sparse_only``: every positional
     operand must be a wrapper of the same pattern (``a + 2`` is not zero-preserving)."""
@@ -106,11 +120,14 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False
             values = layout.values()
             rest = tuple(_operand(a, layout, dense_ok) for a in args[1:])
             kw = {k: _operand(v, layout, dense_ok) for k, v in kwargs.items()}
+            intended = _filled(op, self, args, kwargs)
             result = op(values, *rest, **kw)
         except _NotOnValues:
             return _dense(op, args, kwargs, inplace)
         if inplace:
             self.wrapped_tensor = layout.with_values(values)
+            if intended is not None:   # w.fill_(v), w.masked_fill_(m, v): what landed off the pattern
+                warn_if_dropped(op, self, intended)
             return self
         if not isinstance(result, torch.Tensor) or result.shape != values.shape:
             return _dense(op, args, kwargs, inplace)

@@ -27,7 +27,7 @@ from sten_core.dispatch.errors import report_missing
 from sten_core.dispatch.observers import active, notify
 from sten_core.dispatch.plan import Plan, PlanKind
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
-from sten_core.dispatch.wrapper_views import writable_views
+from sten_core.dispatch.wrapper_views import guarded_views, writable_views
 from sten_core.model.layouts import unshared_dense
 from sten_core.model.registry import OpKey
 from sten_core.model.signatures import op_name
@@ -87,6 +87,8 @@ def composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs:
     write_back_changed(made)
     if not grad:  # a view of a wrapper's copy (w[0], w.view(-1)) writes back into the wrapper
         out = writable_views(out, made)
+    else:         # ... or, under autograd, refuses in-place writes (they would be lost)
+        out = guarded_views(out, made)
     if active():
         notify("op", key, plan.kind, time.perf_counter() - started)
     if specs is None:

@@ -27,6 +27,7 @@ import torch
 
 from sten_core.dispatch.plan import is_inplace
 from sten_core.dispatch.writes import warn_if_dropped
+from sten_core.model.signatures import op_name
 from sten_core.model.tensor import SparseTensorWrapper, map_tensors, write_back
 
 _Plain = torch._C.DisableTorchFunctionSubclass
@@ -77,6 +78,48 @@ def views_of(out: Any, wrapper: SparseTensorWrapper, root: torch.Tensor) -> Any:
     """``out`` with each tensor that is a view of ``root`` (``wrapper``'s dense copy) made a
     ``WrapperView`` of ``wrapper``."""
     return map_tensors(lambda t: WrapperView.of(t, wrapper, root) if _shares(t, root) else t, out)
+
+
+class GradView(torch.Tensor):
+    """Under autograd, a view of a wrapper's dense copy (``h[1:]`` of a wrapper that requires grad),
+    still attached to the graph (``as_subclass``), that refuses in-place writes: they changed the
+    copy, so the wrapper kept its values and its gradients were the unwritten ones (a write-back
+    would not be differentiable). Reads give plain tensors; views of it are ``GradView``s too."""
+
+    _sten_root: torch.Tensor   # the dense copy this is a view of
+
+    @staticmethod
+    def of(view: torch.Tensor, root: torch.Tensor) -> "GradView":
+        made = view.as_subclass(GradView)
+        made._sten_root = root
+        return made
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: tuple, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        target = kwargs.get("out") if kwargs.get("out") is not None else (args[0] if args else None)
+        if isinstance(target, GradView) and is_inplace(func, kwargs):
+            raise RuntimeError(
+                f"STen: {op_name(func)} writes in place through a view of a sparse wrapper that requires grad "
+                "(w[i], w.T, w.view(...) of it): the view is of a dense copy, so the write would not reach the "
+                "wrapper or its gradients. Write into the wrapper itself (h.mul_(m), h[i] = v) or compute out of "
+                "place (torch.where, index_put)")
+        with _Plain():
+            out = func(*args, **kwargs)
+        first = next((a for a in args if isinstance(a, GradView)), None)
+        if first is None:
+            return out
+        root = first._sten_root
+        return map_tensors(lambda t: GradView.of(t, root) if _shares(t, root) else t, out)
+
+
+def guarded_views(out: Any, made: list) -> Any:
+    """The dense path's result under autograd with the views of its wrappers' dense copies made
+    ``GradView``s (``made``: the path's ``(wrapper, dense copy, version)`` entries)."""
+    for _, root, _ in made:
+        if root.numel():
+            out = map_tensors(lambda t, r=root: GradView.of(t, r) if _shares(t, r) else t, out)
+    return out
 
 
 def writable_views(out: Any, made: list) -> Any:

@@ -17,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Callable
 
 import torch
@@ -122,6 +124,13 @@ def _fits(other: Any, shape: torch.Size) -> bool:
         return False
 
 
+def _finite(value: Any) -> bool:
+    """Whether a factor is finite everywhere (a scalar or a tensor)."""
+    if isinstance(value, torch.Tensor):
+        return bool(torch.isfinite(value).all()) if value.is_floating_point() or value.is_complex() else True
+    return not isinstance(value, float) or math.isfinite(value)
+
+
 def mul_fwd(sparse_out: bool) -> Callable:
     def impl(ctx: Any, inputs: list, output_sparsifiers: list) -> Any:
         s, other, _ = _split(inputs)
@@ -129,8 +138,8 @@ def mul_fwd(sparse_out: bool) -> Callable:
         _check_float(other, op_name(ctx.op), "other")
         ctx.save_for_backward(inputs[0], inputs[1])
         other = dense_of(other)
-        if not sparse_out or not _fits(other, layout.shape):
-            return dense_of(s) * other
+        if not sparse_out or not _fits(other, layout.shape) or not _finite(other):
+            return dense_of(s) * other   # (0 * inf and 0 * nan are NaN at the unstored positions, as dense)
         factor = layout.gather(other) if isinstance(other, torch.Tensor) and other.dim() > 0 else other
         return SparseTensorWrapper(layout.with_values(layout.values() * factor))
 

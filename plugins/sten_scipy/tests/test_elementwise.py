@@ -121,3 +121,14 @@ def test_bad_input(layout):
         w + torch.randn(3, 3)  # torch's own broadcasting error
     with pytest.raises(TypeError, match="real"):
         torch.mul(w, torch.ones(4, 5, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mul_by_inf_or_nan_is_nan_at_the_unstored_positions(layout):
+    """``0 * inf`` is NaN: the scipy product kept 0 at the unstored positions."""
+    d = torch.tensor([[1.0, 0.0, 2.0, 0.0], [0.0, 3.0, 0.0, 4.0]])
+    w = sten.SparseTensorWrapper(layout.from_dense(d))
+    for factor in (float("inf"), torch.full((4,), float("nan")), torch.tensor([1.0, float("inf"), 1.0, 1.0])):
+        got = w * factor
+        got = got.to_dense() if isinstance(got, sten.SparseTensorWrapper) else got
+        torch.testing.assert_close(got, d * factor, equal_nan=True)

@@ -1,0 +1,88 @@
+"""Element-wise calls and views that gave silent wrong answers against dense torch:
+
+- an in-place write through a view of a wrapper that requires grad (``h[1:].mul_(10)`` with
+  ``h = w * 2``) changed a dense copy: ``h`` kept its values and ``w.grad`` was the unwritten
+  one; it is now a ``RuntimeError`` saying what to do (reads of the view work as before);
+- ``a / b`` of two wrappers with one pattern gave 0 where dense torch gives 0 / 0 = NaN;
+- ``w.fill_(v)`` and ``w.masked_fill_(m, v)`` dropped the values put off the pattern without the
+  ``DispatchWarning`` that ``w[m] = v`` gives.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import sten_core as sten
+
+DENSE = torch.tensor([[1.0, 0.0, 2.0], [0.0, 3.0, 0.0], [4.0, 0.0, 5.0]])
+LAYOUTS = [sten.CsrTensor, sten.CooTensor, sten.DenseTensor]
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        yield
+
+
+@pytest.mark.parametrize("write", ["slice mul_", "index iadd", "T mul_", "diagonal mul_", "view mul_"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_in_place_write_through_a_view_under_autograd_is_refused(layout, write):
+    w = sten.SparseTensorWrapper(layout.from_dense(DENSE), requires_grad=True)
+    h = w * 2
+    writes = {"slice mul_": lambda: h[1:].mul_(10.0), "index iadd": lambda: h[0].__iadd__(1.0),
+              "T mul_": lambda: h.T.mul_(torch.ones(3)), "diagonal mul_": lambda: h.diagonal().mul_(2.0),
+              "view mul_": lambda: h.view(-1).mul_(3.0)}
+    with pytest.raises(RuntimeError, match=r"writes in place through a view of a sparse wrapper that requires grad"):
+        writes[write]()
+    torch.testing.assert_close(h.to_dense(), DENSE * 2)   # unchanged, and it says so
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_reads_of_views_under_autograd_match_dense(layout):
+    w = sten.SparseTensorWrapper(layout.from_dense(DENSE), requires_grad=True)
+    d = DENSE.clone().requires_grad_()
+    got = (w * 2)[1:].T.sum(0) * torch.arange(2.0)
+    want = (d * 2)[1:].T.sum(0) * torch.arange(2.0)
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(w.grad.to_dense() if isinstance(w.grad, sten.SparseTensorWrapper) else w.grad, d.grad)
+
+
+def test_views_without_autograd_still_write_back():
+    h = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(DENSE))
+    with torch.no_grad():
+        h[1:].mul_(10.0)
+    torch.testing.assert_close(h.to_dense(), DENSE * torch.tensor([[1.0], [10.0], [10.0]]))
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor])
+def test_dividing_by_a_wrapper_gives_nan_at_its_unstored_zeros(layout):
+    a = sten.SparseTensorWrapper(layout.from_dense(DENSE))
+    b = sten.SparseTensorWrapper(layout.from_dense(2 * DENSE))
+    for got, want in [(a / b, DENSE / (2 * DENSE)), (torch.div(a, a), DENSE / DENSE),
+                      (a.div(b, rounding_mode="floor"), DENSE.div(2 * DENSE, rounding_mode="floor"))]:
+        got = got.to_dense() if isinstance(got, sten.SparseTensorWrapper) else got
+        torch.testing.assert_close(got, want, equal_nan=True)
+    full = sten.SparseTensorWrapper(sten.DenseTensor.from_dense(DENSE + 1))   # stores every position
+    torch.testing.assert_close((full / full).to_dense(), torch.ones(3, 3))
+
+
+@pytest.mark.parametrize("fill", ["fill_", "masked_fill_"])
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor])
+def test_fills_off_the_pattern_warn_with_the_count(layout, fill):
+    w = sten.SparseTensorWrapper(layout.from_dense(DENSE))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if fill == "fill_":
+            w.fill_(9.0)
+        else:
+            w.masked_fill_(torch.ones(3, 3, dtype=torch.bool), 9.0)
+    assert any("wrote 4 value(s) at positions it does not store" in str(c.message) for c in caught)
+    torch.testing.assert_close(w.to_dense(), torch.where(DENSE != 0, 9.0, 0.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sten.DispatchWarning)
+        w.fill_(0.0)                                          # nothing off the pattern: no warning
+        w.masked_fill_(DENSE != 0, 1.0)
