@@ -86,3 +86,13 @@ def test_fills_off_the_pattern_warn_with_the_count(layout, fill):
         warnings.simplefilter("error", sten.DispatchWarning)
         w.fill_(0.0)                                          # nothing off the pattern: no warning
         w.masked_fill_(DENSE != 0, 1.0)
+
+
+def test_a_detached_view_may_be_made_to_require_grad():
+    """``requires_grad_`` changes no values (a dense backward re-run calls it on a saved view of a
+    weight's copy: the n:m layouts without their kernel raised here)."""
+    w = sten.SparseTensorWrapper(sten.CooTensor.from_dense(DENSE), requires_grad=True)
+    view = w.T.detach()
+    view.requires_grad_(True)
+    (view * 2).sum().backward()
+    torch.testing.assert_close(view.grad, torch.full((3, 3), 2.0))

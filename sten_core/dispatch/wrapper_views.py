@@ -80,6 +80,11 @@ def views_of(out: Any, wrapper: SparseTensorWrapper, root: torch.Tensor) -> Any:
     return map_tensors(lambda t: WrapperView.of(t, wrapper, root) if _shares(t, root) else t, out)
 
 
+_NOT_WRITES = frozenset({torch.Tensor.requires_grad_, torch.Tensor.share_memory_, torch.Tensor.detach_})
+"""Methods named like in-place ones that change no values (a dense backward re-run calls
+``requires_grad_`` on the saved view)."""
+
+
 class GradView(torch.Tensor):
     """Under autograd, a view of a wrapper's dense copy (``h[1:]`` of a wrapper that requires grad),
     still attached to the graph (``as_subclass``), that refuses in-place writes: they changed the
@@ -98,7 +103,7 @@ class GradView(torch.Tensor):
     def __torch_function__(cls, func: Any, types: tuple, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         target = kwargs.get("out") if kwargs.get("out") is not None else (args[0] if args else None)
-        if isinstance(target, GradView) and is_inplace(func, kwargs):
+        if isinstance(target, GradView) and is_inplace(func, kwargs) and func not in _NOT_WRITES:
             raise RuntimeError(
                 f"STen: {op_name(func)} writes in place through a view of a sparse wrapper that requires grad "
                 "(w[i], w.T, w.view(...) of it): the view is of a dense copy, so the write would not reach the "
