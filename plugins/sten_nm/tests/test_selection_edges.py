@@ -10,6 +10,8 @@ import sten_core as sten
 from sten_nm import ColumnGroupedNMTensor, GroupedNMTensor, NMSparsifier, NMTensor
 from sten_nm.nm_tensor import largest_n
 
+from conftest import requires_kernel
+
 
 def test_float64_weights_are_ranked_in_float64():
     a = torch.tensor([[1.0, 1.0 + 1e-12, 0.0, 0.0], [1e-300, 2e-300, 0.0, 0.0], [1e39, 1e40, 0.0, 0.0]],
@@ -45,6 +47,7 @@ def test_the_paper_format_keeps_a_nan_or_inf_weight(special):
         assert got[r, c].isnan() if special == "nan" else got[r, c] == float("inf"), (trial, r, c)
 
 
+@requires_kernel   # (without it F.linear runs densely, which takes such a bias)
 def test_the_grouped_layout_refuses_a_bias_of_the_outputs_shape():
     w = GroupedNMTensor.from_dense(torch.randn(16, 8), 2, 4)
     with pytest.raises(ValueError, match=r"bias must be 1-D of size 16, got shape \(3, 16\)"):
