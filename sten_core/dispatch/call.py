@@ -94,8 +94,7 @@ def _check_result(plan: Plan, ctx: OpContext, raw: Any) -> None:
     """Refuse what an implementation of an out-of-place operator can only have returned by mistake:
     ``None`` (a forgotten ``return``) or a numpy / scipy array (a layout's storage not wrapped);
     either one reached the user as the operator's result and failed far from its cause."""
-    args, kwargs = ctx.call_args
-    if raw is None and is_inplace(ctx.op, kwargs):
+    if raw is None and is_inplace(ctx.op, ctx.call_args[1]):
         return
     if raw is not None and ctx.op in _ARRAY_RESULT_OPS:
         return
