@@ -114,8 +114,12 @@ class GradView(torch.Tensor):
         first = next((a for a in args if isinstance(a, GradView)), None)
         if first is None:
             return out
-        root = first._sten_root
-        return map_tensors(lambda t: GradView.of(t, root) if _shares(t, root) else t, out)
+        return grad_views_of(out, first._sten_root)
+
+
+def grad_views_of(out: Any, root: torch.Tensor) -> Any:
+    """``out`` with each tensor that is a view of ``root`` (a wrapper's dense copy) a ``GradView``."""
+    return map_tensors(lambda t: GradView.of(t, root) if _shares(t, root) else t, out)
 
 
 def guarded_views(out: Any, made: list) -> Any:
@@ -123,7 +127,7 @@ def guarded_views(out: Any, made: list) -> Any:
     ``GradView``s (``made``: the path's ``(wrapper, dense copy, version)`` entries)."""
     for _, root, _ in made:
         if root.numel():
-            out = map_tensors(lambda t, r=root: GradView.of(t, r) if _shares(t, r) else t, out)
+            out = grad_views_of(out, root)
     return out
 
 
