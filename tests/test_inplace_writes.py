@@ -506,3 +506,27 @@ def test_a_real_in_place_write_after_forward_still_raises():
         w.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward()
+
+
+SHAPE_CHANGES = {
+    "t_": lambda t: t.t_(),
+    "transpose_": lambda t: t.transpose_(0, 1),
+    "unsqueeze_": lambda t: t.unsqueeze_(0),
+    "as_strided_": lambda t: t.as_strided_((8, 6), (1, 8)),
+    "aten.t_": lambda t: torch.ops.aten.t_(t),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("name", list(SHAPE_CHANGES))
+def test_an_in_place_shape_change_of_a_wrapper_raises_and_leaves_it_whole(layout, name):
+    """``w.t_()`` of a ``DenseTensor`` wrapper transposed its layout while the wrapper kept its
+    shape (``w @ v`` then used two shapes); other layouts raised torch's bare "expanded size"."""
+    d = sparse_dense()
+    w = wrap(layout, d)
+    before = w.to_dense().clone()
+    with pytest.raises(RuntimeError, match=r"would change the shape of a .* wrapper in place \(shape \(6, 8\)\)"):
+        SHAPE_CHANGES[name](w)
+    assert tuple(w.shape) == (6, 8) and tuple(w.wrapped_tensor.shape) == (6, 8)
+    torch.testing.assert_close(w.to_dense(), before)
+    torch.testing.assert_close(densify(w @ torch.ones(8)), before @ torch.ones(8))

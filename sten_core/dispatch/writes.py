@@ -78,6 +78,7 @@ def run_dense_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
     are contiguous: torch's CPU fused optimizer kernels read their lists as contiguous whatever
     the strides (scipy CSC's column-major ``to_dense()`` was updated at transposed positions)."""
     refuse_sharding((args, kwargs), op)
+    refuse_shape_change(op, args)
     copies: dict[int, tuple] = {}
 
     def dense(tensor: torch.Tensor) -> torch.Tensor:
@@ -94,6 +95,8 @@ def run_dense_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
     _wait_for(raw)
     back = {}
     for wrapper, d, before in copies.values():
+        if d.shape != before.shape:
+            raise RuntimeError(_reshaped(op, wrapper))
         if not torch.equal(d, before):
             if not wrapper._is_param and other_pattern(wrapper, partners(op, args, kwargs, wrapper)):
                 write_growing(wrapper, d, op)  # _foreach_add_(bufs, grads): SGD's momentum, foreach
@@ -105,6 +108,34 @@ def run_dense_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
                 warn_if_dropped(op, wrapper, d)   # (an aten call: from torch itself)
         back[id(d)] = wrapper
     return map_tensors(lambda t: back.get(id(t), t), raw)
+
+
+SHAPE_CHANGING = frozenset({"t_", "transpose_", "swapdims_", "swapaxes_", "squeeze_", "unsqueeze_", "as_strided_",
+                            "resize_", "resize_as_", "set_"})
+"""In-place ops that change a tensor's shape or strides, not its values (torch tags the aten ones
+``inplace_view``)."""
+
+
+def refuse_shape_change(op: Any, args: tuple) -> None:
+    """The ``RuntimeError`` of an in-place op that would change a wrapper's shape (``w.t_()``,
+    ``w.unsqueeze_(0)``): a wrapper's layout has a fixed shape. A ``DenseTensor`` wrapper's
+    layout was transposed while the wrapper kept its shape, and later calls saw two shapes."""
+    if args and isinstance(args[0], SparseTensorWrapper) and _changes_shape(op):
+        raise RuntimeError(_reshaped(op, args[0]))
+
+
+def _changes_shape(op: Any) -> bool:
+    if isinstance(op, torch._ops.OpOverload):
+        return torch.Tag.inplace_view in op.tags
+    return getattr(op, "__name__", None) in SHAPE_CHANGING
+
+
+def _reshaped(op: Any, wrapper: SparseTensorWrapper) -> str:
+    name = op_name(op)
+    out_of_place = name.rsplit(".", 1)[-1].rstrip("_")
+    return (f"{name} would change the shape of a {type(wrapper.wrapped_tensor).__name__} wrapper in place "
+            f"(shape {tuple(wrapper.shape)}); a wrapper's layout keeps its shape. Use the out-of-place "
+            f"w.{out_of_place}(...) (w = w.{out_of_place}(...)), or a dense tensor (w.to_dense())")
 
 
 def into_target(raw: Any, kwargs: dict, bound: list) -> Any:
@@ -201,16 +232,18 @@ def write_growing(target: SparseTensorWrapper, dense: torch.Tensor, func: Any,
 
 
 def layout_at(layout_cls: type, dense: torch.Tensor, mask: torch.Tensor) -> Any:
-    """``pattern_of_mask`` where the layout stores exactly the positions of ``mask`` (zeros
-    included), else ``None`` (an n:m layout and a mask off its pattern, no stored-values
-    protocol, a ``from_dense`` that refuses the mask)."""
+    """``pattern_of_mask`` where the layout stores every position of ``mask`` (zeros included;
+    it may store more, with ``dense``'s values there: an ELL or block layout pads, an n:m layout
+    fills each group to ``n``), else ``None`` (a mask an n:m layout cannot hold, no stored-values
+    protocol, a ``from_dense`` that refuses the mask). Requiring exactly ``mask`` refused padding
+    layouts, whose optimizer state then dropped values it could have held."""
     if not builds_from_dense(layout_cls):
         return None
     try:
         layout = pattern_of_mask(layout_cls, dense, mask)
     except (ValueError, TypeError, RuntimeError):
         return None
-    if layout is None or bool((stored_mask_of(layout) != mask).any()):
+    if layout is None or bool((mask & ~stored_mask_of(layout)).any()):
         return None
     return layout
 
