@@ -49,6 +49,23 @@ def test_layout_without_state_tensors_is_named():
         sten.registry._owners.pop(("layouts", "NoStateLayout"))
 
 
+def test_a_layout_name_now_registered_by_another_plugin_is_named_on_load(tmp_path):
+    """Two plugins named a layout alike and the one that saved the checkpoint is not installed:
+    ``torch.load`` failed with "type object ... has no attribute 'from_state_tensors'", naming
+    neither the layout name nor the class it resolved to."""
+    path = tmp_path / "w.pt"
+    torch.save({"weight": sten.SparseTensorWrapper(sten.CooTensor.from_dense(torch.eye(3)))}, path)
+    coo = sten.registry.layouts["CooTensor"]
+    try:
+        sten.registry.layouts["CooTensor"] = NoStateLayout
+        with pytest.raises(TypeError, match=r"'CooTensor' tensor, and the layout registered under that name now "
+                                            r"\(test_checkpoints.NoStateLayout.*cannot rebuild one"):
+            torch.load(path, weights_only=True)
+    finally:
+        sten.registry.layouts["CooTensor"] = coo
+    assert torch.equal(torch.load(path, weights_only=True)["weight"].to_dense(), torch.eye(3))
+
+
 @pytest.mark.parametrize("layout, corrupt", [
     (sten.CsrTensor, lambda parts: (parts[0], parts[1] + 100, parts[2])),           # column out of range
     (sten.CscTensor, lambda parts: (parts[0].flip(0), parts[1], parts[2])),         # pointers not monotone
@@ -74,6 +91,29 @@ def test_move_to_meta(layout):
     meta = builder.get_sparse_model(model).to("meta")
     assert meta.weight.device.type == "meta" and isinstance(meta.weight.wrapped_tensor, layout)
     assert meta.weight.shape == (6, 5) and isinstance(meta.weight, torch.nn.Parameter)
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor, sten.CooTensor])
+def test_a_model_on_the_meta_device_infers_shapes(layout):
+    """The forward of a sparse model moved to the meta device raised torch's "Could not run
+    'aten::addmm.out' with arguments from the 'SparseCsrMeta' backend" (COO, CSC likewise)."""
+    builder = sten.SparsityBuilder()
+    builder.set_weight(name="weight", initial_sparsifier=sten.ScalarFractionSparsifier(0.5), out_format=layout)
+    meta = builder.get_sparse_model(torch.nn.Linear(5, 6)).to("meta")
+    x = torch.randn(3, 5, device="meta")
+    for y in (meta(x), torch.mm(meta.weight, x.t()), x @ meta.weight.t(), torch.addmm(meta.bias, x, meta.weight.t())):
+        assert y.device.type == "meta" and y.dtype == torch.float32
+    assert meta(x).shape == (3, 6) and torch.mm(meta.weight, x.t()).shape == (6, 3)
+
+
+def test_sparsifying_a_model_built_on_the_meta_device_says_why_it_cannot():
+    with torch.device("meta"):
+        model = torch.nn.Linear(5, 6)
+    builder = sten.SparsityBuilder()
+    builder.set_weight(name="weight", initial_sparsifier=sten.ScalarFractionSparsifier(0.5), out_format=sten.CsrTensor)
+    with pytest.raises(RuntimeError, match=r"set_weight\('weight'.*the weight is on the meta device, so it has no "
+                                           r"values to sparsify"):
+        builder.get_sparse_model(model)
 
 
 @pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CscTensor])

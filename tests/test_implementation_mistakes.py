@@ -10,8 +10,9 @@ silently untrained weight or another plugin's broken calls.
 - A ``sten_resolve_op`` hook answering something that is not an implementation (a string)
   made calls on *other* plugins' layouts raise ``'str' object is not callable``; the answer is
   warned about, naming the plugin, and skipped.
-- A forward implementation returning ``None`` (out of place) or a numpy / scipy array gave the
-  user that object as the operator's result; it is a ``TypeError`` naming the implementation.
+- A forward implementation returning ``None`` (out of place), a numpy / scipy array, or a number or
+  list for an operator that returns tensors (``F.linear``) gave the user that object as the
+  operator's result; it is a ``TypeError`` naming the implementation.
 """
 
 import types
@@ -62,6 +63,30 @@ def test_a_backward_missing_a_needed_gradient_is_an_error(backward_returning, re
     x = torch.randn(2, 5, requires_grad=True)
     with pytest.raises(TypeError, match=r"returned 1 gradient, but argument 1 of torch.nn.functional.linear needs one"):
         F.linear(x, w).sum().backward()
+
+
+@pytest.mark.parametrize("returns, error, says", [
+    ("a transposed weight gradient", ValueError,
+     r"returned a gradient of shape \(5, 3\) for argument 1 of torch.nn.functional.linear, of shape \(3, 5\)"),
+    ("one gradient too many", TypeError, r"returned 4 gradients, but torch.nn.functional.linear was called with 3"),
+])
+def test_a_backward_returning_a_wrong_gradient_names_the_implementation(backward_returning, returns, error, says):
+    """torch said "Function _DispatchFunctionBackward returned an invalid gradient at index 1",
+    naming neither the implementation nor the argument; a gradient too many went unnoticed."""
+    backward_returning["fn"] = {"a transposed weight gradient": lambda gx, gw: (gx, gw.t()),
+                                "one gradient too many": lambda gx, gw: (gx, gw, None, None)}[returns]
+    w = sten.SparseParameterWrapper(Forgetful.from_dense(torch.randn(3, 5)))
+    x = torch.randn(2, 5, requires_grad=True)
+    with pytest.raises(error, match=rf"the backward implementation .*bwd of .*{says}"):
+        F.linear(x, w).sum().backward()
+
+
+def test_a_backward_may_return_a_broadcast_gradient_that_sums_to_its_argument(backward_returning):
+    backward_returning["fn"] = lambda gx, gw: (gx.expand(3, *gx.shape), gw)
+    w = sten.SparseParameterWrapper(Forgetful.from_dense(torch.randn(3, 5)))
+    x = torch.randn(2, 5, requires_grad=True)
+    F.linear(x, w).sum().backward()
+    torch.testing.assert_close(x.grad, 3 * torch.ones(2, 3) @ w.to_dense())
 
 
 def test_a_backward_may_return_none_for_an_input_that_needs_no_gradient(backward_returning):
@@ -130,6 +155,24 @@ def test_a_sparsifier_implementation_returning_another_format_is_an_error(return
         sten.registry.remove_owner(OWNER)
 
 
+def test_a_sparsifier_implementation_returning_another_shape_is_an_error():
+    """A transposed result was taken: ``Linear(6, 4).weight`` became [6, 4], and the model failed
+    later with a size error naming neither the sparsifier nor its implementation."""
+    try:
+        with sten.registry.owner(OWNER):
+            sten.registry.register_layout(Forgetful)
+            sten.registry.register_sparsifier_implementation(_Picks, torch.Tensor, Forgetful,
+                                                             lambda sp, t: Forgetful.from_dense(t.t()))
+        with pytest.raises(ValueError, match=r"returned shape \(4, 3\) for an input of shape \(3, 4\)"):
+            sten.sparsify(_Picks(), torch.randn(3, 4), Forgetful)
+        sb = sten.SparsityBuilder()
+        sb.set_weight("weight", initial_sparsifier=_Picks(), out_format=Forgetful)
+        with pytest.raises(ValueError, match=r"returned shape \(6, 4\) for an input of shape \(4, 6\)"):
+            sb.get_sparse_model(torch.nn.Linear(6, 4))
+    finally:
+        sten.registry.remove_owner(OWNER)
+
+
 @pytest.mark.parametrize("returns", ["None", "a numpy array", "a scipy matrix"])
 def test_an_implementation_returning_none_or_an_array_is_an_error(returns):
     """A forgotten ``return`` made ``torch.tanh(w)`` give ``None``, and a layout's numpy storage
@@ -147,6 +190,34 @@ def test_an_implementation_returning_none_or_an_array_is_an_error(returns):
         got = {"None": "None", "a numpy array": "a numpy.ndarray", "a scipy matrix": r"a scipy.csr_matrix"}[returns]
         with pytest.raises(TypeError, match=rf"implementation .* of .*tanh.* returned {got}: an implementation returns"):
             torch.tanh(w)
+    finally:
+        sten.registry.remove_owner(OWNER)
+
+
+@pytest.mark.parametrize("returns", ["int", "list"])
+def test_an_implementation_returning_a_number_or_list_for_a_tensor_is_an_error(returns):
+    """``torch.mm`` returns a tensor (its aten schemas say so): an implementation returning ``3``
+    or ``[y]`` gave the user that value, or ``'int' object has no attribute 'shape'`` under autograd."""
+    made = {"int": lambda w, x: 3, "list": lambda w, x: [w.wrapped_tensor.data @ x]}[returns]
+    try:
+        with sten.registry.owner(OWNER):
+            sten.registry.register_layout(Forgetful)
+            sten.registry.register_fwd_op_impl(torch.mm, (Forgetful, torch.Tensor), None,
+                                               lambda ctx, inputs, outs: made(*inputs))
+        for requires_grad in (False, True):
+            w = sten.SparseTensorWrapper(Forgetful.from_dense(torch.randn(3, 4)), requires_grad=requires_grad)
+            with pytest.raises(TypeError, match=rf"implementation .* of .*torch.mm.* returned a value of type {returns}"):
+                torch.mm(w, torch.ones(4, 2))
+    finally:
+        sten.registry.remove_owner(OWNER)
+
+
+def test_an_implementation_of_an_operator_returning_a_number_may_return_one():
+    try:
+        with sten.registry.owner(OWNER):
+            sten.registry.register_layout(Forgetful)
+            sten.registry.register_fwd_op_impl(torch.Tensor.dim, (Forgetful,), None, lambda ctx, inputs, outs: 2)
+        assert sten.SparseTensorWrapper(Forgetful.from_dense(torch.zeros(2, 2))).dim() == 2
     finally:
         sten.registry.remove_owner(OWNER)
 

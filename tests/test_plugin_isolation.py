@@ -229,6 +229,38 @@ def test_raising_convert_hook_is_skipped_with_one_warning(plugins):
         sten.convert(csr, UnreachableLayout)
 
 
+class ConvertedLayout(DenseCopyLayout):
+    """A layout a test plugin converts built-in COO tensors into, to run its cumsum."""
+
+
+def cumsum_impl(ctx, inputs, output_sparsifiers):
+    return torch.cumsum(inputs[0].to_dense(), inputs[1])
+
+
+@pytest.mark.parametrize("conversion, says", [
+    (lambda coo: ConvertedLayout.from_dense(coo.to_dense()[:, :, 0]), r"failed on these inputs.*IndexError"),
+    (lambda coo: ConvertedLayout.from_dense(coo.to_dense().clamp(min=0)),
+     r"Lossy conversion CooTensor -> ConvertedLayout.*registered by iso-conversion"),
+], ids=["raises IndexError", "drops negatives"])
+def test_a_plugins_broken_conversion_does_not_break_calls_on_built_in_tensors(plugins, conversion, says):
+    """The dispatcher routed ``torch.cumsum`` of a built-in ``CooTensor`` through a plugin's
+    ``CooTensor -> ConvertedLayout`` conversion to the plugin's cumsum: a conversion raising
+    ``IndexError`` crashed the call (only ValueError, TypeError, ... counted as refusals) and a
+    lossy one gave a wrong result without a word."""
+    @api.hookimpl
+    def sten_register(registry):
+        registry.register_layout(ConvertedLayout)
+        registry.register_conversion(sten.CooTensor, ConvertedLayout, conversion)
+        registry.register_fwd_op_impl(torch.cumsum, (ConvertedLayout, None), [(sten.KeepAll, T)], cumsum_impl)
+
+    assert plugins("iso-conversion", sten_register=sten_register)
+    d = torch.tensor([[1.0, -2.0, 0.0], [0.0, 3.0, -4.0]])
+    w = sten.SparseTensorWrapper(sten.CooTensor.from_dense(d))
+    with pytest.warns(sten.DispatchWarning, match=says):
+        torch.testing.assert_close(densify(torch.cumsum(w, 1)), torch.cumsum(d, 1))
+    torch.testing.assert_close(densify(torch.cumsum(w, 1)), torch.cumsum(d, 1))  # and again, without the check
+
+
 # -- B3: registrations check their arguments ------------------------------------------------------------
 
 @pytest.mark.parametrize("register, argument", [
@@ -240,6 +272,7 @@ def test_raising_convert_hook_is_skipped_with_one_warning(plugins):
      "sparsifier"),
     (lambda: registry.register_sparsifier_implementation(float, T, IsolationLayout, lambda sp, t: t), "sparsifier"),
     (lambda: registry.register_conversion(IsolationLayout, sten.CooTensor, None), "fn"),
+    (lambda: registry.register_conversion(IsolationLayout, sten.CooTensor, lambda src, extra: src), "fn"),
     (lambda: registry.register_layout(IsolationLayout, name=123), "name"),
 ])
 def test_registry_refuses_what_it_cannot_call(register, argument):

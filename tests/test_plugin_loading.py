@@ -306,3 +306,21 @@ def test_a_user_implementation_registered_before_the_first_call_runs(tmp_path):
 
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_register_plugin_does_not_replace_an_installed_plugin_silently():
+    """A test plugin registered as "builtin" (or as an installed plugin's name: "nm") removed that
+    plugin and everything it registered (``F.linear`` on an n:m weight quietly left its kernel);
+    re-registering one's own plugin under its name (a notebook cell run again) still replaces it."""
+    sten.plugins.ensure_loaded()
+    mine = types.ModuleType("mine")
+    with pytest.raises(ValueError, match=r"^name: a plugin named 'builtin' is installed and loaded "
+                                         r"\(sten_core.builtin.plugin\).*unregister_plugin\('builtin'\) first"):
+        sten.plugins.register_plugin(mine, name="builtin")
+    assert "CsrTensor" in sten.registry.layouts
+    try:
+        assert sten.plugins.register_plugin(mine, name="test-mine")
+        assert sten.plugins.register_plugin(types.ModuleType("mine-again"), name="test-mine")
+        assert sten.plugins.get_plugin_manager().get_plugin("test-mine").__name__ == "mine-again"
+    finally:
+        sten.plugins.unregister_plugin("test-mine")

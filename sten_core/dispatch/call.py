@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any
 
@@ -74,9 +75,31 @@ def run_impl(plan: Plan, ctx: OpContext, specs: CallSpecs | None) -> Any:
     raw = plan.entry.fn(ctx, ctx.inputs, _KEEP_ALL_LIST if specs is None else specs.sparsifiers)
     if type(raw) in DENSE_TYPES:
         return raw
-    if raw is None or _foreign_array(raw):
+    if raw is None or _foreign_array(raw) or (type(raw) in _NOT_TENSORS and returns_tensors(ctx.op)):
         _check_result(plan, ctx, raw)
     return wrap(raw)
+
+
+_NOT_TENSORS = frozenset({int, float, bool, complex, str, list})
+"""Results an implementation of an operator that returns tensors only gives by mistake."""
+
+
+@functools.lru_cache(maxsize=None)
+def returns_tensors(op: Any) -> bool:
+    """Whether every aten schema of ``op`` (``F.linear``: ``aten::linear``) returns tensors only
+    (one or a tuple); ``False`` where one returns something else (``Tensor.dim``, ``torch.split``'s
+    list) or there is no such schema (nothing known).
+
+    Example:
+        >>> returns_tensors(torch.nn.functional.linear), returns_tensors(torch.Tensor.dim)
+        (True, False)
+    """
+    if isinstance(op, torch._ops.OpOverload):
+        schemas = [op._schema]
+    else:
+        name = getattr(op, "__name__", "")
+        schemas = torch._C._jit_get_schemas_for_operator(f"aten::{name}") if name.isidentifier() else []
+    return bool(schemas) and all(s.returns and all(str(r.type) == "Tensor" for r in s.returns) for s in schemas)
 
 
 _ARRAY_RESULT_OPS = frozenset({torch.Tensor.numpy, torch.Tensor.__array__})
@@ -92,13 +115,15 @@ def _foreign_array(value: Any) -> bool:
 
 def _check_result(plan: Plan, ctx: OpContext, raw: Any) -> None:
     """Refuse what an implementation of an out-of-place operator can only have returned by mistake:
-    ``None`` (a forgotten ``return``) or a numpy / scipy array (a layout's storage not wrapped);
-    either one reached the user as the operator's result and failed far from its cause."""
+    ``None`` (a forgotten ``return``), a numpy / scipy array (a layout's storage not wrapped), or a
+    number or list from an operator that returns tensors (``F.linear`` returning ``[y]``); each
+    reached the user as the operator's result and failed far from its cause."""
     if raw is None and is_inplace(ctx.op, ctx.call_args[1]):
         return
     if raw is not None and ctx.op in _ARRAY_RESULT_OPS:
         return
-    got = "None" if raw is None else f"a {type(raw).__module__.split('.')[0]}.{type(raw).__name__}"
+    got = "None" if raw is None else f"a value of type {type(raw).__name__}" if type(raw) in _NOT_TENSORS else \
+        f"a {type(raw).__module__.split('.')[0]}.{type(raw).__name__}"
     raise TypeError(
         f"the implementation {op_name(plan.entry.fn)} of {plan.key.describe()} returned {got}: an implementation "
         "returns the operator's result (a torch.Tensor, a layout object, which STen wraps, or a tuple of them)")
@@ -346,6 +371,7 @@ class _Call:
                 f"{', '.join(map(str, missing))} of {op_name(self.op)} need{'s' if len(missing) == 1 else ''} one: "
                 "return one gradient (or None) per argument, in the operator's signature order")
         raw = tuple(wrap(g) for g in raw)
+        self._check_gradients(raw, needs, plan, key)
         if active():
             notify("op", key, plan.kind, time.perf_counter() - started)
         per_slot: list[list] = [[] for _ in range(self.n_unique)]
@@ -369,6 +395,30 @@ class _Call:
                     total = total + densify(g)
                 out.append(self._formatted(total, spec_of[k], values[k]))
         return tuple(out)
+
+    def _check_gradients(self, raw: tuple, needs: tuple, plan: Plan, key: OpKey) -> None:
+        """Refuse gradients that autograd would reject without naming the implementation ("returned
+        an invalid gradient at index 1") or take silently: more gradients than the operator has
+        arguments, or a gradient whose shape does not sum to its argument's (torch sums a
+        broadcast gradient, as for a bias)."""
+        what = f"the backward implementation {op_name(plan.entry.fn)} of {key.describe()}"
+        if len(raw) > len(self.bound):
+            raise TypeError(f"{what} returned {len(raw)} gradients, but {op_name(self.op)} was called with "
+                            f"{len(self.bound)} argument(s): return one gradient (or None) per argument")
+        for pos in self.positions:
+            g = raw[pos] if pos < len(raw) else None
+            value = self.bound[pos]
+            if g is None or not needs[self.slot_of[pos]] or not isinstance(value, torch.Tensor) \
+                    or g.shape == value.shape:
+                continue
+            try:
+                fits = torch.broadcast_shapes(g.shape, value.shape) == g.shape
+            except RuntimeError:
+                fits = False
+            if not fits:
+                raise ValueError(f"{what} returned a gradient of shape {tuple(g.shape)} for argument {pos} of "
+                                 f"{op_name(self.op)}, of shape {tuple(value.shape)}: a gradient has its "
+                                 "argument's shape")
 
     @staticmethod
     def _formatted(grad: Any, spec: Any, value: Any, inline_done: bool = False) -> Any:

@@ -118,13 +118,67 @@ def _convert(value: Any, target: type) -> Any:
 def _registered_conversion(layout: Any, target: type) -> Any:
     """``layout`` converted to ``target`` by the registered conversions, else the
     ``sten_convert`` hook (a raising plugin: warned); ``None`` where neither serves. A
-    step may refuse this tensor (shape, dtype, device): its error propagates, callers decide."""
-    path = conversion_path(type(layout), target)
+    step may refuse this tensor (shape, dtype, device): its error propagates, callers decide.
+    A registered path is checked on its first use (``_exact_on_first_use``): one that changes
+    values is not used again (``None``: the caller goes through dense)."""
+    source = type(layout)
+    path = conversion_path(source, target)
     if path is not None:
+        if (source, target) in _lossy:
+            return None
+        result = layout
         for fn in path:
-            layout = fn(layout)
-        return layout
+            result = fn(result)
+        if (source, target) not in _exact and not _exact_on_first_use(layout, result, target):
+            return None
+        return result
     return plugins.first_result("sten_convert", tensor=layout, target=target)
+
+
+_exact: set[tuple[type, type]] = set()
+_lossy: set[tuple[type, type]] = set()
+"""Pairs of layout classes whose registered conversion path kept / changed the values on its
+first use (cleared when the registry changes)."""
+
+
+def _exact_on_first_use(layout: Any, result: Any, target: type) -> bool:
+    """Whether a registered conversion path gave ``layout``'s values (checked once per pair of
+    layout classes; tensors without values, meta or fake, are not checked). A path that changes
+    them is warned about (raised in raise mode), naming who registered it, and not used again: a
+    plugin's lossy ``CooTensor -> Mine`` conversion gave wrong answers for ``torch.cumsum`` of a
+    built-in ``CooTensor``, which the dispatcher routed through it to the plugin's cumsum."""
+    source = type(layout)
+    before = to_dense_tensor(layout)
+    if _without_values(before):
+        return True
+    after = to_dense_tensor(result)
+    if same_values(after, before):
+        _exact.add((source, target))
+        return True
+    _lossy.add((source, target))
+    owners = sorted({str(registry.owner_of("conversions", key)) for key in _path_keys(source, target)})
+    fail(f"Lossy conversion {source.__name__} -> {target.__name__}: the registered conversion (registered by "
+         f"{', '.join(owners)}) changed the values on its first use, so it is not used: conversions to "
+         f"{target.__name__} go through dense ({target.__name__}.from_dense) instead. A registered conversion "
+         f"must keep every value (sten_core.testing.check_layout checks a layout's conversions)",
+         ("lossy registered conversion", source, target))
+    return False
+
+
+def _without_values(dense: Any) -> bool:
+    """Whether ``dense`` has no values to compare (meta, fake, traced)."""
+    if not isinstance(dense, torch.Tensor) or dense.device.type == "meta" or torch.compiler.is_compiling():
+        return True
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(dense)
+
+
+def _path_keys(source: type, target: type) -> list[tuple[type, type]]:
+    """The registry keys of the conversion path ``source -> target``."""
+    fns = conversion_path(source, target) or ()
+    by_fn = {id(fn): key for key, fn in registry.conversions.items()}
+    return [by_fn[id(fn)] for fn in fns if id(fn) in by_fn]
 
 
 def convert_exactly(value: SparseTensorWrapper, target: SparseTensorWrapper, what: str, advice: str) -> Any:
@@ -146,7 +200,7 @@ def convert_exactly(value: SparseTensorWrapper, target: SparseTensorWrapper, wha
     dense = to_dense_tensor(layout)
     try:
         registered = _registered_conversion(layout, target_cls)
-    except _REFUSALS as error:  # a refusing step: the exact conversion through dense may still serve
+    except Exception as error:  # a refusing (or broken) step: the exact conversion through dense may still serve
         _reraise_failures(error)
         registered = None
     if registered is not None and same_values(to_dense_tensor(registered), dense):
@@ -185,12 +239,14 @@ def wrap(value: Any) -> Any:
 refusals: dict[OpKey, str] = {}
 """The last refusal per convert plan's key, for the fallback's message."""
 _REFUSALS = (ValueError, TypeError, RuntimeError, NotImplementedError)
-"""What a conversion raises to say it does not apply (shape, dtype, device, rank)."""
+"""What a conversion raises to say it does not apply (shape, dtype, device, rank). Any other
+exception (a plugin's ``IndexError``) is taken as a refusal too, named as a failure in the
+fallback's message: one plugin's broken conversion must not break calls on another's tensors."""
 
 
 def _reraise_failures(error: Exception) -> None:
-    """Raise ``error`` again when it is a failure, not a refusal (raise mode's ``DispatchError``,
-    running out of memory), among the ``_REFUSALS`` a conversion was caught raising."""
+    """Raise ``error`` again when it is a failure of the call, not of the conversion (raise
+    mode's ``DispatchError``, running out of memory)."""
     if isinstance(error, (DispatchError, torch.OutOfMemoryError)):
         raise error
 
@@ -202,13 +258,16 @@ def converted_inputs(bound: list, positions: list[int], plan: Plan, detach: bool
     try:
         return [convert(v, c) if c is not None else v for v, c in zip(inputs, plan.conversions)] \
             + inputs[len(plan.conversions):]
-    except _REFUSALS as error:
+    except Exception as error:  # (a plugin's broken conversion too: IndexError, KeyError, ...)
         _reraise_failures(error)
         steps = ", ".join(f"{layout_of(v).__name__} -> {c.__name__}" for v, c in zip(inputs, plan.conversions)
                           if c is not None)
-        refusals[plan.key] = f"the conversion {steps} refused these inputs ({type(error).__name__}: {error})"
+        verb = "refused these inputs" if isinstance(error, _REFUSALS) else "failed on these inputs (a plugin bug?)"
+        refusals[plan.key] = f"the conversion {steps} {verb} ({type(error).__name__}: {error})"
         return None
 
 
 _path_cache: dict[tuple[type, type], tuple | None] = {}
 registry.on_change(_path_cache.clear)
+registry.on_change(_exact.clear)
+registry.on_change(_lossy.clear)

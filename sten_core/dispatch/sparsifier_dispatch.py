@@ -83,7 +83,8 @@ def _resolve_sparsifier(key: OpKey) -> tuple[PlanKind, Callable]:
 
 def _call_sparsifier_entry(entry: Entry, out: type) -> Callable:
     """The sparsifier implementation of ``entry`` as ``impl(sp, t, grad_fmt=None)``, its result
-    wrapped and checked to be what it was registered to produce (``out``)."""
+    wrapped and checked to be what it was registered to produce (``out``) in ``t``'s shape (a
+    transposed result made ``Linear(6, 4).weight`` [6, 4], failing later with a size error)."""
     fn = entry.fn
     takes_grad_fmt = entry.arity >= 3
 
@@ -95,6 +96,10 @@ def _call_sparsifier_entry(entry: Entry, out: type) -> Callable:
                             f"returned a {got}: return "
                             + ("a dense torch.Tensor" if out is torch.Tensor else
                                f"a {out.__name__} (a bare layout or a SparseTensorWrapper of one)"))
+        if result.shape != t.shape:
+            raise ValueError(f"the sparsifier implementation {op_name(fn)}, registered for out={out.__name__}, "
+                             f"returned shape {tuple(result.shape)} for an input of shape {tuple(t.shape)}: a "
+                             "sparsifier keeps the tensor's shape")
         return result
 
     return run

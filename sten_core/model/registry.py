@@ -404,7 +404,7 @@ class Registry:
 
     def register_conversion(self, src: type, dst: type, fn: Callable[[Any], Any]) -> Callable:
         """Register a lossless conversion ``fn(src_layout_obj) -> dst_layout_obj``."""
-        _check_callable(fn, "fn", "fn(src_layout_obj) -> dst_layout_obj")
+        _check_callable(fn, "fn", "fn(src_layout_obj) -> dst_layout_obj", nargs=1)
         self._put("conversions", (_layout_entry(src, "src"), _layout_entry(dst, "dst")), fn)
         return fn
 

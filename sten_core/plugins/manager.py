@@ -203,15 +203,29 @@ def _warn_hook_error(plugin_name: str, hook_name: str, error: Exception, what: s
 def register_plugin(plugin: Any, name: str | None = None) -> bool:
     """Register a plugin object or module directly (no entry point needed).
 
-    Returns whether it loaded; a failure is reported as for installed plugins.
+    Returns whether it loaded; a failure is reported as for installed plugins. A plugin already
+    registered under ``name`` this way (or the same plugin again) is replaced; an installed one
+    that ``ensure_loaded`` loaded is not: a ``ValueError`` asks for another name.
     """
     ensure_loaded()
     with _lock:
         name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
         pm = get_plugin_manager()
         if pm.has_plugin(name):
-            unregister_plugin(name)
+            current = pm.get_plugin(name)
+            if current is not plugin and name in _loaded_at_start:
+                raise ValueError(
+                    f"name: a plugin named {name!r} is installed and loaded "
+                    f"({getattr(current, '__name__', type(current).__name__)}); registering another under that name "
+                    f"would remove it and everything it registered. Register this one under another name "
+                    f"(register_plugin(plugin, name=...)), or unregister_plugin({name!r}) first to replace it")
+            unregister_plugin(name)   # the same plugin again (a notebook cell re-run), or one registered here
         return _register_into(pm, plugin, name)
+
+
+_loaded_at_start: set[str] = set()
+"""The built-in and installed plugins ``ensure_loaded`` loaded: ``register_plugin`` does not
+replace one of them silently (a test plugin named "nm" removed ``NMTensor``)."""
 
 
 def unregister_plugin(name: str) -> None:
@@ -262,7 +276,8 @@ def ensure_loaded() -> None:
 def _load_all(deferred: list) -> None:
     pm = get_plugin_manager()
     for name, module in BUILTIN_PLUGINS.items():
-        _register_into(pm, importlib.import_module(module), name, deferred)
+        if _register_into(pm, importlib.import_module(module), name, deferred):
+            _loaded_at_start.add(name)
     only = _names_from_env("STEN_PLUGINS")
     disabled = _names_from_env("STEN_DISABLE_PLUGINS") or set()
     entry_points = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
@@ -284,7 +299,8 @@ def _load_all(deferred: list) -> None:
         except Exception as error:
             _report(ep.name, error, deferred)
             continue
-        _register_into(pm, module, ep.name, deferred)
+        if _register_into(pm, module, ep.name, deferred):
+            _loaded_at_start.add(ep.name)
 
 
 def reset() -> None:
@@ -296,6 +312,7 @@ def reset() -> None:
                 registry.remove_owner(name)
         _pm, _loaded = None, False
         failed.clear()
+        _loaded_at_start.clear()
         _hook_errors_warned.clear()
 
 

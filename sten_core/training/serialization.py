@@ -107,9 +107,27 @@ def rebuild_sparse(is_param: bool, layout_name: str, shape: tuple, tensors: tupl
         raise RuntimeError(LEGACY_FORMAT.format(what="this file's sparse tensors cannot be rebuilt"))
     plugins.ensure_loaded()
     layout_cls = registry.layout(layout_name)
-    layout = layout_cls.from_state_tensors(tuple(tensors), tuple(shape))
+    if not callable(getattr(layout_cls, "from_state_tensors", None)):
+        raise TypeError(f"the checkpoint holds a {layout_name!r} tensor, and the layout registered under that name now "
+                        f"({_described(layout_cls, layout_name)}) cannot rebuild one (no from_state_tensors): the "
+                        "plugin whose layout saved it is probably not installed, or disabled")
+    try:
+        layout = layout_cls.from_state_tensors(tuple(tensors), tuple(shape))
+    except Exception as error:
+        try:
+            named = type(error)(f"rebuilding the checkpoint's {layout_name!r} tensor of shape {tuple(shape)} with "
+                                f"{_described(layout_cls, layout_name)} failed: {error}")
+        except Exception:  # an exception class that takes other arguments: as it is
+            raise error from None
+        raise named from error
     cls = SparseParameterWrapper if is_param else SparseTensorWrapper
     return cls(layout, requires_grad, _grad_format(grad_format, layout_cls))
+
+
+def _described(layout_cls: type, name: str) -> str:
+    """``module.Class, registered by plugin 'x'``: which class a layout name resolves to now."""
+    owner = registry.owner_of("layouts", name)
+    return f"{layout_cls.__module__}.{layout_cls.__qualname__}" + (f", registered by {owner!r}" if owner else "")
 
 
 LEGACY_FORMAT = ("STen: torch.save's legacy format (_use_new_zipfile_serialization=False) does not hold sparse "
