@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ from sten_core.dispatch.errors import Unsupported
 from sten_core.model.helpers import register_weight_product
 from sten_core.model.signatures import op_name
 from sten_core.model.sparsifiers import KeepAll
-from sten_core.model.tensor import SparseTensorWrapper
+from sten_core.model.tensor import SparseTensorWrapper, map_tensors
 from sten_core.builtin.torch_layouts import CooTensor, CscTensor, CsrTensor, _Compressed
 
 SPARSE_2D = (CooTensor, CsrTensor, CscTensor)
@@ -365,19 +366,36 @@ def add_union_bwd(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tup
     return g, g * _alpha(ctx)
 
 
+def shapes_on_meta(fwd: Callable) -> Callable:
+    """``fwd``, except that a call with an operand on the meta device (a model moved there with
+    ``model.to("meta")``) gives the dense operator's meta result: torch's sparse kernels have no
+    meta implementation ("Could not run 'aten::addmm.out' ... 'SparseCsrMeta' backend")."""
+    @functools.wraps(fwd)
+    def run(ctx: Any, inputs: list, output_sparsifiers: list) -> Any:
+        if any(isinstance(v, SparseTensorWrapper) and v.wrapped_tensor.data.is_meta for v in inputs):
+            args, kwargs = ctx.call_args
+            return ctx.op(*map_tensors(_meta_empty, args), **map_tensors(_meta_empty, kwargs))
+        return fwd(ctx, inputs, output_sparsifiers)
+    return run
+
+
+def _meta_empty(t: Any) -> Any:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, SparseTensorWrapper) else t
+
+
 def register(registry: Any) -> None:
     keep = (KeepAll, T)
     for L in SPARSE_2D:
-        register_weight_product(registry, F.linear, L, linear_fwd, linear_bwd(False), linear_bwd(True))
+        register_weight_product(registry, F.linear, L, shapes_on_meta(linear_fwd), linear_bwd(False), linear_bwd(True))
         for op in MM_OPS | MATMUL_OPS:  # the method forms too (``W @ x`` is ``Tensor.matmul``)
-            registry.register_fwd_op_impl(op, (L, T), [keep], mm_sparse_dense_fwd)
+            registry.register_fwd_op_impl(op, (L, T), [keep], shapes_on_meta(mm_sparse_dense_fwd))
             registry.register_bwd_op_impl(op, (T,), (keep, keep), (L, T), mm_sparse_dense_bwd)
-            registry.register_fwd_op_impl(op, (T, L), [keep], mm_dense_sparse_fwd)
+            registry.register_fwd_op_impl(op, (T, L), [keep], shapes_on_meta(mm_dense_sparse_fwd))
             registry.register_bwd_op_impl(op, (T,), (keep, keep), (T, L), mm_dense_sparse_bwd)
         for X in SPARSE_2D:  # a sparse input times a sparse weight (paper A.1)
-            register_weight_product(registry, F.linear, L, linear_sparse_sparse_fwd, linear_sparse_sparse_bwd(False),
-                                    linear_sparse_sparse_bwd(True), input_layout=X)
-        registry.register_fwd_op_impl(torch.addmm, (T, T, L, ...), [keep], addmm_dense_sparse_fwd)  # beta, alpha
+            register_weight_product(registry, F.linear, L, shapes_on_meta(linear_sparse_sparse_fwd),
+                                    linear_sparse_sparse_bwd(False), linear_sparse_sparse_bwd(True), input_layout=X)
+        registry.register_fwd_op_impl(torch.addmm, (T, T, L, ...), [keep], shapes_on_meta(addmm_dense_sparse_fwd))  # beta, alpha
         registry.register_bwd_op_impl(torch.addmm, (T,), (keep, keep, keep), (T, T, L), addmm_dense_sparse_bwd(False))
         registry.register_bwd_op_impl(torch.addmm, (T,), (keep, keep, (KeepAll, L)), (T, T, L),
                                       addmm_dense_sparse_bwd(True))

@@ -48,6 +48,8 @@ class WrapperView(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: tuple, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            return _traced(super(), func, types, args, kwargs)
         with _Plain():
             out = func(*args, **kwargs)
         target = kwargs.get("out") if kwargs.get("out") is not None else (args[0] if args else None)
@@ -58,10 +60,22 @@ class WrapperView(torch.Tensor):
                 write_back(wrapper, root)
                 warn_if_dropped(func, wrapper, root)
             return out
-        first = next((a for a in args if isinstance(a, WrapperView)), None)
-        if first is None:
+        source = next((a._sten_source for a in args if hasattr(a, "_sten_source")), None)
+        if source is None:   # (a compiled graph's output made a WrapperView has none)
             return out
-        return views_of(out, *first._sten_source)
+        return views_of(out, *source)
+
+
+def _traced(parent: Any, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """A view's call while torch.compile traces (the eager result of a graph-broken STen call taken
+    as a graph's input): ``torch.Tensor``'s own ``__torch_function__``, which Dynamo traces as a
+    plain tensor's call (writes through the view in compiled code are not written back). A
+    tensor-valued attribute (``h.T``) is read from a plain alias: Dynamo calls
+    ``__torch_function__`` again for it, whatever ``DisableTorchFunctionSubclass`` says, without end."""
+    if getattr(func, "__name__", None) == "__get__" and len(args) == 1:
+        with _Plain():
+            return func(args[0].as_subclass(torch.Tensor))
+    return parent.__torch_function__(func, types, args, kwargs)
 
 
 def _shares(tensor: Any, root: torch.Tensor) -> bool:
@@ -102,6 +116,8 @@ class GradView(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: tuple, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            return _traced(super(), func, types, args, kwargs)
         target = kwargs.get("out") if kwargs.get("out") is not None else (args[0] if args else None)
         if isinstance(target, GradView) and is_inplace(func, kwargs) and func not in _NOT_WRITES:
             raise RuntimeError(
@@ -111,10 +127,10 @@ class GradView(torch.Tensor):
                 "place (torch.where, index_put)")
         with _Plain():
             out = func(*args, **kwargs)
-        first = next((a for a in args if isinstance(a, GradView)), None)
-        if first is None:
+        root = next((a._sten_root for a in args if hasattr(a, "_sten_root")), None)
+        if root is None:   # (a compiled graph's output made a GradView has none)
             return out
-        return grad_views_of(out, first._sten_root)
+        return grad_views_of(out, root)
 
 
 def grad_views_of(out: Any, root: torch.Tensor) -> Any:

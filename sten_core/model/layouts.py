@@ -223,7 +223,13 @@ def to_dense_tensor(layout: Any) -> torch.Tensor:
         >>> to_dense_tensor(sten.DenseTensor(torch.ones(2, 3).t())).is_contiguous()
         True
     """
-    dense = layout.to_dense()
+    try:
+        dense = layout.to_dense()
+    except NotImplementedError:
+        shape, dtype, device = layout_metadata(layout)
+        if device.type != "meta":
+            raise
+        return torch.empty(shape, dtype=dtype, device=device)  # torch's sparse COO has no meta to_dense
     if not isinstance(dense, torch.Tensor):
         import numpy as np
 

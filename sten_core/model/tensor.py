@@ -18,7 +18,8 @@ Example:
 from __future__ import annotations
 
 import copy
-from typing import Any
+import inspect
+from typing import Any, Callable
 
 import torch
 
@@ -163,12 +164,7 @@ class SparseTensorWrapper(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         handler = _HANDLERS.get(func)
         if handler is None:
-            if _is_compiling():  # Dynamo is tracing: the compiled implementation, if any
-                out = services.compiled_call(func, args, kwargs or {})
-                if out is not services.MISSING:
-                    return out
-                return _eager_dispatch()(func, args, kwargs or {})
-            return services.dispatch_call(func, args, kwargs or {})
+            return _dispatched(func, args, kwargs or {})
         kwargs = kwargs or {}
         if handler is _PASS:
             with torch._C.DisableTorchFunctionSubclass():
@@ -450,6 +446,17 @@ _is_compiling = torch.compiler.is_compiling
 _EAGER_DISPATCH: list = []
 
 
+def _dispatched(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A call on wrappers through STen's dispatcher; while Dynamo traces, the compiled
+    implementation if there is one, else the eager dispatcher behind one graph break."""
+    if _is_compiling():
+        out = services.compiled_call(func, args, kwargs)
+        if out is not services.MISSING:
+            return out
+        return _eager_dispatch()(func, args, kwargs)
+    return services.dispatch_call(func, args, kwargs)
+
+
 def _eager_dispatch() -> Any:
     """``dispatch_call`` as Dynamo runs it while tracing a call without a compiled implementation:
     one graph break, the eager dispatcher run as is, never traced into (its caches, conversions
@@ -729,6 +736,28 @@ def _view_as(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return same if same is not None else self.view(other.shape)
 
 
+def _switched_off_dropout(func: Any) -> Callable:
+    """The handler of a dropout function (``F.dropout``, ``F.alpha_dropout``, ...): a call that drops
+    nothing (``training=False``, as an ``nn.Dropout`` in eval mode calls it, or ``p=0``) returns its
+    input itself, as dense torch does. It ran densely: a sparse intermediate reached the next layer
+    as a dense view, which then ran its dense kernel instead of the sparse one."""
+    signature = inspect.signature(func)
+
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            bound = None
+        if bound is not None:
+            bound.apply_defaults()
+            given, p, training = bound.arguments["input"], bound.arguments["p"], bound.arguments["training"]
+            if isinstance(given, SparseTensorWrapper) and isinstance(p, (int, float)) and 0 <= p <= 1 \
+                    and (not training or p == 0):
+                return given
+        return _dispatched(func, args, kwargs)
+    return handler
+
+
 def _module_load(self: torch.Tensor, other: Any, assign: bool = False) -> Any:
     """``Tensor.module_load``: what ``load_state_dict`` swaps into a parameter when
     ``torch.__future__.set_swap_module_params_on_conversion(True)`` is on. As without the flag
@@ -789,5 +818,8 @@ _SPECIAL = {_T.detach: _detach, _T.to_dense: _to_dense_method, _T.data.__get__: 
             _T.data.__set__: _set_data, _T.requires_grad_: _requires_grad_,
             _T.requires_grad.__set__: _set_requires_grad, _T.view_as: _view_as, _T.expand_as: _expand_as,
             _T.module_load: _module_load}
+_F = torch.nn.functional
+_SPECIAL.update({f: _switched_off_dropout(f) for f in (_F.dropout, _F.dropout1d, _F.dropout2d, _F.dropout3d,
+                                                        _F.alpha_dropout, _F.feature_alpha_dropout)})
 _PASS = object()  # marks functions that run as on any tensor (metadata)
 _HANDLERS: dict = {**{f: _PASS for f in _PASSTHROUGH}, **_SPECIAL}

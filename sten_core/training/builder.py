@@ -360,8 +360,13 @@ class SparsityBuilder:
         try:
             return self._sparse_weight(name, dense, initial, spec)
         except Exception as e:
-            raise _with_context(e, f"set_weight({name!r}, initial_sparsifier={initial!r}, tmp_format="
-                                   f"{spec.tmp_format.__name__}, out_format={spec.out_format.__name__})") from e
+            context = (f"set_weight({name!r}, initial_sparsifier={initial!r}, tmp_format={spec.tmp_format.__name__}, "
+                       f"out_format={spec.out_format.__name__})")
+            if dense.is_meta:
+                context += (": the weight is on the meta device, so it has no values to sparsify: build the dense "
+                            "model on a real device, sparsify it, then move it (model.to('meta'), to_empty + "
+                            "load_state_dict)")
+            raise _with_context(e, context) from e
 
     def _sparse_weight(self, name: str, dense: torch.Tensor, initial: Any, spec: OutputSpec) -> Any:
         with torch.no_grad():
