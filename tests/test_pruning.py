@@ -507,6 +507,47 @@ def test_nm_layouts_of_sten_nm():
         assert type(model.fc2.weight.wrapped_tensor) is layout
 
 
+@pytest.mark.parametrize("method", ["magnitude", "wanda", "sparsegpt"])
+def test_a_sparsity_into_an_nm_layout_is_refused_before_anything_changes(method):
+    """Magnitude pruning to 50 % into ``NMTensor`` re-pruned the unstructured mask to 2:4 (27 of
+    the 32 values kept) with only a warning; Wanda and SparseGPT raised "nm_compress: the mask
+    keeps more than n of some group of m". Each now raises the documented ValueError, saying to
+    ask for the pattern, before any weight is replaced."""
+    sten_nm = pytest.importorskip("sten_nm", reason="the sten_nm plugin is not installed")
+    torch.manual_seed(0)
+    model = TinyMLP(features=32, hidden=64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"NMTensor cannot store the mask .* ask for its pattern \(pattern=\(n, m\)"):
+        sten.prune(model, [correlated_inputs(64, 32)], method, sparsity=0.5, out_format=sten_nm.NMTensor)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    sten.prune(model, [correlated_inputs(64, 32)], method, pattern=(2, 4), out_format=sten_nm.NMTensor)
+    _check_nm(model.fc1.weight.to_dense() != 0, 2, 4)
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda", "sparsegpt"])
+def test_a_nan_weight_prunes_into_csr_as_into_dense(method):
+    """A NaN weight made Wanda and SparseGPT into CsrTensor fail with "CsrTensor cannot store the
+    mask ... (e.g. CsrTensor ...)": the stored check compared NaN with NaN."""
+    torch.manual_seed(0)
+    x = correlated_inputs(64, 32)
+    dense, csr = TinyMLP(features=32, hidden=64), TinyMLP(features=32, hidden=64)
+    with torch.no_grad():
+        dense.fc1.weight[3, 5] = float("nan")
+    csr.load_state_dict(dense.state_dict())
+    sten.prune(dense, [x], method, sparsity=0.5, layers=["fc1"])
+    sten.prune(csr, [x], method, sparsity=0.5, layers=["fc1"], out_format=sten.CsrTensor)
+    torch.testing.assert_close(csr.fc1.weight.to_dense(), dense.fc1.weight.detach(), equal_nan=True)
+
+
+def test_float64_calibration_statistics_stay_float64():
+    x = torch.randn(16, 8, dtype=torch.float64)
+    assert input_hessian(x).dtype == torch.float64 and input_hessian(x.float()).dtype == torch.float32
+    norms = InputNorms(8)
+    norms.update(x)
+    assert norms.result().dtype == torch.float64
+    torch.testing.assert_close(input_hessian(x), 2 * x.t() @ x / 16)
+
+
 def test_sparse24_layout_of_sten_cuda24():
     sten_cuda24 = pytest.importorskip("sten_cuda24", reason="the sten_cuda24 plugin is not installed")
     torch.manual_seed(0)

@@ -681,3 +681,15 @@ def test_a_name_that_is_not_a_parameter_says_what_it_is(name, says):
                 lambda: sten.SparsityBuilder(model).set_weight(name, sten.ScalarFractionSparsifier(0.5))):
         with pytest.raises(ValueError, match=rf"unknown weight '{name}': it {says}"):
             add()
+
+
+def test_a_schedule_starting_dense_in_a_layout_that_cannot_hold_dense_says_so():
+    """``OneShot(0.5, step=2)`` keeps every value until step 2, which ``NMTensor`` cannot hold: the
+    error was nm_compress's "the mask keeps more than n of some group of m", nothing about why."""
+    sten_nm = pytest.importorskip("sten_nm")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    scheduler = SparsityScheduler(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"NMTensor cannot store '0.weight' at sparsity 0: .*keeps every value until "
+                                         r"it starts pruning.*start the schedule at step 0"):
+        scheduler.add("0.weight", OneShot(0.5, step=2), layout=sten_nm.NMTensor,
+                      sparsifier=sten_nm.NMSparsifier(2, 4, dim=1))

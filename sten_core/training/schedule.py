@@ -792,7 +792,11 @@ class SparsityScheduler:
         try:
             layout_obj = layout_from_mask(entry.layout, dense, new, params)
         except ValueError as err:
-            raise ValueError(f"{where}: {err}") from err
+            dense_start = "" if kept < new.numel() else (
+                f" (the schedule keeps every value until it starts pruning, and {entry.layout.__name__} cannot hold "
+                f"a dense weight: start the schedule at step 0, or keep the weight in a layout that holds any "
+                f"pattern, such as torch.Tensor or CsrTensor)")
+            raise ValueError(f"{where}: {err}{dense_start}") from err
         nnz = getattr(layout_obj, "nnz", None)
         if nnz is None or nnz >= kept:
             return layout_obj

@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from sten_core.dispatch import DispatchWarning, sparsify
+from sten_core.model.replacing import same_values
 from sten_core.progress import show_progress
 from sten_core.training.builder import SparsityBuilder
 from sten_core.model.sparsifiers import PerBlockFractionSparsifier, ScalarFractionSparsifier, Sparsifier, _check_fraction
@@ -72,6 +75,22 @@ def method_sparsifier(method: str, sparsity: float | None, pattern: tuple[int, i
     if n is None:
         return SparseGPTSparsifier(sparsity, percdamp=percdamp, blocksize=blocksize)
     return SparseGPTSparsifier(n=n, m=m, percdamp=percdamp, blocksize=blocksize)
+
+
+def _check_storable(sparsifier: Sparsifier, weight: torch.Tensor, out_format: type) -> None:
+    """The ``ValueError`` of the calibrated methods, before anything changes, where ``out_format``
+    cannot store the mask a plain sparsifier (magnitude) chooses: an ``NMTensor`` asked for 50 %
+    re-pruned the unstructured mask to 2:4 (27 of the 32 values kept) with only a warning."""
+    if out_format is torch.Tensor:
+        return
+    from sten_core.training.pruning.plugin import cannot_store
+
+    expected = sparsify(sparsifier, weight, torch.Tensor)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DispatchWarning)   # (the lossy conversion's: raised below)
+        stored = sparsify(sparsifier, weight, out_format)
+    if not same_values(stored.to_dense(), expected):
+        raise cannot_store(out_format, sparsifier)
 
 
 def select_layers(model: torch.nn.Module, layers: Any) -> dict[str, torch.nn.Linear]:
@@ -281,6 +300,8 @@ def prune(model: torch.nn.Module, calibration_batches: Iterable[Any] | None = No
             builder = SparsityBuilder(model)
             for name in group:
                 sparsifier = base.bind(**{needs[0]: stats.pop(name)}) if needs else base
+                if not needs:
+                    _check_storable(sparsifier, chosen[name].weight.detach(), out_format)
                 builder.set_weight(f"{name}.weight", sparsifier, out_format=out_format)
             builder.sparsify_model_and_optimizer_inplace()
             del stats, builder

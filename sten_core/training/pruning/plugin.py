@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from sten_core.model.layouts import to_dense_tensor
+from sten_core.model.replacing import same_values
 from sten_core.plugins.hookspecs import hookimpl
 from sten_core.training.schedule import layout_from_mask
 from sten_core.version import __version__
@@ -42,17 +43,25 @@ def into(layout: type):
         values, keep = sparsifier.prune(tensor)
         if layout is torch.Tensor:
             return values
-        obj = layout_from_mask(layout, values, keep, sparsifier.layout_params())
-        stored = to_dense_tensor(obj)
-        if stored.shape != values.shape or not torch.equal(stored.to(values.dtype), values):
-            raise ValueError(
-                f"{layout.__name__} cannot store the mask that {type(sparsifier).__name__} chose "
-                f"(its from_dense changes the kept values or positions); pick a layout that stores any "
-                f"mask of this pattern (e.g. CsrTensor, or NMTensor for n:m)"
-            )
+        try:
+            obj = layout_from_mask(layout, values, keep, sparsifier.layout_params())
+        except ValueError as error:   # (nm_compress: more than n of some group of m)
+            raise cannot_store(layout, sparsifier, f": {error}") from error
+        if not same_values(to_dense_tensor(obj), values):   # (NaN weights equal: kept as they are)
+            raise cannot_store(layout, sparsifier)
         return SparseTensorWrapper(obj, False, grad_fmt)
 
     return impl
+
+
+def cannot_store(layout: type, sparsifier: Any, detail: str = "") -> ValueError:
+    """The ``ValueError`` of a layout that cannot store the mask ``sparsifier`` chose as it is."""
+    pattern = getattr(sparsifier, "n", None) is not None or getattr(sparsifier, "m", None) is not None
+    hint = "" if pattern else (" An n:m layout stores n:m masks only: to prune into one, ask for its pattern "
+                               "(pattern=(n, m), e.g. (2, 4)) instead of a sparsity.")
+    return ValueError(f"{layout.__name__} cannot store the mask that {type(sparsifier).__name__} chose (its "
+                      f"from_dense changes the kept values or positions){detail}; pick a layout that stores any mask "
+                      f"of this pattern (e.g. CsrTensor, or NMTensor for n:m).{hint}")
 
 
 @hookimpl

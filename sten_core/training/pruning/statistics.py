@@ -37,16 +37,18 @@ class InputNorms:
         self.features = features
         self.sumsq = torch.zeros(features, dtype=torch.float64 if _cpu(device) else torch.float32, device=device)
         self.tokens = 0
+        self.out_dtype = torch.float32   # float64 once a float64 batch was seen
 
     def update(self, x: torch.Tensor) -> None:
         """Add a batch of inputs (``[..., features]``)."""
         rows = _rows(x, self.features, "InputNorms")
+        self.out_dtype = _out_dtype(self.out_dtype, rows)
         self.sumsq += rows.to(self.sumsq.dtype).square().sum(0)
         self.tokens += rows.shape[0]
 
     def result(self) -> torch.Tensor:
-        """The norms, float32, shape ``[features]``."""
-        return self.sumsq.sqrt().float()
+        """The norms, shape ``[features]``: float32, float64 where the inputs were."""
+        return self.sumsq.sqrt().to(self.out_dtype)
 
 
 class InputHessian:
@@ -56,16 +58,25 @@ class InputHessian:
         self.features = features
         self.sum = torch.zeros(features, features, dtype=torch.float64 if _cpu(device) else torch.float32, device=device)
         self.tokens = 0
+        self.out_dtype = torch.float32   # float64 once a float64 batch was seen
 
     def update(self, x: torch.Tensor) -> None:
         """Add a batch of inputs (``[..., features]``)."""
-        rows = _rows(x, self.features, "InputHessian").to(self.sum.dtype)
+        rows = _rows(x, self.features, "InputHessian")
+        self.out_dtype = _out_dtype(self.out_dtype, rows)
+        rows = rows.to(self.sum.dtype)
         self.sum.addmm_(rows.t(), rows)
         self.tokens += rows.shape[0]
 
     def result(self) -> torch.Tensor:
-        """``2 XᵀX / N``, float32 (zeros if nothing was seen)."""
-        return (self.sum * (2.0 / max(self.tokens, 1))).float()
+        """``2 XᵀX / N`` (zeros if nothing was seen): float32, float64 where the inputs were (a
+        float64 model's SparseGPT then computes in float64 throughout, as documented)."""
+        return (self.sum * (2.0 / max(self.tokens, 1))).to(self.out_dtype)
+
+
+def _out_dtype(current: torch.dtype, rows: torch.Tensor) -> torch.dtype:
+    """float64 once float64 inputs were seen (on a device where the sums are float64), else float32."""
+    return torch.float64 if current == torch.float64 or rows.dtype == torch.float64 else torch.float32
 
 
 def _cpu(device: torch.device | str | None) -> bool:
