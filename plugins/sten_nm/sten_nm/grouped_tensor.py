@@ -163,8 +163,24 @@ class GroupedNMTensor(_Base):
             sel = _same_shape(score, w, "score").detach().float()
             if bool((sel < 0).any()) or bool(sel.isnan().any()):
                 raise ValueError("score must be >= 0 and not NaN (kept weight of each position)")
+        if group and score is None:
+            exact = cls._already_grouped(w, sel, n, m)
+            if exact is not None:
+                return exact
         order = greedy_row_groups(sel, n, m) if group else torch.arange(w.shape[0])
         return cls._select(w, sel, order, n, m)
+
+    @classmethod
+    def _already_grouped(cls, w: torch.Tensor, sel: torch.Tensor, n: int, m: int) -> "GroupedNMTensor | None":
+        """``w`` stored as it is where its nonzeros already form a grouped n:m pattern (rows with
+        identical masks, at most one partial group), else ``None``: the greedy grouping, by
+        magnitude-weighted similarity, split rows of one mask across groups, so re-sparsifying a
+        grouped weight (a densified checkpoint) changed up to 4.5 % of its kept magnitude."""
+        keep = w != 0
+        if keep.shape[0] == 0 or torch.unique(keep, dim=0).shape[0] > -(-keep.shape[0] // GR):
+            return None
+        t = cls._select(w, sel, rows_by_mask(keep), n, m)
+        return t if torch.equal(t.to_dense(), w) else None
 
     @classmethod
     def _select(cls, w: torch.Tensor, sel: torch.Tensor, order: torch.Tensor, n: int, m: int) -> "GroupedNMTensor":
