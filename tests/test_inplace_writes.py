@@ -530,3 +530,40 @@ def test_an_in_place_shape_change_of_a_wrapper_raises_and_leaves_it_whole(layout
     assert tuple(w.shape) == (6, 8) and tuple(w.wrapped_tensor.shape) == (6, 8)
     torch.testing.assert_close(w.to_dense(), before)
     torch.testing.assert_close(densify(w @ torch.ones(8)), before @ torch.ones(8))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: c.__name__)
+def test_views_see_and_keep_later_writes_into_the_wrapper(layout):
+    """A view of a wrapper is a view of a dense copy taken when it was made: after ``w.mul_(10)``
+    it read the old values, and a write through it wrote the whole old copy back (the ``mul_(10)``
+    undone everywhere); of two views each written, only the second write was kept."""
+    d = sparse_dense()
+    w = wrap(layout, d)
+    mask = kept(w).float()
+    with torch.no_grad():
+        row = w[0]
+        w.mul_(10)
+        torch.testing.assert_close(torch.as_tensor(row.detach().clone()), 10 * d[0] * mask[0])
+        row.mul_(2)
+        top, bottom = w[1], w[2]
+        top.mul_(3)
+        bottom.add_(1)
+    want = 10 * d * mask
+    want[0] *= 2
+    want[1] *= 3
+    want[2] += mask[2]       # (added at the stored positions only)
+    torch.testing.assert_close(w.to_dense(), want)
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor, NMTensor, ScipyCsrTensor], ids=lambda c: c.__name__)
+def test_nn_init_of_slices_of_a_sparse_parameter_writes_it(layout):
+    """``torch.nn.init.constant_(p[:2], 5.0)`` (a fused weight's halves initialised one by one)
+    changed a dense copy and was lost without a word: ``nn.init`` hands the view to
+    ``__torch_function__`` by keyword and writes under ``no_grad``."""
+    p = wrap(layout, torch.ones(4, 8), parameter=True)
+    mask = kept(p).float()
+    torch.nn.init.constant_(p[:2], 5.0)
+    torch.nn.init.constant_(p[2:], 7.0)
+    torch.testing.assert_close(p.to_dense(), torch.cat([5 * mask[:2], 7 * mask[2:]]))
+    with pytest.raises(RuntimeError, match="writes in place through a view of a sparse wrapper that requires grad"):
+        p[:1].mul_(2)   # under grad mode: still refused

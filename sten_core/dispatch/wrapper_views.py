@@ -27,8 +27,9 @@ import torch
 
 from sten_core.dispatch.plan import is_inplace
 from sten_core.dispatch.writes import warn_if_dropped
+from sten_core.model.replacing import same_values
 from sten_core.model.signatures import op_name
-from sten_core.model.tensor import SparseTensorWrapper, map_tensors, write_back
+from sten_core.model.tensor import SparseTensorWrapper, densify, map_tensors, write_back
 
 _Plain = torch._C.DisableTorchFunctionSubclass
 _forward_ad = torch.autograd.forward_ad
@@ -50,20 +51,44 @@ class WrapperView(torch.Tensor):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             return _traced(super(), func, types, args, kwargs)
+        target = written(args, kwargs)
+        if type(target) is WrapperView and hasattr(target, "_sten_source") and is_inplace(func, kwargs):
+            return _write_through(func, args, kwargs, target._sten_source)
+        _refresh((args, kwargs))
         with _Plain():
             out = func(*args, **kwargs)
-        target = kwargs.get("out") if kwargs.get("out") is not None else (args[0] if args else None)
-        source = getattr(target, "_sten_source", None) if is_inplace(func, kwargs) else None
-        if source is not None:
-            wrapper, root = source
-            with torch.no_grad():
-                write_back(wrapper, root)
-                warn_if_dropped(func, wrapper, root)
-            return out
         source = next((a._sten_source for a in args if hasattr(a, "_sten_source")), None)
         if source is None:   # (a compiled graph's output made a WrapperView has none)
             return out
         return views_of(out, *source)
+
+
+def written(args: tuple, kwargs: dict) -> Any:
+    """What an in-place call writes into: ``out=``, else its first argument, else the first tensor
+    passed by keyword (``nn.init.constant_`` hands its tensor to ``__torch_function__`` as
+    ``tensor=``: the write through a view went unseen and was lost)."""
+    if kwargs.get("out") is not None:
+        return kwargs["out"]
+    if args:
+        return args[0]
+    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+
+
+def _refresh(tree: Any) -> None:
+    """The dense copies that the ``WrapperView``s in ``tree`` view, brought up to date with their
+    wrappers: a view is taken of a copy, so after an in-place change of the wrapper
+    (``w.mul_(10)``, an optimizer step) it read the old values, and a write through it wrote
+    the whole old copy back (``row = w[0]; w.mul_(10); row.mul_(2)`` undid the ``mul_(10)``
+    everywhere; ``top, bottom = w[0], w[1]``, each written, kept only the second write)."""
+    sources: dict[int, tuple] = {}
+    map_tensors(lambda t: sources.setdefault(id(t._sten_source[1]), t._sten_source)
+                if type(t) in (WrapperView, GradView) and hasattr(t, "_sten_source") else None, tree)
+    for wrapper, root in sources.values():
+        with _Plain(), torch.no_grad():
+            current = densify(wrapper)
+            if current.shape == root.shape and current.data_ptr() != root.data_ptr() \
+                    and not same_values(root, current):   # (unchanged: no version bump of a saved copy)
+                root.copy_(current)
 
 
 def _traced(parent: Any, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
@@ -101,16 +126,18 @@ _NOT_WRITES = frozenset({torch.Tensor.requires_grad_, torch.Tensor.share_memory_
 
 class GradView(torch.Tensor):
     """Under autograd, a view of a wrapper's dense copy (``h[1:]`` of a wrapper that requires grad),
-    still attached to the graph (``as_subclass``), that refuses in-place writes: they changed the
-    copy, so the wrapper kept its values and its gradients were the unwritten ones (a write-back
-    would not be differentiable). Reads give plain tensors; views of it are ``GradView``s too."""
+    still attached to the graph (``as_subclass``), that refuses in-place writes under grad mode:
+    they changed the copy, so the wrapper kept its values and its gradients were the unwritten
+    ones (a write-back would not be differentiable). Under ``no_grad`` (``nn.init.constant_(p[:2],
+    5.0)``) a write reaches the wrapper, as a ``WrapperView``'s does. Reads give plain tensors;
+    views of it are ``GradView``s too."""
 
-    _sten_root: torch.Tensor   # the dense copy this is a view of
+    _sten_source: tuple   # (the wrapper, its dense copy this is a view of)
 
     @staticmethod
-    def of(view: torch.Tensor, root: torch.Tensor) -> "GradView":
+    def of(view: torch.Tensor, wrapper: SparseTensorWrapper, root: torch.Tensor) -> "GradView":
         made = view.as_subclass(GradView)
-        made._sten_root = root
+        made._sten_source = (wrapper, root)
         return made
 
     @classmethod
@@ -118,32 +145,48 @@ class GradView(torch.Tensor):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             return _traced(super(), func, types, args, kwargs)
-        target = kwargs.get("out") if kwargs.get("out") is not None else (args[0] if args else None)
+        target = written(args, kwargs)
         if isinstance(target, GradView) and is_inplace(func, kwargs) and func not in _NOT_WRITES:
-            raise RuntimeError(
-                f"STen: {op_name(func)} writes in place through a view of a sparse wrapper that requires grad "
-                "(w[i], w.T, w.view(...) of it): the view is of a dense copy, so the write would not reach the "
-                "wrapper or its gradients. Write into the wrapper itself (h.mul_(m), h[i] = v) or compute out of "
-                "place (torch.where, index_put)")
+            if torch.is_grad_enabled() and getattr(func, "__module__", None) != "torch.nn.init":  # (no_grad inside)
+                raise RuntimeError(
+                    f"STen: {op_name(func)} writes in place through a view of a sparse wrapper that requires grad "
+                    "(w[i], w.T, w.view(...) of it): the view is of a dense copy, so the write would not reach the "
+                    "wrapper or its gradients. Write into the wrapper itself (h.mul_(m), h[i] = v), compute out "
+                    "of place (torch.where, index_put), or write under torch.no_grad()")
+            return _write_through(func, args, kwargs, target._sten_source)
         with _Plain():
             out = func(*args, **kwargs)
-        root = next((a._sten_root for a in args if hasattr(a, "_sten_root")), None)
-        if root is None:   # (a compiled graph's output made a GradView has none)
+        source = next((a._sten_source for a in args if hasattr(a, "_sten_source")), None)
+        if source is None:   # (a compiled graph's output made a GradView has none)
             return out
-        return grad_views_of(out, root)
+        return grad_views_of(out, *source)
 
 
-def grad_views_of(out: Any, root: torch.Tensor) -> Any:
-    """``out`` with each tensor that is a view of ``root`` (a wrapper's dense copy) a ``GradView``."""
-    return map_tensors(lambda t: GradView.of(t, root) if _shares(t, root) else t, out)
+def _write_through(func: Any, args: tuple, kwargs: dict, source: tuple) -> Any:
+    """An in-place ``func`` through a view of ``source``'s dense copy, on the wrapper's current
+    values, written back into the wrapper at its stored positions (values written elsewhere are
+    dropped with a ``DispatchWarning``)."""
+    wrapper, root = source
+    _refresh((args, kwargs))
+    with _Plain():
+        out = func(*args, **kwargs)
+    with torch.no_grad():
+        write_back(wrapper, root)
+        warn_if_dropped(func, wrapper, root)
+    return out
+
+
+def grad_views_of(out: Any, wrapper: SparseTensorWrapper, root: torch.Tensor) -> Any:
+    """``out`` with each tensor that is a view of ``root`` (``wrapper``'s dense copy) a ``GradView``."""
+    return map_tensors(lambda t: GradView.of(t, wrapper, root) if _shares(t, root) else t, out)
 
 
 def guarded_views(out: Any, made: list) -> Any:
     """The dense path's result under autograd with the views of its wrappers' dense copies made
     ``GradView``s (``made``: the path's ``(wrapper, dense copy, version)`` entries)."""
-    for _, root, _ in made:
+    for wrapper, root, _ in made:
         if root.numel():
-            out = grad_views_of(out, root)
+            out = grad_views_of(out, wrapper, root)
     return out
 
 

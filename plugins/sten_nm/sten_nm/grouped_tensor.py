@@ -177,7 +177,7 @@ class GroupedNMTensor(_Base):
         magnitude-weighted similarity, split rows of one mask across groups, so re-sparsifying a
         grouped weight (a densified checkpoint) changed up to 4.5 % of its kept magnitude."""
         keep = w != 0
-        if keep.shape[0] == 0 or torch.unique(keep, dim=0).shape[0] > -(-keep.shape[0] // GR):
+        if keep.numel() == 0 or torch.unique(keep, dim=0).shape[0] > -(-keep.shape[0] // GR):
             return None
         t = cls._select(w, sel, rows_by_mask(keep), n, m)
         return t if torch.equal(t.to_dense(), w) else None
