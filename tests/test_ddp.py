@@ -343,3 +343,51 @@ def test_scheduler_add_after_ddp_wrapping_is_a_clear_error(tmp_path):
         ddp(torch.randn(4, 12)).sum().backward()
     finally:
         dist.destroy_process_group()
+
+
+def edge_worker(rank, world, port, out_path):
+    """Four cases that went wrong under ``sparse_ddp`` (see the test)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = {}
+        torch.manual_seed(rank)   # other values per rank: the start broadcast must make them rank 0's
+        w0 = torch.randn(6, 4)
+        dense_t = sten.SparseParameterWrapper(sten.DenseTensor(w0.t()))   # data not contiguous
+        random_fmt = (sten.RandomFractionSparsifier(0.5), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor)
+        a = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.ones(8, 8)), grad_fmt=random_fmt)
+        b = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.ones(8, 8)), grad_fmt=random_fmt)
+        model = torch.nn.Module()
+        model.t, model.a, model.b = dense_t, a, b   # only sparse parameters: DDP itself would refuse it
+        wrapped = sparse_ddp(model)
+        result["returned"] = type(wrapped).__name__
+        result["t"] = dense_t.to_dense().clone()
+        (a.sum() + b.sum()).backward()
+        result["same mask"] = torch.equal(a.grad.to_dense() != 0, b.grad.to_dense() != 0)
+        result["a grad nnz"] = a.grad.wrapped_tensor.nnz
+        dist.broadcast(a, src=0)      # outside no_grad, on a parameter that requires grad, as dense allows
+        dist.all_reduce(b)
+        result["b"] = b.to_dense().clone()
+        torch.save(result, f"{out_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+    _leave()
+
+
+def test_sparse_ddp_edges(tmp_path):
+    """A non-contiguous ``DenseTensor`` weight kept each rank's values (the broadcast went into a
+    copy ``values()`` made); a random ``grad_fmt`` gave two same-shape weights one mask every step
+    (one seed for all); a model of sparse parameters only failed in DDP ("DistributedDataParallel
+    is not needed when a module doesn't have any parameter that requires a gradient"); and
+    ``dist.broadcast`` / ``all_reduce`` of a sparse parameter outside ``no_grad`` raised "a leaf
+    Variable that requires grad is being used in an in-place operation", where dense works."""
+    out = str(tmp_path / "edge")
+    mp.start_processes(edge_worker, args=(2, free_port(), out), nprocs=2, join=True, start_method="spawn")
+    r0, r1 = (torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2))
+    assert r0["returned"] == r1["returned"] == "Module"
+    torch.manual_seed(0)
+    torch.testing.assert_close(r1["t"], torch.randn(6, 4).t())
+    torch.testing.assert_close(r0["t"], r1["t"])
+    assert not r0["same mask"] and 0 < r0["a grad nnz"] < 64
+    torch.testing.assert_close(r0["b"], 2 * torch.ones(8, 8))

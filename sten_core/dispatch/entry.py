@@ -12,6 +12,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Callable
 
 import torch
@@ -22,7 +24,7 @@ from sten_core.dispatch.conversions import converted_inputs, refusals, wrap
 from sten_core.dispatch.dense_path import composite, inplace_with_grad
 from sten_core.dispatch.errors import Unsupported, declined, report_missing, traced
 from sten_core.dispatch.observers import active
-from sten_core.dispatch.plan import NOT_DIFFERENTIABLE, Plan, PlanKind, is_inplace, plan_for
+from sten_core.dispatch.plan import COLLECTIVES, NOT_DIFFERENTIABLE, Plan, PlanKind, is_inplace, plan_for
 from sten_core.model.registry import OpKey, registry
 from sten_core.model.signatures import bind, given_past
 from sten_core.model.spec import coerce_specs
@@ -183,10 +185,13 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
         _remember_fast(fast_key, plan, key, op, args, bound, positions)
     grad = needs_grad and torch.is_grad_enabled() and op not in NOT_DIFFERENTIABLE
     if is_inplace(op, kwargs):
-        if grad and getattr(op, "__module__", None) != "torch.nn.init":   # (nn.init runs under no_grad itself)
+        collective = op in COLLECTIVES   # (writes its tensors outside autograd, as for a dense parameter:
+        # dist.broadcast(p, 0) on a sparse one raised "a leaf Variable that requires grad ... in-place")
+        if grad and getattr(op, "__module__", None) != "torch.nn.init" and not collective:  # (nn.init: no_grad inside)
             return inplace_with_grad(op, args, kwargs, bound, key, plan)
         try:
-            return _Call(op, args, kwargs, bound, positions, key, plan, specs).forward(detach=needs_grad)
+            with torch.no_grad() if collective else contextlib.nullcontext():
+                return _Call(op, args, kwargs, bound, positions, key, plan, specs).forward(detach=needs_grad)
         except Unsupported as error:
             return _dense_instead(op, args, kwargs, specs, key, plan.entry.fn, error)
     if not grad and (functorch_active() or _forward_ad._current_level >= 0):

@@ -18,8 +18,9 @@ gradient itself, averaged like DDP does:
   one process on the whole batch for a deterministic format.
 
 Sparse parameters are broadcast from rank 0 at the start. Gradients are
-reduced when they are accumulated, so call ``optimizer.zero_grad()`` every step
-(no ``no_sync`` accumulation).
+reduced when they are accumulated: with a re-sparsifying ``grad_fmt``, call
+``optimizer.zero_grad()`` every step (``no_sync`` accumulation formats each
+backward's gradient on its own); dense and pattern-keeping ones accumulate fine.
 
 Every rank must hold the same patterns (build the sparse model with the same
 seed and sparsifiers everywhere): ``sparse_ddp`` compares a fingerprint of each
@@ -66,6 +67,16 @@ def _payload(tensor: Any) -> torch.Tensor:
     return tensor
 
 
+def _stored(tensor: Any, payload: torch.Tensor) -> None:
+    """``payload`` (``_payload(tensor)`` after a collective wrote it) made ``tensor``'s values where
+    ``values()`` gave a copy (a ``DenseTensor`` whose data is not contiguous): the broadcast at
+    ``sparse_ddp`` and the gradient average went into the copy and were lost."""
+    if isinstance(tensor, SparseTensorWrapper):
+        layout = tensor.wrapped_tensor
+        if layout.values().data_ptr() != payload.data_ptr():
+            tensor.wrapped_tensor = layout.with_values(payload)
+
+
 def reduces_in_place(param: SparseTensorWrapper) -> bool:
     """Whether ``param``'s gradient, as its ``grad_fmt`` gives it, can be averaged as is:
     dense (a dense ``out_format`` without sparsifiers), or kept in the weight's layout at
@@ -105,6 +116,7 @@ def _reduce_grad(param: SparseTensorWrapper, group: Any = None) -> None:
     payload = _payload(grad)
     dist.all_reduce(payload, group=group)
     payload.div_(dist.get_world_size(group))
+    _stored(grad, payload)
 
 
 def _same_structure(grad: SparseTensorWrapper, param: SparseTensorWrapper) -> bool:
@@ -244,7 +256,7 @@ def reduces(wrapper: torch.nn.parallel.DistributedDataParallel, param: torch.Ten
     return any(p is param for p in getattr(wrapper, "_module_parameters", None) or wrapper.parameters())
 
 
-def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.parallel.DistributedDataParallel:
+def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
     """Wrap a sparse model for data-parallel training (gloo or nccl).
 
     Args:
@@ -254,7 +266,15 @@ def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.parallel.D
     A sparse parameter whose ``grad_fmt`` re-sparsifies (``reduces_in_place`` is
     False) gets ``grad_fmt = None``: its gradient is averaged densely, then formatted.
     A sparse parameter that does not require grad when wrapped is broadcast and never
-    reduced (as DDP does with its dense ones): unfreeze before wrapping.
+    reduced (as DDP does with its dense ones): unfreeze before wrapping. A model whose only
+    trainable parameters are sparse is returned itself (its hooks reduce every gradient; DDP
+    refuses a model with nothing for it to reduce).
+
+    Every sparse parameter that requires grad must get a gradient on every rank at every step:
+    its gradient is reduced when it is accumulated, in the order the ranks accumulate them, so a
+    sparse parameter unused on one rank (a branch taken by some ranks only) pairs the ranks'
+    collectives wrongly (wrong gradients, or gloo aborting on a size mismatch);
+    ``find_unused_parameters`` covers DDP's dense parameters only.
     """
     if not dist.is_initialized():
         raise RuntimeError("sparse_ddp needs an initialised process group (torch.distributed.init_process_group)")
@@ -266,9 +286,15 @@ def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.parallel.D
     group = ddp_kwargs.get("process_group")
     check_same_patterns(model, group)
     seed = _shared_seed(group)
-    for name, param in sparse:
+    for index, (name, param) in enumerate(sparse):
         with torch.no_grad():
-            dist.broadcast(_payload(param), src=_group_rank0(group), group=group)
+            payload = _payload(param)
+            dist.broadcast(payload, src=_group_rank0(group), group=group)
+            _stored(param, payload)
         if param.requires_grad:  # a frozen one is broadcast only, as DDP treats its own
-            param.register_post_accumulate_grad_hook(_hook(param, group, seed))
+            # (a seed per parameter: random grad_fmt masks of two same-shape weights were identical)
+            param.register_post_accumulate_grad_hook(_hook(param, group, seed + 1_000_003 * index))
+    sparse_ids = {id(p) for _, p in sparse}
+    if not any(p.requires_grad and id(p) not in sparse_ids for p in model.parameters()):
+        return model   # nothing left for DDP, which refuses a model without a parameter to reduce
     return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
