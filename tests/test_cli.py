@@ -202,3 +202,15 @@ def test_threads_list_gives_rows_per_thread_count(tmp_path, capsys):
     assert [(r["layout"], r["threads"]) for r in rows] == [
         ("dense", 1), ("torch_csr", 1), ("dense", 2), ("torch_csr", 2)]
     assert torch.get_num_threads() == before  # restored
+
+
+def test_bench_out_that_is_a_file_or_cannot_be_made_fails_before_running(tmp_path, capsys):
+    """``--out`` naming an existing file (or a path that cannot be made) failed with a traceback
+    after the whole benchmark had run, its table never printed."""
+    afile = tmp_path / "models.py"
+    afile.write_text("")
+    assert main([*TINY_LINEAR, "--out", str(afile)]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err
+    assert main([*TINY_LINEAR, "--out", str(afile / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sten: error: --out") and "cannot make the directory" in err and err.count("\n") == 1

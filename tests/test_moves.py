@@ -144,7 +144,7 @@ def test_type_keeps_the_layout_and_names_the_type():
     """``w.type(dtype)`` returned a dense tensor where ``w.to(dtype)`` keeps the layout."""
     w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(3)))
     assert w.type() == "torch.FloatTensor"
-    for target in (torch.float64, "torch.DoubleTensor"):
+    for target in (torch.float64, "torch.DoubleTensor", torch.DoubleTensor):   # (the class raised inside .to)
         moved = w.type(target)
         assert type(moved.wrapped_tensor) is sten.CsrTensor and moved.dtype == torch.float64
     with pytest.raises(ValueError, match="tensor type name"):

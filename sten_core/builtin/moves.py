@@ -61,8 +61,10 @@ def target_of(op: Any, args: tuple, kwargs: dict) -> tuple[torch.device | None, 
 
 
 def _type_target(dtype: Any) -> tuple[torch.device | None, torch.dtype | None]:
-    """``Tensor.type(dtype)``'s target: a ``torch.dtype``, or a tensor type name
-    (``"torch.DoubleTensor"``, ``"torch.cuda.HalfTensor"``)."""
+    """``Tensor.type(dtype)``'s target: a ``torch.dtype``, or a tensor type, by name
+    (``"torch.DoubleTensor"``, ``"torch.cuda.HalfTensor"``) or as a class (``torch.DoubleTensor``)."""
+    if isinstance(dtype, type) and hasattr(dtype, "dtype"):   # torch.DoubleTensor: a class, named like that
+        dtype = f"{dtype.__module__}.{dtype.__name__}"
     if isinstance(dtype, str):
         name = dtype
         dtype = getattr(torch, name.rsplit(".", 1)[-1], None)

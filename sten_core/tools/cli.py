@@ -10,7 +10,7 @@ Examples:
     sten bench --quick                       # ~1 minute: table, CSV, JSON and PNG under bench-out/
     sten bench --layouts dense,torch_csr,nm --sparsities 50,75,90 --threads 1,2
     sten bench linear --shape 3072x768 --tokens 1024
-    sten explain bert                        # the built-in example (has one dense fallback)
+    sten explain bert                        # the built-in example
     sten explain mypkg.models:make_model     # a factory returning (model, inputs)
 
 Errors in the arguments print one line and exit with status 2.
@@ -82,7 +82,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("target", nargs="?", default="bert", choices=("bert", "linear"),
                    help="bert: BertLayer(BertConfig()), six weights; linear: one nn.Linear (default: bert)")
     p.add_argument("--quick", action="store_true", help="few sparsities and repeats, batch 2 (about a minute)")
-    p.add_argument("--layouts", help="comma-separated: dense,torch_coo,torch_csr,scipy_csr,nm,grouped_nm,2:4,block "
+    p.add_argument("--layouts", help="comma-separated: dense,torch_coo,torch_csr,scipy_csr,nm,grouped_nm,paper_nm,2:4,block "
                                      "(default: all available here)")
     p.add_argument("--sparsities", help="percentages or fractions, e.g. 50,75,90 (default 50,60,70,80,90,95)")
     p.add_argument("--threads", help="intra-op thread counts, e.g. 1,2 (default: torch's)")

@@ -101,7 +101,10 @@ def _sum_args(ctx: Any) -> tuple[tuple[int, ...] | None, bool, torch.dtype | Non
     for d in dims:
         if not isinstance(d, int) or not -2 <= d <= 1:
             raise ValueError(f"{op_name(ctx.op)}: dim must be in [-2, 1] for a 2-D tensor, got {dim!r}")
-    dims = tuple(sorted({d % 2 for d in dims}))
+    if len({d % 2 for d in dims}) != len(dims):   # as torch: w.sum((0, -2)) is an error, not sum(0)
+        raise RuntimeError(f"{op_name(ctx.op)}: dim {sorted(d % 2 for d in dims)[0]} appears multiple times in the "
+                           f"list of dims, got {dim!r}")
+    dims = tuple(sorted(d % 2 for d in dims))
     return (dims if len(dims) == 1 else None), keepdim, dtype
 
 

@@ -74,3 +74,15 @@ def test_sum_dtype():
     torch.testing.assert_close(out, w.to_dense().sum(dtype=torch.float64))
     with pytest.raises(ValueError, match="dim must be in"):
         w.sum(dim=2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dims", [(0, 0), (0, -2), (1, -1)])
+def test_sum_over_a_repeated_dim_is_an_error_as_in_torch(layout, dims):
+    """``w.sum((0, -2))`` summed over dim 0 once where torch raises "dim 0 appears multiple times"
+    (the core CSR too: its ``sum`` is converted to scipy's)."""
+    w = sten.SparseTensorWrapper(layout.from_dense(torch.eye(3)))
+    with pytest.raises(RuntimeError, match="appears multiple times"):
+        torch.eye(3).sum(dims)
+    with pytest.raises(RuntimeError, match="appears multiple times"):
+        w.sum(dims)

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from typing import Any, Callable
@@ -66,6 +67,7 @@ def bench(target: str = "bert", *, quick: bool = False, layouts: str | None = No
         n = (preset["batch"] * seq_len if batch is None else batch * seq_len) if tokens is None else tokens
         make_case = lambda: linear_case(out_f, in_f, n, device=dev, dtype=settings.dtype)  # noqa: E731
     skipped = {} if layouts else _skipped(layouts_mod.known(), dev)
+    _check_out_dir(out)
     started = time.perf_counter()
     case = make_case()
     rows = run(lambda: case, chosen, settings, progress=progress)
@@ -79,6 +81,19 @@ def bench(target: str = "bert", *, quick: bool = False, layouts: str | None = No
         print_fn(f"wrote {files['csv']} and {files['json']}")
         print_fn(f"plot: {files['png']}" if files["png"] else "plot: not written (pip install matplotlib)")
     return {"rows": rows, "files": files, "meta": meta}
+
+
+def _check_out_dir(out: str) -> None:
+    """``out`` made (a directory) before the benchmark runs: an existing file or an unwritable path
+    failed with a traceback after the whole run, its table never printed."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} is a file; give a directory for the CSV, JSON and plot")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {out!r}: cannot make the directory ({error.strerror or error})") from None
+    if not os.access(out, os.W_OK):
+        raise ValueError(f"--out {out!r}: the directory is not writable")
 
 
 def _skipped(candidates: Any, device: str) -> dict[str, str]:
