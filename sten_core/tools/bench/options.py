@@ -32,7 +32,8 @@ def parse_sparsities(text: str) -> list[float]:
             raise ValueError(f"--sparsities: {item!r} is not a number; give percentages like 50,75,90 or fractions like 0.5") from None
         fraction = value / 100 if value > 1 else value
         if not 0 <= fraction < 1:
-            raise ValueError(f"--sparsities: {item!r} is out of range; valid sparsities are 0 <= s < 100 (%)")
+            read = " (a value up to 1 is a fraction: 1 is 100 %; for 1 % give 0.01)" if value == 1 else ""
+            raise ValueError(f"--sparsities: {item!r} is out of range{read}; valid sparsities are 0 <= s < 100 (%)")
         fraction = round(fraction, 6)
         if fraction not in values:
             values.append(fraction)
