@@ -7,8 +7,10 @@ lost without a word. Outside autograd such a result is a ``WrapperView``: a dens
 in-place writes (and ``out=``, ``__setitem__``) are written back into the wrapper at its stored
 positions, as writes into the wrapper itself are (values written elsewhere are dropped, with a
 ``DispatchWarning``: ``zeros_like(w).diagonal().fill_(1)`` on a CSR ``w`` stores nothing);
-views of it are ``WrapperView``s of the same wrapper; every other operator gives plain tensors. Under autograd (a wrapper that requires grad)
-a view stays a plain tensor of the copy, as the dense path's differentiable views are.
+views of it are ``WrapperView``s of the same wrapper; every other operator gives plain tensors.
+Each call on a ``WrapperView`` first brings its copy up to date with the wrapper, so views kept
+across in-place changes of the wrapper read and write its current values. Under autograd (a
+wrapper that requires grad) a view is a ``GradView`` (below).
 
 Example:
     >>> import torch, sten_core as sten
