@@ -120,8 +120,21 @@ def refuse_shape_change(op: Any, args: tuple) -> None:
     """The ``RuntimeError`` of an in-place op that would change a wrapper's shape (``w.t_()``,
     ``w.unsqueeze_(0)``): a wrapper's layout has a fixed shape. A ``DenseTensor`` wrapper's
     layout was transposed while the wrapper kept its shape, and later calls saw two shapes."""
-    if args and isinstance(args[0], SparseTensorWrapper) and _changes_shape(op):
+    if args and isinstance(args[0], SparseTensorWrapper) and _changes_shape(op) and not _same_size(op, args):
         raise RuntimeError(_reshaped(op, args[0]))
+
+
+def _same_size(op: Any, args: tuple) -> bool:
+    """Whether a ``resize_`` / ``resize_as_`` call asks for the wrapper's own shape (a no-op, as in
+    torch: the OpInfo samples resize to the same shape too)."""
+    name = getattr(op, "__name__", "") if not isinstance(op, torch._ops.OpOverload) else op._schema.name.split("::")[-1]
+    rest = args[1:]
+    if name == "resize_as_" and rest and isinstance(rest[0], torch.Tensor):
+        return tuple(rest[0].shape) == tuple(args[0].shape)
+    if name == "resize_" and rest:
+        sizes = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest
+        return all(isinstance(n, int) for n in sizes) and tuple(sizes) == tuple(args[0].shape)
+    return False
 
 
 def _changes_shape(op: Any) -> bool:
