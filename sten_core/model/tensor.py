@@ -163,8 +163,8 @@ class SparseTensorWrapper(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         handler = _HANDLERS.get(func)
-        if handler is None:  # (written out, not a call of _dispatched: Dynamo then traced it otherwise,
-            # and a compiled SGD step's momentum buffer came out dense)
+        if handler is None:  # (inline, not a call of _dispatched: through that call Dynamo traced a
+            # compiled SGD step otherwise, and its momentum buffer came out dense)
             if _is_compiling():  # Dynamo is tracing: the compiled implementation, if any
                 out = services.compiled_call(func, args, kwargs or {})
                 if out is not services.MISSING:
