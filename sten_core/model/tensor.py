@@ -163,19 +163,21 @@ class SparseTensorWrapper(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         handler = _HANDLERS.get(func)
-        if handler is None:  # (inline, not a call of _dispatched: through that call Dynamo traced a
-            # compiled SGD step otherwise, and its momentum buffer came out dense)
-            if _is_compiling():  # Dynamo is tracing: the compiled implementation, if any
-                out = services.compiled_call(func, args, kwargs or {})
-                if out is not services.MISSING:
-                    return out
-                return _eager_dispatch()(func, args, kwargs or {})
-            return services.dispatch_call(func, args, kwargs or {})
-        kwargs = kwargs or {}
-        if handler is _PASS:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        return handler(*args, **kwargs)
+        if handler is not None:
+            if handler is _PASS:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **(kwargs or {}))
+            out = handler(*args, **(kwargs or {}))
+            if out is not _DISPATCH:
+                return out
+        # (inline, not a helper's call: through one, Dynamo traced a compiled SGD step otherwise,
+        # and its momentum buffer came out dense)
+        if _is_compiling():  # Dynamo is tracing: the compiled implementation, if any
+            out = services.compiled_call(func, args, kwargs or {})
+            if out is not services.MISSING:
+                return out
+            return _eager_dispatch()(func, args, kwargs or {})
+        return services.dispatch_call(func, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -450,17 +452,6 @@ _is_compiling = torch.compiler.is_compiling
 
 
 _EAGER_DISPATCH: list = []
-
-
-def _dispatched(func: Any, args: tuple, kwargs: dict) -> Any:
-    """A call on wrappers through STen's dispatcher; while Dynamo traces, the compiled
-    implementation if there is one, else the eager dispatcher behind one graph break."""
-    if _is_compiling():
-        out = services.compiled_call(func, args, kwargs)
-        if out is not services.MISSING:
-            return out
-        return _eager_dispatch()(func, args, kwargs)
-    return services.dispatch_call(func, args, kwargs)
 
 
 def _eager_dispatch() -> Any:
@@ -760,7 +751,7 @@ def _switched_off_dropout(func: Any) -> Callable:
             if isinstance(given, SparseTensorWrapper) and isinstance(p, (int, float)) and 0 <= p <= 1 \
                     and (not training or p == 0):
                 return given
-        return _dispatched(func, args, kwargs)
+        return _DISPATCH
     return handler
 
 
@@ -828,4 +819,5 @@ _F = torch.nn.functional
 _SPECIAL.update({f: _switched_off_dropout(f) for f in (_F.dropout, _F.dropout1d, _F.dropout2d, _F.dropout3d,
                                                         _F.alpha_dropout, _F.feature_alpha_dropout)})
 _PASS = object()  # marks functions that run as on any tensor (metadata)
+_DISPATCH = object()  # a handler's answer: this call goes through the dispatcher after all
 _HANDLERS: dict = {**{f: _PASS for f in _PASSTHROUGH}, **_SPECIAL}
