@@ -10,8 +10,8 @@ reference is plain torch on the wrapped value's dense form. A leaf wrapper witho
 ``grad_fmt`` gets a dense gradient everywhere (docs/concepts.md, "Gradients"), so
 gradients are compared in full.
 
-All seven layouts run in one pass over ``op_db`` (the samples are made once): about
-30-45 s on one core. ``python tests/opinfo_harness.py --samples=12 NMTensor ...`` prints the
+All seven layouts run in one pass over ``op_db`` (the samples are made once), in one
+pytest-xdist worker: about 90 s on an Intel Xeon (2 vCPUs). ``python tests/opinfo_harness.py --samples=12 NMTensor ...`` prints the
 mismatches and the skip reasons with their counts.
 """
 
@@ -20,7 +20,9 @@ import collections
 import pytest
 
 from sten_core import plugins
-from opinfo_harness import PLUGIN_LAYOUTS, outcomes, skip_kind
+from opinfo_harness import NONDETERMINISTIC_REFERENCES, PLUGIN_LAYOUTS, outcomes, skip_kind
+
+pytestmark = pytest.mark.xdist_group("opinfo_plugins")  # one worker computes `results` once
 
 MAX_SAMPLES = 12  # per operator; 4 x more than test_opinfo.py: the seven layouts share one pass
 PRUNING = ("NMTensor", "GroupedNMTensor", "ColumnGroupedNMTensor", "Sparse24Tensor", "BlockSparseTensor")
@@ -45,14 +47,6 @@ KNOWN_MISMATCHES: dict[tuple[str, str, int], str] = {
        for i in (2, 3)},
     **{("double", "Sparse24Tensor", i): _SPARSE24_DTYPES for i in (2, 3)},
 }
-
-NONDETERMINISTIC_REFERENCES = {
-    "linalg.lstsq": "gelsy on a wide float32 matrix with a zero column: another solution in ~1 call of 5",
-    "linalg.lstsq.grad_oriented": "the same",
-}
-"""Operators whose plain-torch reference may change from call to call on the pruned values
-(the harness then skips the sample as 'dense reference not reproducible'; any other
-operator skipped so fails the test)."""
 
 ALLOWED_SKIPS = ("no float32 tensor of a shape this layout stores", "dense reference raised",
                  "dense reference not reproducible")

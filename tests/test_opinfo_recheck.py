@@ -52,3 +52,30 @@ def test_reruns_see_the_arguments_at_other_addresses():
 
     harness._recheck(types.SimpleNamespace(op=op), ((torch.ones(4),), {}), [torch.zeros(4)], [torch.ones(4)])
     assert len(seen) > 1
+
+
+def _counting_op(name):
+    """An OpInfo stand-in whose wrapped call differs from plain torch every time (a deterministic
+    mismatch), counting the plain-torch calls."""
+    import sten_core as sten
+
+    calls = []
+
+    def op(x):
+        if isinstance(x, sten.SparseTensorWrapper):
+            return x.to_dense() * 2
+        calls.append(1)
+        return x * 1
+
+    return types.SimpleNamespace(op=op, name=name, variant_test_name="", supports_autograd=False), calls
+
+
+def test_a_deterministic_mismatch_is_rerun_briefly_unless_its_operator_is_known_to_vary(monkeypatch):
+    monkeypatch.setattr(harness, "REPEATS", 3 * harness.QUICK_REPEATS)
+    sample = types.SimpleNamespace(input=torch.ones(2, 2), args=(), kwargs={})
+    quick, quick_calls = _counting_op("made_up_op")
+    assert harness.run_sample(quick, sample, "DenseTensor", grad=False)[0] == "mismatch"
+    assert len(quick_calls) == 1 + harness.QUICK_REPEATS  # the reference, then the reruns
+    listed, listed_calls = _counting_op("linalg.lstsq")
+    assert harness.run_sample(listed, sample, "DenseTensor", grad=False)[0] == "mismatch"
+    assert len(listed_calls) == 1 + harness.REPEATS
