@@ -143,7 +143,9 @@ _EAGER_MODE_CALL: list = []
 def _eager_mode_call() -> Any:
     """``_IntermediateMode._call`` as Dynamo meets it: never traced into (its run-time naming of
     calls is plain Python Dynamo cannot trace), so ``torch.compile`` breaks the graph there and
-    strict ``torch.export`` names the reason. Made on first use (``disable`` imports Dynamo)."""
+    strict ``torch.export`` names the reason. Made when a model's intermediates are set up
+    (``disable`` imports Dynamo); made first under tracing, it was Dynamo's own "function marked
+    as skipped" error instead."""
     if not _EAGER_MODE_CALL:
         _EAGER_MODE_CALL.append(torch.compiler.disable(
             lambda mode, func, args, kwargs: mode._call(func, args, kwargs),
@@ -170,6 +172,7 @@ class _Intermediates:
         self.reported: set[str] = set()   # the names warned about
         self._signature: inspect.Signature | None = None   # of the module's forward, once known
         self._stack: list[_IntermediateMode] = []
+        _eager_mode_call()   # made now, eagerly: Dynamo cannot trace torch.compiler.disable itself
 
     def pre(self, module: torch.nn.Module, args: Any, kwargs: Any = None) -> None:
         graph = self.graphs.get(module.training)
