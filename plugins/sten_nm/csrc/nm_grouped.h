@@ -2,7 +2,8 @@
  *
  * Groups of NM_GR = 16 output rows share one n:m pattern per group of m columns,
  * so the kernel is a dense-GEMM-like 6 x 16 register block: per kept column,
- * 16 / VW weight vectors and 6 broadcasts of x feed 6 * 16 / VW FMAs.
+ * 16 / VW weight vectors and 6 broadcasts of x feed 6 * 16 / VW FMAs (with 16-float
+ * vectors, two 6-row micro-panels per pass: 12 FMAs per weight vector).
  * Results go to T (the rows of a batch block, columns in the grouped order) with
  * whole-vector stores; the driver puts them back in the original row order. */
 #define NMG_CAT_(a, b) a##_##b
@@ -23,7 +24,28 @@ static void NMG_CAT(ggather, SUF)(const nm_grouped *W, const int32_t *offs, cons
         const float *wv = W->vals + (q * gn + e0) * NM_GR;
         const int32_t *oq = offs + q * gn + e0;
         const int64_t ne = e1 - e0;
-        for (int64_t p = 0; p < np; p++) {
+        int64_t p = 0;
+#if VW == 16
+        /* two panels per pass: 12 accumulators (6 alone are too few FMA chains for the
+         * latency) and each weight vector feeds 12 FMAs */
+        for (; p + 2 <= np; p += 2) {
+            const float *xk0 = xp + p * pstride, *xk1 = xk0 + pstride;
+            float *t = T + p * NM_MB * ldt + q * NM_GR;
+            vf acc[2 * NM_MB];
+            for (int i = 0; i < 2 * NM_MB; i++)
+                acc[i] = first ? (vf){0} : *(const vf *)(t + i * ldt);
+            for (int64_t e = 0; e < ne; e++) {
+                const vf w = *(const vfu *)(wv + e * NM_GR);
+                const float *xe0 = xk0 + (oq[e] - cb), *xe1 = xk1 + (oq[e] - cb);
+#pragma GCC unroll 6
+                for (int i = 0; i < NM_MB; i++) acc[i] += xe0[i] * w;
+#pragma GCC unroll 6
+                for (int i = 0; i < NM_MB; i++) acc[NM_MB + i] += xe1[i] * w;
+            }
+            for (int i = 0; i < 2 * NM_MB; i++) *(vf *)(t + i * ldt) = acc[i];
+        }
+#endif
+        for (; p < np; p++) {
             const float *xk = xp + p * pstride;
             float *t = T + p * NM_MB * ldt + q * NM_GR;
             vf acc[NM_MB][NVR];
