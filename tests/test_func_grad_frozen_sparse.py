@@ -191,8 +191,29 @@ def test_jit_trace_refuses_sparse_wrappers_clearly(layout, kwargs):
     lin = torch.nn.Linear(64, 32)
     lin.weight = sten.SparseParameterWrapper(layout.from_dense(lin.weight.detach(), **kwargs))
     lin.requires_grad_(False)
-    with pytest.raises(NotImplementedError, match="torch.jit.trace is not supported.*torch.export"):
+    with pytest.raises(NotImplementedError, match="torch.jit.trace or make_fx .* is not supported.*torch.export"):
         torch.jit.trace(lin, (torch.randn(4, 64),))
+
+
+@pytest.mark.parametrize("layout,kwargs", LAYOUTS, ids=[layout.__name__ for layout, _ in LAYOUTS])
+def test_make_fx_and_linearize_refuse_sparse_wrappers_clearly(layout, kwargs):
+    """``make_fx`` on real tensors (and ``torch.func.linearize``, which traces with it) records torch
+    operators only: an n:m model's graph replayed uninitialised memory (errors of 1e31, NaN from
+    linearize's jvp_fn), a scipy one a constant from the trace-time input, and a CSR one raised
+    "Sparse CSR tensors do not have strides"."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    lin.weight = sten.SparseParameterWrapper(layout.from_dense(lin.weight.detach(), **kwargs))
+    lin.requires_grad_(False)
+    x = torch.randn(4, 64)
+    with pytest.raises(NotImplementedError, match="make_fx .* is not supported.*torch.export"):
+        make_fx(lin)(x)
+    with pytest.raises(NotImplementedError, match="make_fx .* is not supported.*torch.func.jvp"):
+        torch.func.linearize(lin, x)
+    _, tangent = torch.func.jvp(lin, (x,), (torch.ones_like(x),))  # the supported spelling
+    torch.testing.assert_close(tangent, F.linear(torch.ones_like(x), lin.weight.to_dense()))
 
 
 COMPILED = [(layout, kwargs) for layout, kwargs in LAYOUTS

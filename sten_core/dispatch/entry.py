@@ -96,7 +96,18 @@ class _Fast:
 
 _fast: dict[tuple, _Fast] = {}
 _forward_ad = torch.autograd.forward_ad
-_is_tracing = torch._C._is_tracing
+_jit_tracing = torch._C._is_tracing
+_PROXY, _FAKE = torch._C._TorchDispatchModeKey.PROXY, torch._C._TorchDispatchModeKey.FAKE
+
+
+def _is_tracing() -> bool:
+    """``torch.jit.trace``, or ``make_fx`` tracing real tensors (``torch.func.linearize`` does): both
+    record torch operators only. (torch.compile and torch.export trace fake tensors: their proxy
+    mode comes with a fake mode, and the layouts' compiled implementations are custom operators.)"""
+    if _jit_tracing():
+        return True
+    get = torch._C._get_dispatch_mode
+    return get(_PROXY) is not None and get(_FAKE) is None
 _plugins_ready = [False]  # every plugin loaded: re-checked after each registry change (reset, unload)
 
 

@@ -51,14 +51,15 @@ class Unsupported(Exception):
 
 
 def traced(op: Any) -> NotImplementedError:
-    """What an operator on a sparse wrapper raises under ``torch.jit.trace``: the tracer records torch
-    operators only, so a layout's kernels (C, scipy, ctypes) would be baked into the trace as constants
-    or as the uninitialised buffers they fill, and the traced module would silently return wrong values."""
+    """What an operator on a sparse wrapper raises under ``torch.jit.trace`` or ``make_fx`` on real
+    tensors (``torch.func.linearize``): the tracer records torch operators only, so a layout's kernels
+    (C, scipy, ctypes) would be baked into the trace as constants or as the uninitialised buffers they
+    fill, and the traced module would silently return wrong values."""
     return NotImplementedError(
-        f"STen: {op_name(op)} on a sparse wrapper under torch.jit.trace is not supported: the tracer records "
-        "torch operators only, not the layouts' kernels, so the trace would be wrong for other inputs. Use "
-        "torch.export.export or torch.compile (both supported), or trace the dense model "
-        "(sten_core.densify_state_dict / w.to_dense()).")
+        f"STen: {op_name(op)} on a sparse wrapper under torch.jit.trace or make_fx (torch.func.linearize) is "
+        "not supported: the tracer records torch operators only, not the layouts' kernels, so the trace would "
+        "be wrong for other inputs. Use torch.export.export or torch.compile (both supported), torch.func.jvp "
+        "instead of linearize, or trace the dense model (sten_core.densify_state_dict / w.to_dense()).")
 
 
 def declined(key: OpKey, impl: Any, error: Unsupported) -> None:
