@@ -79,14 +79,19 @@ class BlockSparseTensor(Layout):
         return cls._from_tiles(tensor, tiles, block_mask.to(device=tensor.device, dtype=torch.bool))
 
     @staticmethod
-    def _pad(tensor: torch.Tensor, bh: int, bw: int) -> torch.Tensor:
+    def _pad(tensor: torch.Tensor, bh: int, bw: int, stored: bool = True) -> torch.Tensor:
+        """``tensor`` zero-padded to whole blocks; ``stored``: it becomes this layout's values (a float
+        dtype the kernels take), else it is only read at the stored positions (``gather``: a bool
+        mask or an int operand of ``W.mul_(mask)`` too)."""
         check_tensor(tensor, "tensor", where="BlockSparseTensor")
         if tensor.dim() != 2:
             raise ValueError(f"BlockSparseTensor is 2-D [rows, cols]; got a {tensor.dim()}-D tensor")
-        if tensor.dtype not in SUPPORTED_DTYPES:
+        if stored and tensor.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"BlockSparseTensor supports {', '.join(str(d) for d in SUPPORTED_DTYPES)}; got {tensor.dtype}")
         m, k = tensor.shape
-        return torch.nn.functional.pad(tensor.detach(), (0, (-k) % bw, 0, (-m) % bh))
+        padded = tensor.detach().new_zeros((m + (-m) % bh, k + (-k) % bw))
+        padded[:m, :k] = tensor.detach()
+        return padded
 
     @classmethod
     def _from_tiles(cls, tensor: torch.Tensor, tiles: torch.Tensor, keep: torch.Tensor) -> "BlockSparseTensor":
@@ -168,7 +173,7 @@ class BlockSparseTensor(Layout):
         if tuple(dense.shape) != tuple(self._shape):
             raise ValueError(f"gather expects shape {tuple(self._shape)}, got {tuple(dense.shape)}")
         bh, bw = self.block_shape
-        padded = self._pad(dense, bh, bw)
+        padded = self._pad(dense, bh, bw, stored=False)
         tiles = padded.reshape(padded.shape[0] // bh, bh, padded.shape[1] // bw, bw).permute(0, 2, 1, 3)
         return tiles[self.block_rows().long(), self.col.long()].contiguous()
 

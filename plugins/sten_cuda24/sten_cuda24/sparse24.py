@@ -189,7 +189,9 @@ class Sparse24Tensor(Layout):
         same = values is self.packed
         if self.live is not None:
             values = values.masked_fill_(~self.live, 0) if same else values.masked_fill(~self.live, 0)
-        out = Sparse24Tensor(values.to(self.packed.dtype), self.meta, self._shape, self.meta_t, self.live)
+        # in the values' own dtype (a bf16 weight times float32 is float32, as in torch; a dtype
+        # 2:4 cannot store raises): cast to the weight's, it rounded the product silently
+        out = Sparse24Tensor(values, self.meta, self._shape, self.meta_t, self.live)
         if out.packed is self.packed:
             out._cache = self._cache
         return out

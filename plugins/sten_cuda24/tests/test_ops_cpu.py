@@ -234,3 +234,38 @@ def test_mm24_sparse_grad_of_the_2_4_operand(sten, sampled, monkeypatch):
     assert isinstance(a.grad.wrapped_tensor, Sparse24Tensor)
     torch.testing.assert_close(a.grad.wrapped_tensor.to_dense(), ga * a.wrapped_tensor.mask(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(b.grad, gb, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_24_weight_times_float32_is_float32_as_in_torch(sten, dtype):
+    """``W * x`` kept the 2:4 weight's dtype: bf16 * float32 came back bf16, the product rounded
+    (1 + 2^-12 became 1.0), where torch promotes to float32."""
+    d = torch.tensor([[1.0, 0.0, 3.0, 0.0]]).repeat(2, 2).to(dtype)
+    x = torch.full((2, 8), 1.0 + 2 ** -12)
+    W = sten.SparseTensorWrapper(Sparse24Tensor.from_dense(d))
+    for got in (W * x, torch.mul(W, x)):
+        assert isinstance(got.wrapped_tensor, Sparse24Tensor) and got.dtype == torch.float32
+        torch.testing.assert_close(got.to_dense(), d * x, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="float16, bfloat16, float32; got float64"):
+        torch.zeros_like(W, dtype=torch.float64)  # a dtype 2:4 cannot store: said, not ignored
+    assert torch.zeros_like(W, dtype=torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("write", ["mul_ bool", "mul_ int", "masked_fill_"])
+def test_block_sparse_in_place_writes_take_bool_and_int_operands(sten, write):
+    """``W.mul_(mask)`` (applying a pruning mask) raised "BlockSparseTensor supports ...; got
+    torch.bool": reading an operand at the stored positions checked it as if it were stored."""
+    torch.manual_seed(0)
+    d = torch.randn(8, 8)
+    d[:4, :4] = 0
+    W = sten.SparseTensorWrapper(BlockSparseTensor.from_dense(d, (4, 4)))
+    keep = d <= 0
+    with torch.no_grad():
+        if write == "mul_ bool":
+            W.mul_(keep)
+        elif write == "mul_ int":
+            W.mul_(keep.to(torch.int64))
+        else:
+            W.masked_fill_(~keep, 0.0)
+    assert isinstance(W.wrapped_tensor, BlockSparseTensor) and W.dtype == torch.float32
+    torch.testing.assert_close(W.to_dense(), d * keep)
