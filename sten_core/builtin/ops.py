@@ -167,7 +167,7 @@ def _as_columns(b: torch.Tensor) -> torch.Tensor:
         return b.unsqueeze(1)
     if b.dim() == 2:
         return b
-    return b.movedim(-2, 0).reshape(b.shape[-2], -1)
+    return b.movedim(-2, 0).reshape(b.shape[-2], math.prod(b.shape[:-2]) * b.shape[-1])  # (-1: no size at K = 0)
 
 
 def _from_columns(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

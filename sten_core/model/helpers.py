@@ -110,8 +110,14 @@ def wrap_layout(layout: Any, grad_fmt: Any = None, requires_grad: bool = False) 
 
 def bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
     """The gradient of a bias added on the last dimension: ``grad_output``
-    summed over every other dimension."""
-    return grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+    summed over every other dimension (a zero-width output too: -1 has no size there).
+
+    >>> bias_grad(torch.ones(2, 3, 4)).tolist()
+    [6.0, 6.0, 6.0, 6.0]
+    """
+    if grad_output.dim() < 2:
+        return grad_output
+    return grad_output.sum(tuple(range(grad_output.dim() - 1)))
 
 
 def register_member_linear_autograd(op: Any, grad_input: Callable, grad_values: Callable,

@@ -61,7 +61,7 @@ def _addmm_backward(sparse_grad: bool):
                            saved=(x, w, None))
         gb = None
         if needs[0]:
-            gb = gy.reshape(-1, gy.shape[-1]) * beta
+            gb = gy.flatten(0, -2) * beta if gy.dim() > 1 else gy * beta   # (reshape(-1, N): no size when N = 0)
             while gb.dim() > bias.dim():
                 gb = gb.sum(0)
             for d, size in enumerate(bias.shape):

@@ -263,3 +263,17 @@ def test_nm_operand_first_rejects_mismatched_operands():
         W @ torch.randn(29)
     with pytest.raises(ValueError, match="second operand must be 2-D"):
         torch.mm(W, torch.randn(30))
+
+
+def test_addmm_with_an_empty_nm_operand_gives_the_bias_an_empty_gradient():
+    """``torch.addmm(b, x, W)`` with ``W`` [8, 0] raised "cannot reshape tensor of 0 elements into
+    shape [-1, 0]" in the bias gradient; dense torch gives an empty one."""
+    import sten_core as sten
+
+    W = sten.SparseTensorWrapper(NMTensor.from_dense(torch.randn(8, 0), n=2, m=4, dim=0))
+    b = torch.randn(0, requires_grad=True)
+    x = torch.randn(3, 8, requires_grad=True)
+    y = torch.addmm(b, x, W)
+    assert y.shape == (3, 0)
+    y.sum().backward()
+    assert b.grad.shape == (0,) and torch.equal(x.grad, torch.zeros(3, 8))
