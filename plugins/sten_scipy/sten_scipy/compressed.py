@@ -212,8 +212,9 @@ class ScipyCompressed(Layout):
             raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
         if values.shape != (self.nnz,):
             raise ValueError(f"values must have shape ({self.nnz},) (one per stored value), got {tuple(values.shape)}")
+        if values.dtype not in TORCH_TO_NUMPY:  # (numpy's own "unsupported ScalarType BFloat16" otherwise)
+            raise TypeError(f"{type(self).__name__}: dtype must be {SUPPORTED}, got {values.dtype}")
         array = values.detach().cpu().contiguous().numpy()
-        torch_dtype(array.dtype, f"{type(self).__name__}.with_values")
         new = self.from_parts(array, self.data.indices, self.data.indptr, self.data.shape)
         new._coords = self._coords
         return new

@@ -118,6 +118,19 @@ def test_a_move_to_an_unsupported_dtype_says_so(layout, dtype):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_zeros_like_in_an_unsupported_dtype_says_so(layout, dtype):
+    """``torch.zeros_like(w, dtype=torch.bfloat16)`` raised numpy's bare "Got unsupported ScalarType
+    BFloat16" (new values of an unsupported dtype, through ``with_values``)."""
+    import sten_core as sten
+
+    w = sten.SparseTensorWrapper(layout.from_dense(torch.randn(4, 4)))
+    with pytest.raises(TypeError, match=f"{layout.__name__}: dtype must be float32 or float64, got {dtype}"):
+        torch.zeros_like(w, dtype=dtype)
+    assert torch.zeros_like(w, dtype=torch.float64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_bad_input_is_named(layout):
     with pytest.raises(ValueError, match=r"must be 2-D.*\(2, 3, 4\)"):
         layout.from_dense(torch.ones(2, 3, 4))
