@@ -22,8 +22,8 @@ WHEEL_TESTS := build/wheel-test/$(WHEEL_PLUGIN)
 # Plugins whose suites `make test` leaves to another target (CI: the one wheel-test runs).
 SKIP_SUITES ?=
 # pytest-xdist workers for the core's suite (0: one process). Two on a 2-core machine took
-# 11 min instead of 17; the plugin suites stay in one process (sten_nm's OpenMP kernels ran
-# 1.75x slower in two workers than in one).
+# 9 min instead of 17 (torch on one thread per worker: tests/conftest.py); the plugin suites
+# stay in one process (sten_nm's OpenMP kernels ran 1.75x slower in two workers than in one).
 TEST_WORKERS ?= 2
 SUITES := $(filter-out $(addprefix plugins/,$(addsuffix /,$(SKIP_SUITES))),$(dir $(PLUGINS)))
 

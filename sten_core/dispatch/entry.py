@@ -108,6 +108,8 @@ def _is_tracing() -> bool:
         return True
     get = torch._C._get_dispatch_mode
     return get(_PROXY) is not None and get(_FAKE) is None
+
+
 _plugins_ready = [False]  # every plugin loaded: re-checked after each registry change (reset, unload)
 
 
