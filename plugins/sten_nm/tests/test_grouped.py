@@ -94,14 +94,17 @@ def _random_grouped(N, K, n, m):
 
 
 @pytest.mark.parametrize("n,m", PATTERNS)
-@pytest.mark.parametrize("blocked", [False, True])
+@pytest.mark.parametrize("blocked", [False, "chunks", True])
 def test_grouped_kernels_blocking_and_threads(isa, n, m, blocked, monkeypatch):
     """Forward, weight and input gradients equal the dense reference whatever the chunking
-    (slots per chunk, panels per block, batch rows per block) and thread count."""
+    (slots per chunk, panels per block, batch rows per block) and thread count. ``"chunks"``:
+    many slot chunks over blocks of several panels (AVX-512's two-panel pass adding to its
+    accumulators from the second chunk on)."""
     from sten_nm import _kernel
 
-    if blocked:  # force many chunks and blocks on small shapes
+    if blocked:  # force many chunks (and, unless "chunks", blocks) on small shapes
         monkeypatch.setenv("STEN_NM_GROUPED_KC", "3")
+    if blocked is True:
         monkeypatch.setenv("STEN_NM_GROUPED_PANEL_BYTES", "1")
         monkeypatch.setenv("STEN_NM_GSDDMM_ROWS", "5")
         monkeypatch.setenv("STEN_NM_GTGATHER_ROWS", "1")
