@@ -237,6 +237,11 @@ def ptr(t: Optional[torch.Tensor], what: str) -> Optional[int]:
             address = 0
         if address or t.numel() == 0:
             return address
+    if t.is_cpu:   # a CPU tensor whose data is not its own: a torch.func transform's or a tracer's
+        raise ValueError(f"{what} is a CPU tensor without data of its own ({type(t).__name__}: a torch.func "
+                         f"transform's or a tracer's), which the sten_nm C kernels cannot read. Under "
+                         f"torch.func, differentiate with respect to dense inputs with the n:m weights frozen "
+                         f"(requires_grad_(False)), or take the weights' gradients with torch.autograd")
     where = ("the meta device, which holds no data" if t.is_meta
              else f"device {t.device} ({type(t).__name__} without CPU data)")
     raise ValueError(f"{what} is on {where}; the sten_nm C kernels read CPU tensors only. Move the "

@@ -160,9 +160,29 @@ def test_ptr_refuses_fake_tensors():
         fake = torch.empty(4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(ValueError, match="FakeTensor without CPU data"):
+        with pytest.raises(ValueError, match=r"x is a CPU tensor without data of its own \(FakeTensor"):
             _kernel.ptr(fake, "x")
     assert _kernel.ptr(torch.empty(0), "x") is not None
+
+
+@requires_kernel
+def test_jvp_with_respect_to_an_nm_weight_names_what_to_do():
+    """``torch.func.jvp`` over a parameter dict holding an n:m weight: the dense path's decompress
+    (the C kernel's) gets a transform's tensor; it said "out is on device cpu ... Move the layout to
+    the CPU first" (the weight is on the CPU)."""
+    from torch.func import functional_call, jvp
+
+    import sten_core as sten
+    from sten_nm import NMTensor
+
+    lin = torch.nn.Linear(16, 8)
+    lin.weight = sten.SparseParameterWrapper(NMTensor.from_dense(lin.weight.detach(), n=2, m=4))
+    params = {k: v.detach() for k, v in lin.named_parameters()}
+    tangents = {k: torch.randn(v.shape) for k, v in params.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        with pytest.raises(ValueError, match="without data of its own.*torch.func.*frozen"):
+            jvp(lambda p: functional_call(lin, p, (torch.randn(4, 16),)), (params,), (tangents,))
 
 
 # -- the layouts on meta: class, shapes, dtypes ----------------------------------------------
