@@ -58,7 +58,7 @@ setup(
                 "csrc/nm_avx512.c",
             ],
             depends=["csrc/nm_kernel.h", "csrc/nm_isa.h", "csrc/nm_impl.h", "csrc/nm_body.h", "csrc/nm_transpose.h", "csrc/nm_grouped.h",
-                     "csrc/nm_colgrouped.h", "csrc/nm_colgrouped_bwd.h", "csrc/nm_cgbwd_body.h", "csrc/nm_bf16.h",
+                     "csrc/nm_ggather_body.h", "csrc/nm_colgrouped.h", "csrc/nm_colgrouped_bwd.h", "csrc/nm_cgbwd_body.h", "csrc/nm_bf16.h",
                      "csrc/nm_grouped_bf16.h", "csrc/nm_cg_bf16x.h", "csrc/nm_bf16_bwd.h", "csrc/nm_bf16_pack.h"],
             extra_compile_args=["/O2"] if sys.platform == "win32" else [],
             optional=True,  # no compiler: install anyway, report `available: false`

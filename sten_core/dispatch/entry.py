@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-
 from typing import Any, Callable
 
 import torch

@@ -10,64 +10,12 @@
 #define NMG_CAT(a, b) NMG_CAT_(a, b)
 #define NVR (NM_GR / VW)
 
-/* Kept slots [e0, e1) of row groups [q0, q1) times np packed micro-panels of x
- * (panel p at xp + p * pstride, [column - cbase][NM_MB]); offs[q * gn + e] is the
- * slot's column times NM_MB. T rows: p * NM_MB + i, columns q * 16 + lane, row
- * stride ldt. first: start from zero, else add to T. */
-static void NMG_CAT(ggather, SUF)(const nm_grouped *W, const int32_t *offs, const float *xp,
-                                  int64_t pstride, int64_t cbase, int64_t np, int64_t e0,
-                                  int64_t e1, int64_t q0, int64_t q1, float *T, int64_t ldt,
-                                  int first)
-{
-    const int64_t gn = (W->K + W->m - 1) / W->m * W->n, cb = cbase * NM_MB;
-    for (int64_t q = q0; q < q1; q++) {
-        const float *wv = W->vals + (q * gn + e0) * NM_GR;
-        const int32_t *oq = offs + q * gn + e0;
-        const int64_t ne = e1 - e0;
-        int64_t p = 0;
-#if VW == 16
-        /* two panels per pass: 12 accumulators (6 alone are too few FMA chains for the
-         * latency) and each weight vector feeds 12 FMAs */
-        for (; p + 2 <= np; p += 2) {
-            const float *xk0 = xp + p * pstride, *xk1 = xk0 + pstride;
-            float *t = T + p * NM_MB * ldt + q * NM_GR;
-            vf acc[2 * NM_MB];
-            for (int i = 0; i < 2 * NM_MB; i++)
-                acc[i] = first ? (vf){0} : *(const vf *)(t + i * ldt);
-            for (int64_t e = 0; e < ne; e++) {
-                const vf w = *(const vfu *)(wv + e * NM_GR);
-                const float *xe0 = xk0 + (oq[e] - cb), *xe1 = xk1 + (oq[e] - cb);
-#pragma GCC unroll 6
-                for (int i = 0; i < NM_MB; i++) acc[i] += xe0[i] * w;
-#pragma GCC unroll 6
-                for (int i = 0; i < NM_MB; i++) acc[NM_MB + i] += xe1[i] * w;
-            }
-            for (int i = 0; i < 2 * NM_MB; i++) *(vf *)(t + i * ldt) = acc[i];
-        }
-#endif
-        for (; p < np; p++) {
-            const float *xk = xp + p * pstride;
-            float *t = T + p * NM_MB * ldt + q * NM_GR;
-            vf acc[NM_MB][NVR];
-            for (int i = 0; i < NM_MB; i++)
-                for (int u = 0; u < NVR; u++)
-                    acc[i][u] = first ? (vf){0} : *(const vf *)(t + i * ldt + u * VW);
-            for (int64_t e = 0; e < ne; e++) {
-                vf w[NVR];
-                for (int u = 0; u < NVR; u++) w[u] = *(const vfu *)(wv + e * NM_GR + u * VW);
-                const float *xe = xk + (oq[e] - cb);
-#pragma GCC unroll 6
-                for (int i = 0; i < NM_MB; i++) {
-                    const float s = xe[i];
-#pragma GCC unroll 4
-                    for (int u = 0; u < NVR; u++) acc[i][u] += s * w[u];
-                }
-            }
-            for (int i = 0; i < NM_MB; i++)
-                for (int u = 0; u < NVR; u++) *(vf *)(t + i * ldt + u * VW) = acc[i][u];
-        }
-    }
-}
+/* ggather: kept slots [e0, e1) of row groups [q0, q1) times np packed micro-panels of x
+ * (panel p at xp + p * pstride, [column - cbase][NM_MB]); nm_ggather_body.h */
+#define GG_FN NMG_CAT(ggather, SUF)
+#define GG_VT float
+#define GG_LOAD(p) (*(const vfu *)(p))
+#include "nm_ggather_body.h"
 
 /* Gradient of the stored values, one row group and one chunk of its slots:
  * out[e][j] (+)= sum_b gq[b][j] * xt[cols[e] * ldb + b] for e < ne, b < kb, j < 16,
