@@ -99,6 +99,12 @@ int nm_colgrouped_gather_variant_f32(const nm_colgrouped *W, int64_t B, const fl
                                      float *Y, int64_t ldy, const float *bias, int nthreads,
                                      int variant);
 
+/* D = the dense [N][K] matrix (ldd >= K) of float32 W; vtype NM_BF16 is refused (-1). */
+int nm_colgrouped_decompress_f32(const nm_colgrouped *W, float *D, int64_t ldd, int nthreads);
+/* vals[q][p][j][t] = D[q*m + pats[p][j]][cols[q][p][t]] (0 at padding): the stored positions'
+ * entries of a dense [N][K] matrix (ldd >= K), W's values unread; vals is float32 [Nb][P][n][L]. */
+int nm_colgrouped_values_at_f32(const nm_colgrouped *W, const float *D, int64_t ldd, float *vals, int nthreads);
+
 /* Input gradient for Y = X W^T: dX[b][k] = sum_r dY[b][r] W[r][k]; dY [B][N] (ldg), dX [B][K] (ldx). */
 int nm_colgrouped_grad_input_f32(const nm_colgrouped *W, int64_t B, const float *dY, int64_t ldg,
                                  float *dX, int64_t ldx, int nthreads);
@@ -203,6 +209,9 @@ int nm_compress_mask_f32(int64_t R, int64_t C, int32_t n, int32_t m, const float
                          const uint8_t *mask, float *vals, uint32_t *idx, int nthreads);
 /* D[r][c] = A[r][c] (zeros elsewhere); D is [R][C] (ldd). */
 int nm_decompress_f32(const nm_mat *A, float *D, int64_t ldd, int nthreads);
+/* vals[r][e] = D[r][column of slot e] (0 in the padding): the stored positions' entries of a
+ * dense [R][C] matrix (ldd), A's values unread; vals is [R][G*n]. */
+int nm_values_at_f32(const nm_mat *A, const float *D, int64_t ldd, float *vals, int nthreads);
 /* Name of the instruction set picked at run time: "avx512", "avx2" or "generic". */
 const char *nm_isa(void);
 /* Force an ISA ("avx512", "avx2", "generic"); returns 0 on success, -1 if unsupported. */

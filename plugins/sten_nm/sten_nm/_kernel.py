@@ -89,6 +89,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nm_compress_f32.argtypes = [_c_i64, _c_i64, _c_i32, _c_i32, _c_p, _c_i64, _c_p, _c_p, ctypes.c_int]
     lib.nm_compress_mask_f32.argtypes = [_c_i64, _c_i64, _c_i32, _c_i32, _c_p, _c_i64, _c_p, _c_p, _c_p, ctypes.c_int]
     lib.nm_decompress_f32.argtypes = [P, _c_p, _c_i64, ctypes.c_int]
+    lib.nm_values_at_f32.argtypes = [P, _c_p, _c_i64, _c_p, ctypes.c_int]
     lib.nm_grouped_gather_f32.argtypes = [PG, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
     lib.nm_grouped_sddmm_f32.argtypes = [PG, _c_i64, _c_p, _c_i64, _c_p, _c_i64, _c_p, ctypes.c_int]
     lib.nm_grouped_tgather_f32.argtypes = [PG, _c_i64, _c_p, _c_i64, _c_p, _c_i64, ctypes.c_int]
@@ -103,8 +104,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nm_set_isa.argtypes = [ctypes.c_char_p]
     lib.nm_set_threading.argtypes = [ctypes.c_char_p]
     for name in ("nm_gather_f32", "nm_scatter_f32", "nm_tgather_f32", "nm_sddmm_f32", "nm_compress_f32",
-                 "nm_compress_mask_f32", "nm_decompress_f32", "nm_set_isa", "nm_set_threading",
-                 "nm_grouped_gather_f32", "nm_grouped_sddmm_f32", "nm_grouped_tgather_f32",
+                 "nm_compress_mask_f32", "nm_decompress_f32", "nm_values_at_f32", "nm_set_isa",
+                 "nm_set_threading", "nm_grouped_gather_f32", "nm_grouped_sddmm_f32", "nm_grouped_tgather_f32",
                  "nm_index_bits", "nm_index_per_word"):
         getattr(lib, name).restype = ctypes.c_int
 
@@ -249,6 +250,17 @@ def ptr(t: Optional[torch.Tensor], what: str) -> Optional[int]:
                      f"after building on the meta device, then load the weights")
 
 
+def can_read(*ts: torch.Tensor) -> bool:
+    """Whether the C kernels may stand in for torch ops on ``ts``: plain CPU tensors that
+    autograd, torch.func and tracers do not follow, and the library loaded.
+
+    >>> can_read(torch.ones(2, requires_grad=True))
+    False
+    """
+    return all(type(t) in _PLAIN and t.is_cpu and not (t.requires_grad and torch.is_grad_enabled())
+               and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts) and available()[0]
+
+
 def empty(shape: tuple, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A kernel's output buffer: on the CPU, also under a ``torch.device("meta")`` default."""
     return torch.empty(shape, dtype=dtype, device="cpu")
@@ -356,6 +368,18 @@ def compress(D: torch.Tensor, n: int, m: int, mask: Optional[torch.Tensor] = Non
     return vals, idx
 
 
+def values_at(A: NMMat, D: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
+    """The entries of dense ``D`` ``[R, C]`` at A's stored positions, ``[R, G*n]`` float32
+    (0 in the padding); A's values are not read."""
+    D = _rowmajor(D)
+    if tuple(D.shape) != (A.R, A.C):
+        raise ValueError(f"nm_values_at: dense must be of shape {(A.R, A.C)}, got {tuple(D.shape)}")
+    out = empty((A.R, A.G * A.n))
+    _check(_load().nm_values_at_f32(ctypes.byref(A), ptr(D, "nm_values_at: dense"), D.stride(0) if A.C else 1,
+                                    ptr(out, "nm_values_at: out"), _threads(nthreads)), "nm_values_at")
+    return out
+
+
 def decompress(A: NMMat, nthreads: Optional[int] = None) -> torch.Tensor:
     """Dense ``[R, C]`` float32 tensor of A."""
     D = empty((A.R, A.C))
@@ -455,6 +479,32 @@ def _declare_extra(lib: ctypes.CDLL) -> None:
     lib.nm_colgrouped_pack_tiles.restype = ctypes.c_int
     lib.nm_colgrouped_tile_kt.argtypes = [PC, _c_i64, ctypes.c_int, ctypes.c_int]
     lib.nm_colgrouped_tile_kt.restype = _c_i64
+    lib.nm_colgrouped_decompress_f32.argtypes = [PC, _c_p, _c_i64, ctypes.c_int]
+    lib.nm_colgrouped_decompress_f32.restype = ctypes.c_int
+    lib.nm_colgrouped_values_at_f32.argtypes = [PC, _c_p, _c_i64, _c_p, ctypes.c_int]
+    lib.nm_colgrouped_values_at_f32.restype = ctypes.c_int
+
+
+def colgrouped_decompress(W: NMColGrouped, nthreads: Optional[int] = None) -> torch.Tensor:
+    """The dense ``[N, K]`` float32 matrix of a column-grouped ``W`` with float32 values."""
+    D = empty((W.N, W.K))
+    _check(_load().nm_colgrouped_decompress_f32(ctypes.byref(W), ptr(D, "nm_colgrouped_decompress: out"),
+                                                D.stride(0) if W.K else 0, _threads(nthreads)),
+           "nm_colgrouped_decompress")
+    return D
+
+
+def colgrouped_values_at(W: NMColGrouped, D: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:
+    """The entries of dense ``D`` ``[N, K]`` at a column-grouped ``W``'s stored positions,
+    float32 ``[Nb, P, n, L]`` (0 at padding); W's values are not read."""
+    D = _rowmajor(D)
+    if tuple(D.shape) != (W.N, W.K):
+        raise ValueError(f"nm_colgrouped_values_at: dense must be of shape {(W.N, W.K)}, got {tuple(D.shape)}")
+    out = empty((W.Nb, W.P, W.n, W.L))
+    _check(_load().nm_colgrouped_values_at_f32(ctypes.byref(W), ptr(D, "nm_colgrouped_values_at: dense"),
+                                               D.stride(0) if W.K else 0, ptr(out, "nm_colgrouped_values_at: out"),
+                                               _threads(nthreads)), "nm_colgrouped_values_at")
+    return out
 
 
 def colgrouped_grad_input(W: NMColGrouped, dY: torch.Tensor, nthreads: Optional[int] = None) -> torch.Tensor:

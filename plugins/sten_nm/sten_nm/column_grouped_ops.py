@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ from ._cg_tiles import with_tiles
 from .column_grouped import ColumnGroupedNMTensor, patterns
 from sten_core.plugin_api import linear_inputs, needs_grad, note, observing, register_weight_product
 
-from .ops import _autocast_dtype, _cast, _check_input, _meta_rows, _on_meta, _out_dtype, _rows
+from .ops import _autocast_dtype, _bf16_note, _cast, _check_input, _meta_rows, _on_meta, _out_dtype, _rows
 
 SLAB_FLOATS = 1 << 24
 
@@ -200,39 +200,39 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     gx = gw = gb = None
     need_x, need_w = needs_grad(ctx, 0), needs_grad(ctx, 1)
 
-    def kernels() -> tuple:
-        # the layout's own C kernels (csrc/nm_colgrouped_bwd.h): per (row block, pattern),
-        # gx[:, owned columns] += gy[:, pattern rows] @ values, and the values' gradient
-        # gy[:, pattern rows]ᵀ x[:, owned columns] at the kept positions only; bf16 gy / x
-        # read by the kernels (widened while packing), no float32 copies
-        desc = W.desc()
-        bf16 = torch.bfloat16 in (gy_in.dtype, x_in.dtype)
-        gx = gv = None
-        if need_x:
-            gx = (_bf16x.colgrouped_grad_input_mixed(desc, gy_in) if gy_in.dtype == torch.bfloat16
-                  else _kernel.colgrouped_grad_input(desc, gy_in))
-        if need_w and sparse_grad:
-            gv = (_bf16x.colgrouped_grad_values_mixed(desc, gy_in, x_in) if bf16
-                  else _kernel.colgrouped_grad_values(desc, gy_in, x_in))
-        return gx, gv
+    # the layout's own C kernels (csrc/nm_colgrouped_bwd.h): per (row block, pattern),
+    # gx[:, owned columns] += gy[:, pattern rows] @ values, and the values' gradient
+    # gy[:, pattern rows]ᵀ x[:, owned columns] at the kept positions only; bf16 gy / x read
+    # by the kernels (widened while packing), no float32 copies
+    def kernel_x() -> torch.Tensor:
+        if gy_in.dtype == torch.bfloat16:
+            return _bf16x.colgrouped_grad_input_mixed(W.desc(), gy_in)
+        return _kernel.colgrouped_grad_input(W.desc(), gy_in)
 
-    def dense() -> tuple:
-        gy2, x2 = gy_in.to(c), x_in.to(c)
-        # decompress + dense GEMMs (in torch much faster than the per-pattern products,
-        # input_grad / values_grad, the reference the tests hold both paths to)
+    def kernel_w() -> torch.Tensor:
+        if torch.bfloat16 in (gy_in.dtype, x_in.dtype):
+            return _bf16x.colgrouped_grad_values_mixed(W.desc(), gy_in, x_in)
+        return _kernel.colgrouped_grad_values(W.desc(), gy_in, x_in)
+
+    # decompress + dense GEMM, and dense GEMM + the stored positions' entries (the reference
+    # the tests hold the kernels to)
+    def dense_x() -> torch.Tensor:
         with torch.autocast("cpu", enabled=False):
-            gx = gy2 @ W.to_dense().to(c) if need_x else None
-            gv = W.gather(gy2.t() @ x2) if need_w and sparse_grad else None
-        return gx, gv
+            return gy_in.to(c) @ W.to_dense().to(c)
 
-    if c == torch.float32 and _kernel.available()[0] and not _on_meta(W):
-        g, gv = _tuned_backward(W, gy_in.shape[0], kernels, dense, bf16=torch.bfloat16 in (gy_in.dtype, x_in.dtype))
-    else:
-        g, gv = dense()
+    def dense_w() -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return W.gather(gy_in.to(c).t() @ x_in.to(c))
+
+    tuned = c == torch.float32 and _kernel.available()[0] and not _on_meta(W)
     if need_x:
+        g = _tuned_backward("cg_bwd_x", W, gy_in.shape[0], kernel_x, dense_x,
+                            _bf16_note(gy=gy_in)) if tuned else dense_x()
         gx = g.to(x.dtype).reshape(x.shape)
     if need_w:
         if sparse_grad:
+            gv = _tuned_backward("cg_bwd_w", W, gy_in.shape[0], kernel_w, dense_w,
+                                 _bf16_note(gy=gy_in, x=x_in)) if tuned else dense_w()
             gw = SparseTensorWrapper(W.with_values(gv.to(W.dtype)))
         else:
             with torch.autocast("cpu", enabled=False):
@@ -242,15 +242,17 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     return gx, gw, gb
 
 
-def _tuned_backward(W: ColumnGroupedNMTensor, B: int, kernels: Any, dense: Any, bf16: bool = False) -> tuple:
-    """The faster of the two backward paths on this machine (timed once, cached on disk,
-    ``STEN_NM_TUNE=0``: always the kernels); see :mod:`sten_nm.tuning`. bf16 gy / x (read as
-    bf16 by the kernels, widened by dense) have their own entry."""
+def _tuned_backward(op: str, W: ColumnGroupedNMTensor, B: int, kernel: Callable[[], torch.Tensor],
+                    dense: Callable[[], torch.Tensor], bf16_note: str = "") -> torch.Tensor:
+    """One gradient (``op``: ``cg_bwd_x`` the input's, ``cg_bwd_w`` the values') by the faster
+    of the layout's kernel and its dense-GEMM route on this machine, each timed once and
+    cached on disk (``STEN_NM_TUNE=0``: always the kernel; see :mod:`sten_nm.tuning`): the
+    two need not agree (768x3072 2:8, 2 threads, Xeon SPR: the input's kernel 19 ms against
+    22 dense, the values' 39 against 23). bf16 operands have their own entry (``bf16_note``)."""
     N, K = W.shape
-    dt = "float32 gy=bfloat16" if bf16 else "float32"
-    k = tuning.key("cg_bwd", N, K, W.n, W.m, True, B, dt, torch.get_num_threads(), _kernel.isa())
-    choice = tuning.pick(k, {tuning.KERNEL: kernels, tuning.DENSE: dense}, empty=B == 0)
-    return kernels() if choice == tuning.KERNEL else dense()
+    k = tuning.key(op, N, K, W.n, W.m, True, B, "float32" + bf16_note, torch.get_num_threads(), _kernel.isa())
+    choice = tuning.pick(k, {tuning.KERNEL: kernel, tuning.DENSE: dense}, empty=B == 0)
+    return kernel() if choice == tuning.KERNEL else dense()
 
 
 def linear_bwd_dense(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:

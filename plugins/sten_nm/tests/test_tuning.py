@@ -127,25 +127,47 @@ def test_batch_bucket():
     assert [tuning.batch_bucket(b) for b in (0, 1, 2, 3, 1000, 1024, 1025)] == [1, 1, 2, 4, 1024, 1024, 2048]
 
 
+BACKWARD_LAYOUTS = {
+    "exact": lambda w: NMTensor.from_dense(w, 2, 4),
+    "exact dim=0": lambda w: NMTensor.from_dense(w, 1, 4, dim=0),
+    "grouped": lambda w: __import__("sten_nm").GroupedNMTensor.from_dense(w, 2, 4),
+    "paper": lambda w: __import__("sten_nm").ColumnGroupedNMTensor.from_dense(w, 2, 4),
+}
+
+
 @pytest.mark.parametrize("choice", ["kernel", "dense"])
 @pytest.mark.parametrize("sparse_grad", [True, False])
-def test_paper_format_backward_both_choices_equal_dense(tune, choice, sparse_grad, monkeypatch):
-    from sten_nm import ColumnGroupedNMTensor
-
-    # the backward's choice forced; the forward's own (loop order, cg_fwd) the first candidate
-    monkeypatch.setattr(tuning, "choose", lambda k, cands, reps=3: choice if choice in cands else next(iter(cands)))
-    t = ColumnGroupedNMTensor.from_dense(torch.randn(22, 40), 2, 4)
-    fmt = (sten.KeepAll(), ColumnGroupedNMTensor, sten.KeepAll(), ColumnGroupedNMTensor) if sparse_grad else None
-    W = sten.SparseParameterWrapper(t, grad_fmt=fmt)
-    x = torch.randn(7, 40, requires_grad=True)
-    y = F.linear(x, W)
-    gy = torch.randn_like(y)
-    y.backward(gy)
-    xr, wr = x.detach().requires_grad_(), t.to_dense().requires_grad_()
-    F.linear(xr, wr).backward(gy)
-    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-4)
-    gw = W.grad.wrapped_tensor.to_dense() if sparse_grad else W.grad
-    torch.testing.assert_close(gw, wr.grad * t.mask() if sparse_grad else wr.grad, rtol=1e-4, atol=1e-4)
+@pytest.mark.parametrize("layout", list(BACKWARD_LAYOUTS))
+def test_backward_both_choices_equal_dense(tune, layout, choice, sparse_grad, monkeypatch):
+    """Each gradient's choice forced (the input's and the weight's at the kept positions; the
+    paper format's forward loop order the first candidate): F.linear and, for exact n:m, a
+    product with the n:m operand on the right, against dense autograd."""
+    asked = []
+    monkeypatch.setattr(tuning, "choose", lambda k, cands, reps=3: asked.append(k.split()[0]) or (
+        choice if choice in cands else next(iter(cands))))
+    torch.manual_seed(0)
+    t = BACKWARD_LAYOUTS[layout](torch.randn(22, 40))
+    cls = type(t)
+    fmt = (sten.KeepAll(), cls, sten.KeepAll(), cls) if sparse_grad else None
+    products = [(t, lambda x, W: F.linear(x, W), lambda x, D: F.linear(x, D))]
+    if cls is NMTensor:   # x @ S: the n:m operand [K, N] on the right
+        s = NMTensor.from_dense(torch.randn(40, 22), 1, 4, dim=t.dim)
+        products.append((s, lambda x, W: torch.matmul(x, W), lambda x, D: x @ D))
+    for layout_t, op, ref in products:
+        W = sten.SparseParameterWrapper(layout_t, grad_fmt=fmt)
+        x = torch.randn(7, 40, requires_grad=True)
+        y = op(x, W)
+        gy = torch.randn_like(y)
+        y.backward(gy)
+        xr, wr = x.detach().requires_grad_(), layout_t.to_dense().requires_grad_()
+        ref(xr, wr).backward(gy)
+        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-4)
+        gw = W.grad.wrapped_tensor.to_dense() if sparse_grad else W.grad
+        torch.testing.assert_close(gw, wr.grad * layout_t.mask() if sparse_grad else wr.grad, rtol=1e-4, atol=1e-4)
+    want = {"exact": {"bwd_x"}, "grouped": {"grouped_bwd_x"}, "paper": {"cg_bwd_x"}}[layout.split()[0]]
+    if sparse_grad:
+        want |= {w.replace("_x", "_w") for w in want}
+    assert want <= set(asked)
 
 
 def test_paper_format_backward_choice_is_cached(tune):
@@ -156,7 +178,9 @@ def test_paper_format_backward_choice_is_cached(tune):
                                                  ColumnGroupedNMTensor))
     x = torch.randn(7, 40, requires_grad=True)
     F.linear(x, W).sum().backward()
-    assert [k for k in tuning.choices() if k.startswith("cg_bwd R=22 C=40 2:4")]
+    # each gradient by its own choice: the input's and the values'
+    assert [k for k in tuning.choices() if k.startswith("cg_bwd_x R=22 C=40 2:4")]
+    assert [k for k in tuning.choices() if k.startswith("cg_bwd_w R=22 C=40 2:4")]
 
 
 def test_explain_shows_the_tuning_choice(tune, monkeypatch):
