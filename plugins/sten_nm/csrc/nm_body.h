@@ -126,52 +126,51 @@ static void FN(scatter)(const nm_mat *A, const float *yp, int64_t nbc, int64_t B
     }
 }
 
+/* out[r][e] = sum_b Y[b][r] X[b][col(r, e)]. Loop order: block of NM_ROWS rows (offsets
+ * decoded once) -> block of columns -> batch chunk (its panel block in L1) -> row -> kept
+ * values, each adding its NV-vector product into one vector accumulator per kept value
+ * (vacc: NM_ROWS * kbg * n vectors), reduced across lanes once, after the last chunk.
+ * Reducing every kept value's dot product in every chunk instead cost 2.5-3x as long
+ * (3072x768 1:4, 2 threads, Xeon SPR: 67 ms against 24; dense GEMM's whole product 20-30). */
 static void FN(sddmm)(const nm_mat *A, const float *xp, int64_t Cpad, const float *yp,
-                      int64_t nbc, float *out, int64_t r0, int64_t r1, int32_t *offs, int64_t kbg)
+                      int64_t nbc, float *out, int64_t r0, int64_t r1, int32_t *offs, int64_t kbg,
+                      float *vacc)
 {
     const int n = A->n;
     const int64_t G = A->G, gn = G * n, R = A->R;
-    for (int64_t i = r0 * gn; i < r1 * gn; i++) out[i] = 0.0f;
     for (int64_t rb = r0; rb < r1; rb += NM_ROWS) {
         const int64_t re = rb + NM_ROWS < r1 ? rb + NM_ROWS : r1;
         nm_decode(A, rb, re, 0, G, BCHN, offs);
-        for (int64_t bc = 0; bc < nbc; bc++) {
-            const float *panel = xp + bc * Cpad * BCHN;
-            const float *ypanel = yp + bc * R * BCHN;
-            for (int64_t g0 = 0; g0 < G; g0 += kbg) {
-                const int64_t g1 = g0 + kbg < G ? g0 + kbg : G;
-                const int64_t e0 = g0 * n, e1 = g1 * n;
+        for (int64_t g0 = 0; g0 < G; g0 += kbg) {
+            const int64_t g1 = g0 + kbg < G ? g0 + kbg : G;
+            const int64_t e0 = g0 * n, ne = (g1 - g0) * n;
+            for (int64_t i = 0; i < (re - rb) * ne; i++) *(vf *)(vacc + i * VW) = (vf){0};
+            for (int64_t bc = 0; bc < nbc; bc++) {
+                const float *panel = xp + bc * Cpad * BCHN;
+                const float *ypanel = yp + bc * R * BCHN;
                 for (int64_t r = rb; r < re; r++) {
                     vf yv[NV];
+#pragma GCC unroll 8
                     for (int u = 0; u < NV; u++) yv[u] = *(const vf *)(ypanel + r * BCHN + u * VW);
-                    float *o_out = out + r * gn;
-                    const int32_t *o = offs + (r - rb) * gn;
-                    int64_t e = e0;
-                    for (; e + 4 <= e1; e += 4) {   /* 4 dot products, one reduction */
-                        const float *p0 = panel + o[e], *p1 = panel + o[e + 1];
-                        const float *p2 = panel + o[e + 2], *p3 = panel + o[e + 3];
-                        vf s0 = yv[0] * *(const vf *)p0, s1 = yv[0] * *(const vf *)p1;
-                        vf s2 = yv[0] * *(const vf *)p2, s3 = yv[0] * *(const vf *)p3;
-#pragma GCC unroll 8
-                        for (int u = 1; u < NV; u++) {
-                            s0 += yv[u] * *(const vf *)(p0 + u * VW);
-                            s1 += yv[u] * *(const vf *)(p1 + u * VW);
-                            s2 += yv[u] * *(const vf *)(p2 + u * VW);
-                            s3 += yv[u] * *(const vf *)(p3 + u * VW);
-                        }
-                        float h0 = 0.0f, h1 = 0.0f, h2 = 0.0f, h3 = 0.0f;
-                        for (int l = 0; l < VW; l++) { h0 += s0[l]; h1 += s1[l]; h2 += s2[l]; h3 += s3[l]; }
-                        o_out[e] += h0; o_out[e + 1] += h1; o_out[e + 2] += h2; o_out[e + 3] += h3;
-                    }
-                    for (; e < e1; e++) {
+                    const int32_t *o = offs + (r - rb) * gn + e0;
+                    float *va = vacc + (r - rb) * ne * VW;
+                    for (int64_t e = 0; e < ne; e++) {
                         const float *px = panel + o[e];
-                        vf s = yv[0] * *(const vf *)px;
+                        vf s = *(const vf *)(va + e * VW);
 #pragma GCC unroll 8
-                        for (int u = 1; u < NV; u++) s += yv[u] * *(const vf *)(px + u * VW);
-                        float h = 0.0f;
-                        for (int l = 0; l < VW; l++) h += s[l];
-                        o_out[e] += h;
+                        for (int u = 0; u < NV; u++) s += yv[u] * *(const vf *)(px + u * VW);
+                        *(vf *)(va + e * VW) = s;
                     }
+                }
+            }
+            for (int64_t r = rb; r < re; r++) {
+                const float *va = vacc + (r - rb) * ne * VW;
+                float *o_out = out + r * gn + e0;
+                for (int64_t e = 0; e < ne; e++) {
+                    const vf s = *(const vf *)(va + e * VW);
+                    float h = 0.0f;
+                    for (int l = 0; l < VW; l++) h += s[l];
+                    o_out[e] = h;
                 }
             }
         }

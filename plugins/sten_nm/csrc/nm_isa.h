@@ -18,7 +18,7 @@ typedef void (*nm_scatter_fn)(const nm_mat *A, const float *yp, int64_t nbc, int
                               int32_t *offs, int64_t kbg);
 typedef void (*nm_sddmm_fn)(const nm_mat *A, const float *xp, int64_t Cpad, const float *yp,
                             int64_t nbc, float *out, int64_t r0, int64_t r1, int32_t *offs,
-                            int64_t kbg);
+                            int64_t kbg, float *vacc);
 
 /* Decode the offsets of rows [r0, r1), groups [g0, g1) into
  * out[(r - r0) * (g1 - g0) * n + j] = (column - g0 * m) * scale. */

@@ -670,7 +670,7 @@ int nm_scatter_f32(const nm_mat *A, int64_t B, const float *Y, int64_t ldy, floa
 /* ----------------------------------------------------------------- sddmm -- */
 typedef struct {
     const nm_mat *A; const float *xp; int64_t Cpad; const float *yp; int64_t nbc;
-    float *out; int64_t kbg; nm_sddmm_fn fn; int err;
+    float *out; int64_t kbg; nm_sddmm_fn fn; int err; int64_t vw;
 } sddmm_args;
 
 static void sddmm_task(void *p, int tid, int nth)
@@ -680,9 +680,10 @@ static void sddmm_task(void *p, int tid, int nth)
     split(a->A->R, tid, nth, &r0, &r1);
     if (r1 <= r0) return;
     int32_t *offs = (int32_t *)alloc64((size_t)(NM_ROWS * a->A->G * a->A->n) * sizeof(int32_t));
-    if (!offs) { a->err = -3; return; }
-    a->fn(a->A, a->xp, a->Cpad, a->yp, a->nbc, a->out, r0, r1, offs, a->kbg);
-    free(offs);
+    float *vacc = (float *)alloc64((size_t)(NM_ROWS * a->kbg * a->A->n * a->vw) * sizeof(float));
+    if (!offs || !vacc) { free(offs); free(vacc); a->err = -3; return; }
+    a->fn(a->A, a->xp, a->Cpad, a->yp, a->nbc, a->out, r0, r1, offs, a->kbg, vacc);
+    free(offs); free(vacc);
 }
 
 /* nm_sddmm_f32 on Y and X each float32 or bfloat16 bits (y16, x16: widened while packing). */
@@ -701,7 +702,7 @@ static int sddmm_driver(const nm_mat *A, int64_t B, const void *Y, int y16, int6
     float *xp = make_panel_x(X, x16, ldx, B, A->C, Cpad, bch, &nbc, nth, 0);
     float *yp = make_panel_x(Y, y16, ldy, B, A->R, A->R, bch, &nbc2, nth, 0);
     if (!xp || !yp) { free(xp); free(yp); return -3; }
-    sddmm_args sa = {A, xp, Cpad, yp, nbc, out, block_groups(A, bch), T->sddmm[nvi], 0};
+    sddmm_args sa = {A, xp, Cpad, yp, nbc, out, block_groups(A, bch), T->sddmm[nvi], 0, T->vw};
     run_parallel(nth, sddmm_task, &sa);
     free(xp); free(yp);
     return sa.err;
