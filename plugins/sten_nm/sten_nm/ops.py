@@ -206,7 +206,8 @@ def _apply(x: torch.Tensor, W: NMTensor, bias: Optional[torch.Tensor], a_is_w: b
 
         # bf16 x has its own tuning entry (the kernel reads it as bf16, dense widens it first)
         y2 = _tuned("fwd", W, x2.shape[0], a_is_w, lambda: _x_at(W, x2, bias, a_is_w, amp, dtype), dense,
-                    ("bfloat16" if bf16 else "float32") + (" x=bfloat16" if x2.dtype == torch.bfloat16 else ""))
+                    ("bfloat16" if bf16 else "float32") + (" x=bfloat16" if x2.dtype == torch.bfloat16 else ""),
+                    _scatter_candidate(W, x2, not a_is_w, bias) if amp is None else None)
     return _result(y2, dtype).reshape(*x.shape[:-1], n_out)
 
 
@@ -219,16 +220,29 @@ def _result(y2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return y2.to(dtype)
 
 
+def _scatter_candidate(W: NMTensor, y2: torch.Tensor, transposed: bool,
+                       bias: Optional[torch.Tensor] = None) -> dict[str, Callable[[], torch.Tensor]]:
+    """For a product ``X = Y A`` (``transposed``) on float32 values and ``y2``: the kernel that
+    adds into X's columns (``scatter``) as a candidate beside the one that builds A's
+    transpose per call (the default kernel, ``tgather``). Which wins depends on the machine
+    (Xeon SPR, 2 threads, gy @ W for 3072x768 at B = 1024: 2:4 48 against 65 ms, 1:10 13
+    against 24; the transpose alone took 29 ms at 2:4); elsewhere none."""
+    if not transposed or W._values.dtype != torch.float32 or y2.dtype != torch.float32:
+        return {}
+    return {"scatter": lambda: _kernel.scatter(W.mat(), y2, bias)}
+
+
 def _tuned(op: str, W: Any, B: int, a_is_w: bool, kernel: Callable[[], torch.Tensor],
-           dense: Callable[[], torch.Tensor], dtype: str = "float32") -> torch.Tensor:
+           dense: Callable[[], torch.Tensor], dtype: str = "float32",
+           more: Optional[dict[str, Callable[[], torch.Tensor]]] = None) -> torch.Tensor:
     """Run the faster of the sparse kernel and its dense-GEMM route (decompress + GEMM, or GEMM +
     the stored positions' entries) for this (op, shape, pattern, batch bucket, threads, ISA):
     timed once, cached on disk (:mod:`sten_nm.tuning`). ``W``: an :class:`NMTensor` (keyed
-    by its stored orientation) or a ``GroupedNMTensor``."""
+    by its stored orientation) or a ``GroupedNMTensor``; ``more``: other kernels to time."""
     R, C = W._rc() if isinstance(W, NMTensor) else W.shape
     k = tuning.key(op, R, C, W.n, W.m, a_is_w, B, dtype, torch.get_num_threads(), _kernel.isa())
-    choice = tuning.pick(k, {tuning.KERNEL: kernel, tuning.DENSE: dense}, empty=B == 0)
-    return kernel() if choice == tuning.KERNEL else dense()
+    candidates = {tuning.KERNEL: kernel, tuning.DENSE: dense, **(more or {})}
+    return candidates[tuning.pick(k, candidates, empty=B == 0)]()
 
 
 def nm_linear(x: torch.Tensor, weight: Any, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -303,7 +317,8 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, sa
                 return gy2.float() @ (D if linear else D.t())
 
             dt = ("bfloat16" if W._values.dtype == torch.bfloat16 else "float32") + _bf16_note(gy=gy2)
-            g = _tuned("bwd_x", W, gy2.shape[0], a_is_w, lambda: _gy_w(W, gy2, a_is_w), dense, dt)
+            g = _tuned("bwd_x", W, gy2.shape[0], a_is_w, lambda: _gy_w(W, gy2, a_is_w), dense, dt,
+                       _scatter_candidate(W, gy2, a_is_w))
         gx = g.to(x.dtype).reshape(x.shape)
     if needs_grad(ctx, 1):
         if sparse_grad:

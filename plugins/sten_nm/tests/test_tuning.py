@@ -135,21 +135,28 @@ BACKWARD_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("choice", ["kernel", "dense"])
+@pytest.mark.parametrize("choice", ["kernel", "dense", "scatter"])
 @pytest.mark.parametrize("sparse_grad", [True, False])
 @pytest.mark.parametrize("layout", list(BACKWARD_LAYOUTS))
 def test_backward_both_choices_equal_dense(tune, layout, choice, sparse_grad, monkeypatch):
-    """Each gradient's choice forced (the input's and the weight's at the kept positions; the
-    paper format's forward loop order the first candidate): F.linear and, for exact n:m, a
-    product with the n:m operand on the right, against dense autograd."""
-    asked = []
-    monkeypatch.setattr(tuning, "choose", lambda k, cands, reps=3: asked.append(k.split()[0]) or (
-        choice if choice in cands else next(iter(cands))))
+    """Each gradient's choice forced (the input's and the weight's at the kept positions;
+    ``scatter`` where a product X = Y A offers it, else the first candidate, as for the paper
+    format's forward loop order): F.linear and, for exact n:m, a product with the n:m operand
+    on the right, against dense autograd (forwards included)."""
+    asked, offered = [], set()
+
+    def choose(k, cands, reps=3):
+        asked.append(k.split()[0])
+        offered.update(cands)
+        return choice if choice in cands else next(iter(cands))
+
+    monkeypatch.setattr(tuning, "choose", choose)
     torch.manual_seed(0)
     t = BACKWARD_LAYOUTS[layout](torch.randn(22, 40))
     cls = type(t)
     fmt = (sten.KeepAll(), cls, sten.KeepAll(), cls) if sparse_grad else None
-    products = [(t, lambda x, W: F.linear(x, W), lambda x, D: F.linear(x, D))]
+    bias = torch.randn(22)
+    products = [(t, lambda x, W: F.linear(x, W, bias), lambda x, D: F.linear(x, D, bias))]
     if cls is NMTensor:   # x @ S: the n:m operand [K, N] on the right
         s = NMTensor.from_dense(torch.randn(40, 22), 1, 4, dim=t.dim)
         products.append((s, lambda x, W: torch.matmul(x, W), lambda x, D: x @ D))
@@ -160,7 +167,9 @@ def test_backward_both_choices_equal_dense(tune, layout, choice, sparse_grad, mo
         gy = torch.randn_like(y)
         y.backward(gy)
         xr, wr = x.detach().requires_grad_(), layout_t.to_dense().requires_grad_()
-        ref(xr, wr).backward(gy)
+        yr = ref(xr, wr)
+        yr.backward(gy)
+        torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-4)
         gw = W.grad.wrapped_tensor.to_dense() if sparse_grad else W.grad
         torch.testing.assert_close(gw, wr.grad * layout_t.mask() if sparse_grad else wr.grad, rtol=1e-4, atol=1e-4)
@@ -168,6 +177,7 @@ def test_backward_both_choices_equal_dense(tune, layout, choice, sparse_grad, mo
     if sparse_grad:
         want |= {w.replace("_x", "_w") for w in want}
     assert want <= set(asked)
+    assert ("scatter" in offered) == (cls is NMTensor)   # exact n:m: a transposed product in every case
 
 
 def test_paper_format_backward_choice_is_cached(tune):
