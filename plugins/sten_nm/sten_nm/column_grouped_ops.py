@@ -224,15 +224,24 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
         with torch.autocast("cpu", enabled=False):
             return W.gather(gy_in.to(c).t() @ x_in.to(c))
 
+    # the pattern is exact n:m of Wᵀ along N (NMTensor(dim=0), lossless): exact n:m's forward
+    # kernel gives gx = gy W, its SDDMM the values' gradient (float32 operands only)
+    def exact_x() -> torch.Tensor:
+        return _kernel.gather(W.to_nm().mat(), gy_in)
+
+    def exact_w() -> torch.Tensor:
+        return W.values_from_nm(_kernel.sddmm(W.to_nm().mat(), x_in, gy_in))
+
     tuned = c == torch.float32 and _kernel.available()[0] and not _on_meta(W)
+    plain = W._values.dtype == gy_in.dtype == x_in.dtype == torch.float32
     if need_x:
-        g = _tuned_backward("cg_bwd_x", W, gy_in.shape[0], kernel_x, dense_x,
-                            _bf16_note(gy=gy_in)) if tuned else dense_x()
+        g = _tuned_backward("cg_bwd_x", W, gy_in.shape[0], kernel_x, dense_x, _bf16_note(gy=gy_in),
+                            {"exact": exact_x} if plain else None) if tuned else dense_x()
         gx = g.to(x.dtype).reshape(x.shape)
     if need_w:
         if sparse_grad:
-            gv = _tuned_backward("cg_bwd_w", W, gy_in.shape[0], kernel_w, dense_w,
-                                 _bf16_note(gy=gy_in, x=x_in)) if tuned else dense_w()
+            gv = _tuned_backward("cg_bwd_w", W, gy_in.shape[0], kernel_w, dense_w, _bf16_note(gy=gy_in, x=x_in),
+                                 {"exact": exact_w} if plain else None) if tuned else dense_w()
             gw = SparseTensorWrapper(W.with_values(gv.to(W.dtype)))
         else:
             with torch.autocast("cpu", enabled=False):
@@ -243,16 +252,19 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
 
 
 def _tuned_backward(op: str, W: ColumnGroupedNMTensor, B: int, kernel: Callable[[], torch.Tensor],
-                    dense: Callable[[], torch.Tensor], bf16_note: str = "") -> torch.Tensor:
+                    dense: Callable[[], torch.Tensor], bf16_note: str = "",
+                    more: Optional[dict[str, Callable[[], torch.Tensor]]] = None) -> torch.Tensor:
     """One gradient (``op``: ``cg_bwd_x`` the input's, ``cg_bwd_w`` the values') by the faster
     of the layout's kernel and its dense-GEMM route on this machine, each timed once and
     cached on disk (``STEN_NM_TUNE=0``: always the kernel; see :mod:`sten_nm.tuning`): the
     two need not agree (768x3072 2:8, 2 threads, Xeon SPR: the input's kernel 19 ms against
-    22 dense, the values' 39 against 23). bf16 operands have their own entry (``bf16_note``)."""
+    22 dense, the values' 39 against 23). bf16 operands have their own entry (``bf16_note``);
+    ``more``: other routes to time (exact n:m's kernels on the same pattern: 768x3072 1:4, the
+    values' gradient 28 ms against the layout's kernel 65)."""
     N, K = W.shape
     k = tuning.key(op, N, K, W.n, W.m, True, B, "float32" + bf16_note, torch.get_num_threads(), _kernel.isa())
-    choice = tuning.pick(k, {tuning.KERNEL: kernel, tuning.DENSE: dense}, empty=B == 0)
-    return kernel() if choice == tuning.KERNEL else dense()
+    candidates = {tuning.KERNEL: kernel, tuning.DENSE: dense, **(more or {})}
+    return candidates[tuning.pick(k, candidates, empty=B == 0)]()
 
 
 def linear_bwd_dense(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:

@@ -135,14 +135,15 @@ BACKWARD_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("choice", ["kernel", "dense", "scatter"])
+@pytest.mark.parametrize("choice", ["kernel", "dense", "scatter", "exact"])
 @pytest.mark.parametrize("sparse_grad", [True, False])
 @pytest.mark.parametrize("layout", list(BACKWARD_LAYOUTS))
 def test_backward_both_choices_equal_dense(tune, layout, choice, sparse_grad, monkeypatch):
     """Each gradient's choice forced (the input's and the weight's at the kept positions;
-    ``scatter`` where a product X = Y A offers it, else the first candidate, as for the paper
-    format's forward loop order): F.linear and, for exact n:m, a product with the n:m operand
-    on the right, against dense autograd (forwards included)."""
+    ``scatter`` where a product X = Y A offers it, ``exact`` where the paper format offers
+    exact n:m's kernels, else the first candidate, as for the paper format's forward loop
+    order): F.linear and, for exact n:m, a product with the n:m operand on the right, against
+    dense autograd (forwards included)."""
     asked, offered = [], set()
 
     def choose(k, cands, reps=3):
@@ -178,6 +179,7 @@ def test_backward_both_choices_equal_dense(tune, layout, choice, sparse_grad, mo
         want |= {w.replace("_x", "_w") for w in want}
     assert want <= set(asked)
     assert ("scatter" in offered) == (cls is NMTensor)   # exact n:m: a transposed product in every case
+    assert ("exact" in offered) == (layout == "paper")
 
 
 def test_paper_format_backward_choice_is_cached(tune):
