@@ -137,17 +137,20 @@ def main() -> None:
                     f"{r['torch.sparse CSR'] / r['GroupedNMTensor']:.1f}x | | | |")
 
     out()
-    out("## Backward of `F.linear` at 75 % (1:4): grad x and grad W (W's only at the kept positions)")
+    out("## Backward of `F.linear`: grad x and grad W (W's only at the kept positions)")
     out()
-    out("| W shape | layout | time ms | speed-up vs dense | GFLOP/s dense-eq |")
-    out("|---|---|---:|---:|---:|")
-    for N, K in [(3072, 768), (768, 3072)]:
+    out("Each gradient by the kernel or route tuning chose (kernel, dense GEMM route, scatter, exact n:m's")
+    out("kernels for the paper format; the last table lists the choices).")
+    out()
+    out("| W shape | pattern | layout | time ms | speed-up vs dense | GFLOP/s dense-eq |")
+    out("|---|---|---|---:|---:|---:|")
+    for (N, K), (n, m) in [(s, p) for s in [(3072, 768), (768, 3072)] for p in [(2, 4), (1, 4), (1, 10)]]:
         x = torch.randn(B, K)
         W = torch.randn(N, K)
         gy = torch.randn(B, N)
-        t_exact = NMTensor.from_dense(W, 1, 4)
-        t_group = GroupedNMTensor.from_dense(W, 1, 4)
-        t_paper = ColumnGroupedNMTensor.from_dense(W, 1, 4)
+        t_exact = NMTensor.from_dense(W, n, m)
+        t_group = GroupedNMTensor.from_dense(W, n, m)
+        t_paper = ColumnGroupedNMTensor.from_dense(W, n, m)
         ctx_e = _Ctx((x, sten.SparseTensorWrapper(t_exact), None))
         ctx_g = _Ctx((x, sten.SparseTensorWrapper(t_group), None))
         ctx_p = _Ctx((x, sten.SparseTensorWrapper(t_paper), None))
@@ -155,12 +158,12 @@ def main() -> None:
             "dense torch (gy@W, gy^T@x)": lambda: (gy @ W, gy.t() @ x),
             "NMTensor": lambda: nm_ops.linear_bwd_sparse(ctx_e, (gy,), [None, None]),
             "GroupedNMTensor": lambda: nm_ops.grouped_linear_bwd_sparse(ctx_g, (gy,), [None, None]),
-            "ColumnGroupedNMTensor (paper format, decompress + dense)": lambda: cg_ops.linear_bwd_sparse(ctx_p, (gy,), [None, None]),
+            "ColumnGroupedNMTensor (paper format)": lambda: cg_ops.linear_bwd_sparse(ctx_p, (gy,), [None, None]),
         }
         res = compare(fns, rounds, reps)
         td = res["dense torch (gy@W, gy^T@x)"]
         for name, t in res.items():
-            out(f"| {N}x{K} | {name} | {t * 1e3:.1f} | {td / t:.2f}x | {2 * 2.0 * B * N * K / t / 1e9:.1f} |")
+            out(f"| {N}x{K} | {n}:{m} | {name} | {t * 1e3:.1f} | {td / t:.2f}x | {2 * 2.0 * B * N * K / t / 1e9:.1f} |")
 
     out()
     out("## Training step through STen autograd at 75 % (forward + backward, sparse weight grad)")
@@ -213,13 +216,14 @@ def main() -> None:
 
     if tuning.enabled():
         out()
-        out("## NMTensor: kernel or decompress + dense GEMM, as chosen on this machine (sten_nm.tuning)")
+        out("## Kernel or dense route (and other candidates), as chosen on this machine (sten_nm.tuning)")
         out()
-        out("| key | choice | kernel ms | dense ms |")
-        out("|---|---|---:|---:|")
+        out("| key | choice | ms per candidate |")
+        out("|---|---|---|")
         for k, v in sorted(tuning.choices().items()):
             if f"threads={args.threads}" in k:
-                out(f"| {k} | {v['choice']} | {v['ms'].get('kernel', '')} | {v['ms'].get('dense', '')} |")
+                ms = ", ".join(f"{name} {t}" for name, t in sorted(v["ms"].items()))
+                out(f"| {k} | {v['choice']} | {ms} |")
 
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
