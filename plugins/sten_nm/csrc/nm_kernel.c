@@ -1539,7 +1539,7 @@ int nm_compress_mask_f32(int64_t R, int64_t C, int32_t n, int32_t m, const float
     return compress(R, C, n, m, D, ldd, mask, vals, idx, nthreads);
 }
 
-typedef struct { const nm_mat *A; float *D; int64_t ldd; float *vals; } decompress_args;
+typedef struct { const nm_mat *A; float *D; int64_t ldd; float *vals; int to_dense; } decompress_args;
 
 /* Row r of A against the dense row `row` [C]: to_dense (a constant at each call site) writes
  * the stored values into the zeroed row; otherwise vals[e] = row[column of slot e] (0 in the
@@ -1580,10 +1580,10 @@ static void decompress_task(void *p, int tid, int nth)
     int64_t r0, r1;
     split(A->R, tid, nth, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
-        if (a->vals)
-            nm_walk_row(A, r, a->D + r * a->ldd, a->vals + r * gn, 0);
-        else
+        if (a->to_dense)
             nm_walk_row(A, r, a->D + r * a->ldd, (float *)A->vals + r * gn, 1);
+        else
+            nm_walk_row(A, r, a->D + r * a->ldd, a->vals + r * gn, 0);
     }
 }
 
@@ -1591,7 +1591,7 @@ int nm_decompress_f32(const nm_mat *A, float *D, int64_t ldd, int nthreads)
 {
     if (check_mat(A)) return -1;
     if (A->R == 0 || A->C == 0) return 0;
-    decompress_args da = {A, D, ldd, NULL};
+    decompress_args da = {A, D, ldd, NULL, 1};
     run_parallel(clamp_threads(nthreads, 4.0 * A->R * A->C, A->R), decompress_task, &da);
     return 0;
 }
@@ -1600,8 +1600,8 @@ int nm_values_at_f32(const nm_mat *A, const float *D, int64_t ldd, float *vals, 
 {
     if (check_mat(A)) return -1;
     if (A->R == 0 || A->G == 0) return 0;
-    if (!D || !vals) return -1;
-    decompress_args da = {A, (float *)D, ldd, vals};
+    if (!D || !vals || (A->R > 1 && ldd < A->C)) return -1;
+    decompress_args da = {A, (float *)D, ldd, vals, 0};   /* (D only read in this mode) */
     run_parallel(clamp_threads(nthreads, 4.0 * A->R * A->C, A->R), decompress_task, &da);
     return 0;
 }
@@ -1657,11 +1657,12 @@ static void cg_dense_task(void *p, int tid, int nth)
 static int cg_dense_driver(const nm_colgrouped *W, float *D, int64_t ldd, float *vals, int to_dense,
                            int nthreads)
 {
-    if (cg_check_shape(W) || ldd < W->K || (to_dense && W->vtype != NM_F32)) return -1;
+    /* (one row: its stride is never used, and torch may give it any) */
+    if (cg_check_shape(W) || (W->N > 1 && ldd < W->K) || (to_dense && W->vtype != NM_F32)) return -1;
     if (W->Nb == 0 || (to_dense ? W->K == 0 : W->L == 0)) return 0;   /* nothing to write */
     if ((W->N && W->K && !D) || !W->cols || !W->pats || !(to_dense ? W->vals : vals) || cg_check_tables(W, 1))
         return -1;
-    cg_dense_args a = {W, D, ldd, to_dense ? NULL : vals};
+    cg_dense_args a = {W, D, ldd, to_dense ? NULL : vals};   /* (D only read when vals is set) */
     run_parallel(clamp_threads(nthreads, 4.0 * W->N * W->K, W->Nb), cg_dense_task, &a);
     return 0;
 }

@@ -252,13 +252,18 @@ def ptr(t: Optional[torch.Tensor], what: str) -> Optional[int]:
 
 def can_read(*ts: torch.Tensor) -> bool:
     """Whether the C kernels may stand in for torch ops on ``ts``: plain CPU tensors that
-    autograd, torch.func and tracers do not follow, and the library loaded.
+    autograd (backward or forward mode), torch.func and tracers do not follow, with no lazy
+    negation or conjugation, and the library loaded.
 
     >>> can_read(torch.ones(2, requires_grad=True))
     False
     """
+    from torch.autograd.forward_ad import unpack_dual
+
     return all(type(t) in _PLAIN and t.is_cpu and not (t.requires_grad and torch.is_grad_enabled())
-               and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts) and available()[0]
+               and not t.is_neg() and not t.is_conj()
+               and not torch._C._functorch.is_functorch_wrapped_tensor(t) and unpack_dual(t).tangent is None
+               for t in ts) and available()[0]
 
 
 def empty(shape: tuple, dtype: torch.dtype = torch.float32) -> torch.Tensor:

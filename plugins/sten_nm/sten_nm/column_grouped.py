@@ -511,14 +511,15 @@ class ColumnGroupedNMTensor(_Base):
         return out.reshape(self._values.shape)
 
     # -- conversions -----------------------------------------------------------
-    def _plain_desc(self) -> Optional["Any"]:
+    def _plain_desc(self, reads_values: bool) -> Optional["Any"]:
         """A C descriptor of this tensor as stored (float32 or bf16 values, no copy) when the
-        kernels may read it in place of torch's indexing, else None."""
+        kernels may read it in place of torch's indexing (``reads_values``: they read the
+        values, not only their address), else None."""
         from . import _kernel
 
         v = self._values.detach()
         if v.dtype not in _kernel.VTYPES or not v.is_contiguous() or not self.columns.is_contiguous() \
-                or not _kernel.can_read(v, self.columns):
+                or not _kernel.can_read(self._values if reads_values else v, self.columns):
             return None
         N, K = self._shape
         return _kernel.colgrouped(v, self.columns, _kernel_patterns(self.n, self.m), N, K, self.n, self.m)
@@ -526,7 +527,7 @@ class ColumnGroupedNMTensor(_Base):
     def to_dense(self) -> torch.Tensor:
         from . import _kernel
 
-        d = self._plain_desc() if self._values.dtype == torch.float32 and not self._values.requires_grad else None
+        d = self._plain_desc(reads_values=True) if self._values.dtype == torch.float32 else None
         if d is not None:   # in C: torch's indexing took ~3x as long (3072x768 2:4, 2 threads)
             return _kernel.colgrouped_decompress(d)
         N, K = self._shape
@@ -590,7 +591,7 @@ class ColumnGroupedNMTensor(_Base):
             raise ValueError(f"dense must be a tensor of shape {tuple(self._shape)}")
         from . import _kernel
 
-        d = self._plain_desc() if dense.dtype == torch.float32 and _kernel.can_read(dense) else None
+        d = self._plain_desc(reads_values=False) if dense.dtype == torch.float32 and _kernel.can_read(dense) else None
         if d is not None:   # in C: torch's indexing took 3x as long (3072x768 2:4, 2 threads)
             return _kernel.colgrouped_values_at(d, dense)
         N, K = self._shape

@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ from ._cg_tiles import with_tiles
 from .column_grouped import ColumnGroupedNMTensor, patterns
 from sten_core.plugin_api import linear_inputs, needs_grad, note, observing, register_weight_product
 
-from .ops import _autocast_dtype, _bf16_note, _cast, _check_input, _meta_rows, _on_meta, _out_dtype, _rows
+from .ops import _autocast_dtype, _cast, _check_input, _dtype_key, _meta_rows, _on_meta, _out_dtype, _rows, _tuned
 
 SLAB_FLOATS = 1 << 24
 
@@ -232,16 +232,20 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     def exact_w() -> torch.Tensor:
         return W.values_from_nm(_kernel.sddmm(W.to_nm().mat(), x_in, gy_in))
 
+    # each gradient by the faster on this machine (timed once, cached on disk; STEN_NM_TUNE=0:
+    # the layout's kernels): they need not agree (768x3072 2:8, 2 threads, Xeon SPR: the
+    # input's kernel 19 ms against 22 dense, the values' 39 against 23); exact n:m's kernels
+    # where the operands are float32 (768x3072 1:4: the values' 28 ms against the layout's 65)
     tuned = c == torch.float32 and _kernel.available()[0] and not _on_meta(W)
-    plain = W._values.dtype == gy_in.dtype == x_in.dtype == torch.float32
+    B, f32 = gy_in.shape[0], W._values.dtype == gy_in.dtype == torch.float32
     if need_x:
-        g = _tuned_backward("cg_bwd_x", W, gy_in.shape[0], kernel_x, dense_x, _bf16_note(gy=gy_in),
-                            {"exact": exact_x} if plain else None) if tuned else dense_x()
+        g = _tuned("cg_bwd_x", W, B, True, kernel_x, dense_x, _dtype_key(W._values.dtype, gy=gy_in),
+                   {"exact": exact_x} if f32 else None) if tuned else dense_x()
         gx = g.to(x.dtype).reshape(x.shape)
     if need_w:
         if sparse_grad:
-            gv = _tuned_backward("cg_bwd_w", W, gy_in.shape[0], kernel_w, dense_w, _bf16_note(gy=gy_in, x=x_in),
-                                 {"exact": exact_w} if plain else None) if tuned else dense_w()
+            gv = _tuned("cg_bwd_w", W, B, True, kernel_w, dense_w, _dtype_key(W._values.dtype, gy=gy_in, x=x_in),
+                        {"exact": exact_w} if f32 and x_in.dtype == torch.float32 else None) if tuned else dense_w()
             gw = SparseTensorWrapper(W.with_values(gv.to(W.dtype)))
         else:
             with torch.autocast("cpu", enabled=False):
@@ -249,22 +253,6 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     if bias is not None and needs_grad(ctx, 2):
         gb = gy_in.to(c).sum(0).to(bias.dtype)
     return gx, gw, gb
-
-
-def _tuned_backward(op: str, W: ColumnGroupedNMTensor, B: int, kernel: Callable[[], torch.Tensor],
-                    dense: Callable[[], torch.Tensor], bf16_note: str = "",
-                    more: Optional[dict[str, Callable[[], torch.Tensor]]] = None) -> torch.Tensor:
-    """One gradient (``op``: ``cg_bwd_x`` the input's, ``cg_bwd_w`` the values') by the faster
-    of the layout's kernel and its dense-GEMM route on this machine, each timed once and
-    cached on disk (``STEN_NM_TUNE=0``: always the kernel; see :mod:`sten_nm.tuning`): the
-    two need not agree (768x3072 2:8, 2 threads, Xeon SPR: the input's kernel 19 ms against
-    22 dense, the values' 39 against 23). bf16 operands have their own entry (``bf16_note``);
-    ``more``: other routes to time (exact n:m's kernels on the same pattern: 768x3072 1:4, the
-    values' gradient 28 ms against the layout's kernel 65)."""
-    N, K = W.shape
-    k = tuning.key(op, N, K, W.n, W.m, True, B, "float32" + bf16_note, torch.get_num_threads(), _kernel.isa())
-    candidates = {tuning.KERNEL: kernel, tuning.DENSE: dense, **(more or {})}
-    return candidates[tuning.pick(k, candidates, empty=B == 0)]()
 
 
 def linear_bwd_dense(ctx: Any, grad_outputs: tuple, input_sparsifiers: list) -> tuple:

@@ -239,7 +239,7 @@ class NMTensor(_Base):
     def to_dense(self) -> torch.Tensor:
         """The dense tensor (zeros at the dropped positions)."""
         R, C = self._rc()
-        if self._values.dtype == torch.float32 and self._values.is_cpu and _kernel.available()[0]:
+        if self._values.dtype == torch.float32 and _kernel.can_read(self._values, self.indices):
             a = _kernel.decompress(self.mat())
         else:
             G = -(-C // self.m)

@@ -160,14 +160,18 @@ def _grad_values_dense(W: NMTensor, x2: torch.Tensor, gy2: torch.Tensor, a_is_w:
     return _kernel.values_at(_kernel.mat(W._values, W.indices, R, C, W.n, W.m), full)
 
 
-def _bf16_note(**operands: torch.Tensor) -> str:
-    """The bf16 operands as a tuning key's dtype suffix (the kernels read them as bf16, the
-    dense route widens them first: an entry of their own).
+def _dtype_key(values: torch.dtype, **operands: torch.Tensor) -> str:
+    """A tuning key's dtype part: the stored values' dtype, then each operand that is not
+    float32. The candidates read operands as they are or widen them first, and some are
+    offered for float32 operands only, so each combination has an entry of its own.
 
-    >>> _bf16_note(gy=torch.ones(1, dtype=torch.bfloat16), x=torch.ones(1))
-    ' gy=bfloat16'
+    >>> _dtype_key(torch.float32, gy=torch.ones(1, dtype=torch.bfloat16), x=torch.ones(1))
+    'float32 gy=bfloat16'
     """
-    return "".join(f" {name}=bfloat16" for name, t in operands.items() if t.dtype == torch.bfloat16)
+    def name(dtype: torch.dtype) -> str:
+        return str(dtype).removeprefix("torch.")
+
+    return name(values) + "".join(f" {k}={name(t.dtype)}" for k, t in operands.items() if t.dtype != torch.float32)
 
 
 def _autocast_dtype(*ts: Optional[torch.Tensor]) -> Optional[torch.dtype]:
@@ -205,8 +209,9 @@ def _apply(x: torch.Tensor, W: NMTensor, bias: Optional[torch.Tensor], a_is_w: b
                 return y if bias is None else y + bias.float()
 
         # bf16 x has its own tuning entry (the kernel reads it as bf16, dense widens it first)
+        # (the weight's dtype as the kernel reads it; bf16 x is read as bf16, dense widens it)
         y2 = _tuned("fwd", W, x2.shape[0], a_is_w, lambda: _x_at(W, x2, bias, a_is_w, amp, dtype), dense,
-                    ("bfloat16" if bf16 else "float32") + (" x=bfloat16" if x2.dtype == torch.bfloat16 else ""),
+                    _dtype_key(torch.bfloat16 if bf16 else torch.float32, x=x2),
                     _scatter_candidate(W, x2, not a_is_w, bias) if amp is None else None)
     return _result(y2, dtype).reshape(*x.shape[:-1], n_out)
 
@@ -238,7 +243,8 @@ def _tuned(op: str, W: Any, B: int, a_is_w: bool, kernel: Callable[[], torch.Ten
     """Run the faster of the sparse kernel and its dense-GEMM route (decompress + GEMM, or GEMM +
     the stored positions' entries) for this (op, shape, pattern, batch bucket, threads, ISA):
     timed once, cached on disk (:mod:`sten_nm.tuning`). ``W``: an :class:`NMTensor` (keyed
-    by its stored orientation) or a ``GroupedNMTensor``; ``more``: other kernels to time."""
+    by its stored orientation), or a grouped or paper-format layout (by its shape);
+    ``more``: other kernels to time."""
     R, C = W._rc() if isinstance(W, NMTensor) else W.shape
     k = tuning.key(op, R, C, W.n, W.m, a_is_w, B, dtype, torch.get_num_threads(), _kernel.isa())
     candidates = {tuning.KERNEL: kernel, tuning.DENSE: dense, **(more or {})}
@@ -314,11 +320,11 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, sa
         else:
             def dense() -> torch.Tensor:
                 D = W.fp32().to_dense()
-                return gy2.float() @ (D if linear else D.t())
+                with torch.autocast("cpu", enabled=False):   # float32, as the kernels
+                    return gy2.float() @ (D if linear else D.t())
 
-            dt = ("bfloat16" if W._values.dtype == torch.bfloat16 else "float32") + _bf16_note(gy=gy2)
-            g = _tuned("bwd_x", W, gy2.shape[0], a_is_w, lambda: _gy_w(W, gy2, a_is_w), dense, dt,
-                       _scatter_candidate(W, gy2, a_is_w))
+            g = _tuned("bwd_x", W, gy2.shape[0], a_is_w, lambda: _gy_w(W, gy2, a_is_w), dense,
+                       _dtype_key(W._values.dtype, gy=gy2), _scatter_candidate(W, gy2, a_is_w))
         gx = g.to(x.dtype).reshape(x.shape)
     if needs_grad(ctx, 1):
         if sparse_grad:
@@ -327,7 +333,7 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool, linear: bool, sa
                 vals = W.gather(full)
             else:
                 vals = _tuned("bwd_w", W, gy2.shape[0], a_is_w, lambda: _grad_values(W, x2, gy2, a_is_w),
-                              lambda: _grad_values_dense(W, x2, gy2, a_is_w), "float32" + _bf16_note(gy=gy2, x=x2))
+                              lambda: _grad_values_dense(W, x2, gy2, a_is_w), _dtype_key(W._values.dtype, gy=gy2, x=x2))
             from sten_core.plugin_api import SparseTensorWrapper
 
             gw = SparseTensorWrapper(W.with_values(vals.to(W.dtype)))
@@ -449,23 +455,33 @@ def _grouped_backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple
     gy2 = _rows(grad_outputs[0])
     x2 = _rows(x)
     gx = gw = gb = None
-    # the grouped kernels or the dense-GEMM routes, each gradient timed once per shape and
-    # cached (the kernels lose at 2:4: 3072x768, 2 threads, Xeon SPR: 24 ms against 20 for the
-    # input's, 34 against 22 for the values')
-    d = _grouped_bf16_desc(G) if G._vals.dtype == torch.bfloat16 else G.desc()
+    # the grouped kernels or the dense-GEMM routes (float32, as the kernels), each gradient
+    # timed once per shape and cached (the kernels lose at 2:4: 3072x768, 2 threads, Xeon SPR:
+    # 24 ms against 20 for the input's, 34 against 22 for the values')
+    def desc() -> Any:
+        return _grouped_bf16_desc(G) if G._vals.dtype == torch.bfloat16 else G.desc()
+
+    def dense_x() -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return gy2.float() @ G.to_dense().float()
+
+    def dense_w() -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return G.gather(gy2.float().t() @ x2.float())
+
     if needs_grad(ctx, 0):
         # bf16 values widened in the kernel call, bf16 gy2 while the kernel regroups it
         from ._bf16x import grouped_tgather_mixed
 
-        gx2 = _tuned("grouped_bwd_x", G, gy2.shape[0], True, lambda: grouped_tgather_mixed(d, gy2),
-                     lambda: gy2.float() @ G.to_dense().float(), "float32" + _bf16_note(gy=gy2))
+        gx2 = _tuned("grouped_bwd_x", G, gy2.shape[0], True, lambda: grouped_tgather_mixed(desc(), gy2), dense_x,
+                     _dtype_key(G._vals.dtype, gy=gy2))
         gx = gx2.to(x.dtype).reshape(x.shape)
     if needs_grad(ctx, 1):
         if sparse_grad:   # reads no values: the bf16 descriptor as is
             from ._bf16x import grouped_sddmm_mixed
 
-            vals = _tuned("grouped_bwd_w", G, gy2.shape[0], True, lambda: grouped_sddmm_mixed(d, gy2, x2),
-                          lambda: G.gather(gy2.float().t() @ x2.float()), "float32" + _bf16_note(gy=gy2, x=x2))
+            vals = _tuned("grouped_bwd_w", G, gy2.shape[0], True, lambda: grouped_sddmm_mixed(desc(), gy2, x2),
+                          dense_w, _dtype_key(G._vals.dtype, gy=gy2, x=x2))
             gw = SparseTensorWrapper(G.with_values(vals.to(G.dtype)))
         else:
             gw = (gy2.t() @ x2.to(gy2.dtype)).to(G.dtype)

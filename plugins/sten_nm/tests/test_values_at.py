@@ -122,6 +122,42 @@ def test_autograd_and_torch_func_take_the_torch_path(make):
         assert _kernel.can_read(torch.ones(2, requires_grad=True))
 
 
+def test_one_row_with_any_stride():
+    """A [1, K] tensor may have any row stride (torch calls it contiguous): a GPT-2 Conv1D
+    weight [K, 1] transposed; the C path must not refuse it for its stride."""
+    w = torch.randn(12, 1).t()
+    assert w.stride() == (1, 1)
+    p = ColumnGroupedNMTensor.from_dense(w, 2, 4)
+    torch.testing.assert_close(p.gather(w), paper_reference_gather(p, w), rtol=0, atol=0)
+    t = NMTensor.from_dense(w, 2, 4)
+    torch.testing.assert_close(t.gather(w), exact_reference(t, w), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", [lambda w: NMTensor.from_dense(w, 2, 4),
+                                  lambda w: ColumnGroupedNMTensor.from_dense(w, 2, 4)], ids=["exact", "paper"])
+def test_forward_mode_tangents_are_kept(make):
+    """Dual tensors of torch.autograd.forward_ad are plain tensors: the C path would drop
+    their tangents, so they take torch's."""
+    import torch.autograd.forward_ad as fwAD
+
+    t = make(torch.randn(4, 8))
+    with fwAD.dual_level():
+        d = fwAD.make_dual(torch.randn(4, 8), torch.ones(4, 8))
+        tangent = fwAD.unpack_dual(t.gather(d)).tangent
+        assert tangent is not None and float(tangent.sum()) == float(t.mask().sum())
+        v = fwAD.make_dual(t.values().float(), torch.ones_like(t.values(), dtype=torch.float32))
+        tangent = fwAD.unpack_dual(t.with_values(v).to_dense()).tangent
+        assert tangent is not None and torch.equal(tangent != 0, t.mask())
+
+
+def test_lazy_negation_is_not_read_in_c():
+    t = NMTensor.from_dense(torch.randn(4, 8), 2, 4)
+    d = torch.randn(4, 8)
+    neg = torch._neg_view(d)
+    assert not _kernel.can_read(neg)
+    torch.testing.assert_close(t.gather(neg), -t.gather(d))
+
+
 def test_the_c_entry_points_refuse_bad_arguments():
     t = NMTensor.from_dense(torch.randn(6, 8), 2, 4)
     with pytest.raises(ValueError, match=r"dense must be of shape \(6, 8\)"):
