@@ -229,8 +229,11 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     def exact_x() -> torch.Tensor:
         return _kernel.gather(W.to_nm().mat(), gy_in)
 
-    def exact_w() -> torch.Tensor:
-        return W.values_from_nm(_kernel.sddmm(W.to_nm().mat(), x_in, gy_in))
+    def exact_w() -> torch.Tensor:   # (reads the pattern only: no values in exact n:m's order)
+        indices, _ = W._nm_pattern()
+        N, K = W.shape
+        pattern = _kernel.mat(W._values.detach(), indices, K, N, W.n, W.m)   # values unread
+        return W.values_from_nm(_kernel.sddmm(pattern, x_in, gy_in))
 
     # each gradient by the faster on this machine (timed once, cached on disk; STEN_NM_TUNE=0:
     # the layout's kernels): they need not agree (768x3072 2:8, 2 threads, Xeon SPR: the
