@@ -22,6 +22,7 @@ import warnings
 from typing import Callable, Optional
 
 import torch
+from torch.autograd.forward_ad import unpack_dual
 
 _c_i64, _c_i32, _c_p = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
@@ -258,8 +259,6 @@ def can_read(*ts: torch.Tensor) -> bool:
     >>> can_read(torch.ones(2, requires_grad=True))
     False
     """
-    from torch.autograd.forward_ad import unpack_dual
-
     return all(type(t) in _PLAIN and t.is_cpu and not (t.requires_grad and torch.is_grad_enabled())
                and not t.is_neg() and not t.is_conj()
                and not torch._C._functorch.is_functorch_wrapped_tensor(t) and unpack_dual(t).tangent is None

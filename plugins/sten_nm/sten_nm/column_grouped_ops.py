@@ -204,15 +204,19 @@ def _backward(ctx: Any, grad_outputs: tuple, sparse_grad: bool) -> tuple:
     # gx[:, owned columns] += gy[:, pattern rows] @ values, and the values' gradient
     # gy[:, pattern rows]ᵀ x[:, owned columns] at the kept positions only; bf16 gy / x read
     # by the kernels (widened while packing), no float32 copies
+    @functools.cache   # built once, only when a kernel runs
+    def desc() -> Any:
+        return W.desc()
+
     def kernel_x() -> torch.Tensor:
         if gy_in.dtype == torch.bfloat16:
-            return _bf16x.colgrouped_grad_input_mixed(W.desc(), gy_in)
-        return _kernel.colgrouped_grad_input(W.desc(), gy_in)
+            return _bf16x.colgrouped_grad_input_mixed(desc(), gy_in)
+        return _kernel.colgrouped_grad_input(desc(), gy_in)
 
     def kernel_w() -> torch.Tensor:
         if torch.bfloat16 in (gy_in.dtype, x_in.dtype):
-            return _bf16x.colgrouped_grad_values_mixed(W.desc(), gy_in, x_in)
-        return _kernel.colgrouped_grad_values(W.desc(), gy_in, x_in)
+            return _bf16x.colgrouped_grad_values_mixed(desc(), gy_in, x_in)
+        return _kernel.colgrouped_grad_values(desc(), gy_in, x_in)
 
     # decompress + dense GEMM, and dense GEMM + the stored positions' entries (the reference
     # the tests hold the kernels to)

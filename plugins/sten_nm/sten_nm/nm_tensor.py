@@ -276,11 +276,10 @@ class NMTensor(_Base):
         if not isinstance(dense, torch.Tensor) or dense.shape != self._shape:
             raise ValueError(f"dense must be a tensor of shape {tuple(self._shape)}")
         a = dense.t() if self.dim == 0 else dense
-        v = self._values.detach()   # (its address only: values_at reads the pattern)
-        if a.dtype == torch.float32 and _kernel.can_read(a, v, self.indices):
-            # in C: torch.gather took 3.5x as long (3072x768 2:4, 2 threads)
-            R, C = self._rc()
-            return _kernel.values_at(_kernel.mat(v, self.indices, R, C, self.n, self.m), a)
+        # in C (values_at reads the pattern, the values' address only): torch.gather took 3.5x
+        # as long (3072x768 2:4, 2 threads)
+        if a.dtype == torch.float32 and _kernel.can_read(a, self._values.detach(), self.indices):
+            return _kernel.values_at(self.mat(), a)
         return self._gather_cols(a.contiguous(), self.columns())
 
     def same_pattern(self, other: Any) -> bool:
