@@ -4,9 +4,12 @@ stored-values protocol.
 In-place updates (``add_``, ``mul_``, ``lerp_``, ``addcdiv_``, ... as optimizers
 use them) act on the stored values only, in O(nnz): the pattern is kept. A dense
 operand is read at the stored positions (``gather``); a sparse operand must have
-the same pattern. Zero-preserving out-of-place operations (``sqrt``, ``mul``,
-``clone``, ``zeros_like``, ...) called on a wrapper without an explicit output
-format return the same layout. Anything else goes to the dense path.
+the same pattern. A scalar update that turns zeros into something else, of a
+wrapper that is neither a parameter nor requires grad (a temporary, optimizer
+state), makes a ``FilledTensor`` (``filled.py``). Zero-preserving out-of-place
+operations (``sqrt``, ``mul``, ``clone``, ``zeros_like``, ...) called on a wrapper
+without an explicit output format return the same layout. Anything else goes to
+the dense path.
 
 Example:
     >>> import torch, sten_core as sten
@@ -24,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from sten_core.builtin.filled import FilledTensor, image_of, with_fill
 from sten_core.dispatch.conversions import convert_exactly
 from sten_core.dispatch.writes import another_params_pattern, other_pattern, warn_if_dropped, write_growing
 from sten_core.model.layouts import Layout, supports_values
@@ -69,10 +73,15 @@ def _fills_zeros(op: Any, operands: tuple) -> bool:
     return False
 
 
-def _operand(value: Any, layout: Any, dense_ok: bool) -> Any:
+def _operand(value: Any, layout: Any, dense_ok: bool, inner_ok: bool = False) -> Any:
+    """``value`` at ``layout``'s stored positions; ``inner_ok``: only those positions are
+    computed (an update of a parameter), so a ``FilledTensor`` of that pattern gives its
+    inner values (its fill lies where nothing is computed)."""
     if isinstance(value, SparseTensorWrapper):
         other = value.wrapped_tensor
-        if other is layout or layout.same_pattern(other):
+        if isinstance(other, FilledTensor) and inner_ok:
+            other = other.inner
+        if other is layout or (supports_values(other) and layout.same_pattern(other)):
             return other.values()
         raise _NotOnValues
     if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -86,7 +95,7 @@ def _operand(value: Any, layout: Any, dense_ok: bool) -> Any:
             value = value.expand(layout.shape)
         return layout.gather(value.to(layout.device))
     if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
-        return type(value)(_operand(v, layout, dense_ok) for v in value)
+        return type(value)(_operand(v, layout, dense_ok, inner_ok) for v in value)
     return value
 
 
@@ -118,14 +127,18 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False
             if not inplace and (op in MULS or op in DIVS) and _fills_zeros(op, (*args[1:], *kwargs.values())):
                 raise _NotOnValues
             values = layout.values()
-            rest = tuple(_operand(a, layout, dense_ok) for a in args[1:])
-            kw = {k: _operand(v, layout, dense_ok) for k, v in kwargs.items()}
+            weight = self._is_param or self.requires_grad   # keeps its pattern (not a temporary, not state)
+            inner_ok = inplace and weight
+            rest = tuple(_operand(a, layout, dense_ok, inner_ok) for a in args[1:])
+            kw = {k: _operand(v, layout, dense_ok, inner_ok) for k, v in kwargs.items()}
             intended = _filled(op, self, args, kwargs)
             result = op(values, *rest, **kw)
         except _NotOnValues:
             return _dense(op, args, kwargs, inplace)
         if inplace:
-            self.wrapped_tensor = layout.with_values(values)
+            # a temporary or optimizer state: the unstored zeros take the scalar update too
+            fill = None if weight else image_of(op, 0.0, args[1:], kwargs, values)
+            self.wrapped_tensor = with_fill(layout.with_values(values), fill)
             if intended is not None:   # w.fill_(v), w.masked_fill_(m, v): what landed off the pattern
                 warn_if_dropped(op, self, intended)
             return self
@@ -193,10 +206,39 @@ def _dense(op: Any, args: tuple, kwargs: dict, inplace: bool) -> Any:
     return result
 
 
+def _on_filled(op: Any, inplace: bool) -> Callable:
+    """An implementation for a ``FilledTensor`` first argument: a scalar update applies to its
+    values and its fill; anything else runs on its dense tensor, and an in-place result
+    goes back into its inner layout, grown to hold it (``write_growing``)."""
+
+    def impl(ctx: Any, inputs: list, output_sparsifiers: list) -> Any:
+        args, kwargs = ctx.call_args
+        self, filled = args[0], args[0].wrapped_tensor
+        if not inplace:
+            return _dense(op, args, kwargs, False)
+        values = filled.inner.values()
+        fill = image_of(op, filled.fill, args[1:], kwargs, values)
+        if fill is not None:
+            op(values, *args[1:], **kwargs)
+            self.wrapped_tensor = with_fill(filled.inner.with_values(values), fill)
+            return self
+        dense_args, dense_kwargs = densify_tree((args, kwargs))
+        op(*dense_args, **dense_kwargs)
+        self.wrapped_tensor = filled.inner
+        if self._is_param:
+            return write_back(self, dense_args[0])
+        return write_growing(self, dense_args[0], op)
+
+    return impl
+
+
 def resolve(key: OpKey) -> Entry | None:
     """The ``sten_resolve_op`` part: element-wise ops whose first argument is sparse."""
     if key.direction != "fwd" or not key.inp or key.inp[0] in (None, torch.Tensor):
         return None
+    if key.inp[0] is FilledTensor and (key.op in INPLACE or (key.out is None and (
+            key.op in ZERO_PRESERVING or key.op in SAME_PATTERN_ONLY))):
+        return Entry(_on_filled(key.op, key.op in INPLACE), len(key.inp), all_args=True)
     if not _has_values(key.inp[0]):
         return None  # nothing to compute on: the dispatcher's fallback reports it
     op = key.op
