@@ -391,3 +391,81 @@ def test_sparse_ddp_edges(tmp_path):
     torch.testing.assert_close(r0["t"], r1["t"])
     assert not r0["same mask"] and 0 < r0["a grad nnz"] < 64
     torch.testing.assert_close(r0["b"], 2 * torch.ones(8, 8))
+
+
+# -- sparse parameters that some ranks do not use -------------------------------------------
+
+class Branches(torch.nn.Module):
+    """Two sparse bias-free branches of equal nnz and a dense head; ``route`` picks the branches."""
+
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(6, 6, bias=False), torch.nn.Linear(6, 6, bias=False)
+        self.head = torch.nn.Linear(6, 2)
+        sb = sten.SparsityBuilder(self)
+        for name in ("a.weight", "b.weight"):
+            sb.set_weight(name, initial_sparsifier=sten.ScalarFractionSparsifier(0.5), out_format=sten.CsrTensor)
+            if kind == "csr":   # the gradient at the weight's positions: its stored values are averaged
+                sb.set_weight_grad(name, sten.KeepAll(), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor)
+            elif kind is not None:
+                sb.set_weight_grad(name, *grad_format(kind))
+        sb.sparsify_model_inplace()
+
+    def forward(self, x, route):
+        for name in route:
+            x = torch.tanh(getattr(self, name)(x))
+        return self.head(x)
+
+
+ROUTES = (("ab", "b"), ("ab", ""), ("ba", "a"), ("b", "ab"))   # (rank 0, rank 1) per step
+
+
+def branch_data():
+    gen = torch.Generator().manual_seed(2)
+    return torch.randn(len(ROUTES), 2, 4, 6, generator=gen)
+
+
+def branch_train(model, rank=None, net=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
+    for step, x in enumerate(branch_data()):
+        opt.zero_grad()
+        if rank is None:   # one process: the mean of the ranks' losses
+            loss = sum((model(x[r], ROUTES[step][r]) ** 2).mean() for r in range(2)) / 2
+        else:
+            loss = (net(x[rank], ROUTES[step][rank]) ** 2).mean()
+        loss.backward()
+        opt.step()
+    return {n: (p.to_dense() if isinstance(p, sten.SparseTensorWrapper) else p.detach()).clone()
+            for n, p in model.named_parameters()}
+
+
+def branch_worker(rank, world, port, kind, out_path):
+    import datetime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    # a timeout: collectives paired wrongly wait for a partner that never comes
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        model = Branches(kind)
+        torch.save(branch_train(model, rank, sparse_ddp(model)), f"{out_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+    _leave()
+
+
+@pytest.mark.parametrize("kind", [None, "csr", "topk-csr"])
+def test_sparse_parameters_unused_on_some_ranks_are_averaged_with_zeros(tmp_path, kind):
+    """Rank 1 skips a branch (or both) at some steps. Each gradient was reduced when it was
+    accumulated, so rank 0's reduction of ``a`` met rank 1's of ``b`` (equal nnz: the weights'
+    gradients mixed, silently) and the ranks then waited on each other. Now every rank reduces
+    every sparse parameter at the end of the backward, zeros where it did not use one."""
+    out = str(tmp_path / "branch")
+    mp.start_processes(branch_worker, args=(2, free_port(), kind, out), nprocs=2, join=True, start_method="spawn")
+    ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    single = branch_train(Branches(kind))
+    for name in single:
+        torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
+        if kind != "topk-csr":   # a top-k of the average is not the average of top-ks: ranks agree (above)
+            torch.testing.assert_close(ranks[0][name], single[name], rtol=1e-5, atol=1e-6)

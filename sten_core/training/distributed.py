@@ -18,7 +18,8 @@ gradient itself, averaged like DDP does:
   one process on the whole batch for a deterministic format.
 
 Sparse parameters are broadcast from rank 0 at the start. Gradients are
-reduced when they are accumulated: with a re-sparsifying ``grad_fmt``, call
+reduced at the end of each backward pass, in one order on every rank (a
+parameter that a rank did not use takes part with zeros): with a re-sparsifying ``grad_fmt``, call
 ``optimizer.zero_grad()`` every step (``no_sync`` accumulation formats each
 backward's gradient on its own); dense and pattern-keeping ones accumulate fine.
 
@@ -103,11 +104,22 @@ def reduces_in_place(param: SparseTensorWrapper) -> bool:
     return spec.out_format is layout and spec.tmp_format is layout and supports_values(param.wrapped_tensor)
 
 
+def _zero_grad_of(param: SparseTensorWrapper) -> Any:
+    """What a rank that did not use ``param`` contributes to its average: zeros in the form its
+    ``grad_fmt`` gives (dense, or the weight's layout at its stored positions)."""
+    spec = None if param.grad_fmt is None else OutputSpec.coerce(param.grad_fmt, "grad_fmt")
+    if spec is None or spec.out_format is torch.Tensor:
+        return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+    layout = param.wrapped_tensor
+    return SparseTensorWrapper(layout.with_values(torch.zeros_like(layout.values())), False, None)
+
+
 def _reduce_grad(param: SparseTensorWrapper, group: Any = None) -> None:
-    """Average ``param``'s gradient over the ranks in place (dense, or its stored values)."""
+    """Average ``param``'s gradient over the ranks in place (dense, or its stored values); a
+    rank without one takes part with zeros and gets the average."""
     grad = param.grad
     if grad is None:
-        return
+        grad = param.grad = _zero_grad_of(param)
     if isinstance(grad, SparseTensorWrapper) and not _same_structure(grad, param):
         raise RuntimeError(
             f"sparse_ddp: the gradient of a {type(param.wrapped_tensor).__name__} parameter is a "
@@ -125,7 +137,7 @@ def _same_structure(grad: SparseTensorWrapper, param: SparseTensorWrapper) -> bo
 
 
 class _ReduceThenFormat:
-    """The gradient hook of a parameter whose ``grad_fmt`` does not keep one pattern
+    """The reduction of a parameter whose ``grad_fmt`` does not keep one pattern
     across ranks: average the dense gradient, then apply the format (``apply_grad_spec``,
     as eager's backward does), identically on every rank.
 
@@ -139,10 +151,11 @@ class _ReduceThenFormat:
         from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec
 
         grad = param.grad
-        if grad is None:
-            return
-        dense = grad.to_dense() if isinstance(grad, SparseTensorWrapper) else grad
-        dense = dense.contiguous()
+        if grad is None:   # not used on this rank: zeros in the average
+            dense = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+        else:
+            dense = grad.to_dense() if isinstance(grad, SparseTensorWrapper) else grad
+            dense = dense.contiguous()
         dist.all_reduce(dense, group=self.group)
         dense.div_(dist.get_world_size(self.group))
         self.calls += 1
@@ -152,14 +165,64 @@ class _ReduceThenFormat:
             param.grad = apply_grad_spec(dense, self.spec, param)
 
 
-def _hook(param: SparseTensorWrapper, group: Any, seed: int) -> Any:
-    """The gradient hook reducing ``param`` (see ``reduces_in_place``); a
+def _reducer(param: SparseTensorWrapper, group: Any, seed: int) -> Any:
+    """The function reducing ``param``'s gradient (see ``reduces_in_place``); a
     ``_ReduceThenFormat`` also makes the parameter's own gradient dense."""
     if reduces_in_place(param):
-        return _reduce_grad if group is None else (lambda p: _reduce_grad(p, group))
+        return lambda p: _reduce_grad(p, group)
     hook = _ReduceThenFormat(param.grad_fmt, group, seed)
     param.grad_fmt = None
     return hook
+
+
+class _EndOfBackwardReduction:
+    """Reduces the sparse parameters' gradients once a backward pass has finished, all of them
+    in one fixed order on every rank, whether this rank used each or not.
+
+    Reducing each gradient when it was accumulated paired the ranks' collectives in the order
+    each rank accumulated them: a sparse parameter that one rank did not use (a branch taken
+    by some ranks only) shifted the pairing, so two weights' gradients of equal size were mixed
+    silently (gloo aborted where the sizes differed). Now a parameter's accumulation, or the
+    model's output reached by the backward, queues this reduction at the end of the backward
+    (``queue_callback``): one all-reduce of which parameters each rank used, then each
+    parameter some rank used is averaged, a rank that did not use it taking part with zeros
+    (as DDP's ``find_unused_parameters``); one no rank used keeps its gradient as it was."""
+
+    def __init__(self, params: list, group: Any):
+        self.params = [param for param, _ in params]
+        self.reducers = [reduce for _, reduce in params]
+        self.group = group
+        self.used: set[int] = set()
+        self.queued = False
+
+    def accumulated(self, param: SparseTensorWrapper) -> None:
+        """A parameter's post-accumulate-grad hook."""
+        self.used.add(id(param))
+        self.queue()
+
+    def queue(self, *_: Any) -> None:
+        """Queue the reduction at the end of the running backward (once per backward)."""
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.reduce)
+
+    def watch(self, module: Any, inputs: Any, output: Any) -> None:
+        """A forward hook: the backward through the model's output queues the reduction, so a
+        rank that used none of the sparse parameters takes part too."""
+        from sten_core.model.tensor import map_tensors
+
+        if torch.is_grad_enabled():
+            map_tensors(lambda t: t.register_hook(self.queue) if t.requires_grad else None, output)
+
+    def reduce(self) -> None:
+        used = torch.tensor([id(p) in self.used for p in self.params], dtype=torch.int64,
+                            device=collective_device(self.group))
+        self.used.clear()
+        self.queued = False
+        dist.all_reduce(used, group=self.group)
+        for param, reduce, count in zip(self.params, self.reducers, used.tolist()):
+            if count:
+                reduce(param)
 
 
 def _shared_seed(group: Any) -> int:
@@ -270,11 +333,11 @@ def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
     trainable parameters are sparse is returned itself (its hooks reduce every gradient; DDP
     refuses a model with nothing for it to reduce).
 
-    Every sparse parameter that requires grad must get a gradient on every rank at every step:
-    its gradient is reduced when it is accumulated, in the order the ranks accumulate them, so a
-    sparse parameter unused on one rank (a branch taken by some ranks only) pairs the ranks'
-    collectives wrongly (wrong gradients, or gloo aborting on a size mismatch);
-    ``find_unused_parameters`` covers DDP's dense parameters only.
+    The sparse gradients are reduced at the end of each backward pass, in one order on every
+    rank: a sparse parameter that some ranks do not use (a branch) is averaged with zeros from
+    those ranks, as DDP's ``find_unused_parameters`` does with dense ones. Every rank must run
+    the backward through the model's output or through one of its sparse parameters (a rank
+    whose loss reaches neither does not take part, and the others wait for it).
     """
     if not dist.is_initialized():
         raise RuntimeError("sparse_ddp needs an initialised process group (torch.distributed.init_process_group)")
@@ -286,6 +349,7 @@ def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
     group = ddp_kwargs.get("process_group")
     check_same_patterns(model, group)
     seed = _shared_seed(group)
+    trained = []
     for index, (name, param) in enumerate(sparse):
         with torch.no_grad():
             payload = _payload(param)
@@ -293,7 +357,12 @@ def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
             _stored(param, payload)
         if param.requires_grad:  # a frozen one is broadcast only, as DDP treats its own
             # (a seed per parameter: random grad_fmt masks of two same-shape weights were identical)
-            param.register_post_accumulate_grad_hook(_hook(param, group, seed + 1_000_003 * index))
+            trained.append((param, _reducer(param, group, seed + 1_000_003 * index)))
+    if trained:
+        reduction = _EndOfBackwardReduction(trained, group)
+        for param, _ in trained:
+            param.register_post_accumulate_grad_hook(reduction.accumulated)
+        model.register_forward_hook(reduction.watch)
     sparse_ids = {id(p) for _, p in sparse}
     if not any(p.requires_grad and id(p) not in sparse_ids for p in model.parameters()):
         return model   # nothing left for DDP, which refuses a model without a parameter to reduce
