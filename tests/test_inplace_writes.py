@@ -567,3 +567,31 @@ def test_nn_init_of_slices_of_a_sparse_parameter_writes_it(layout):
     torch.testing.assert_close(p.to_dense(), torch.cat([5 * mask[:2], 7 * mask[2:]]))
     with pytest.raises(RuntimeError, match="writes in place through a view of a sparse wrapper that requires grad"):
         p[:1].mul_(2)   # under grad mode: still refused
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: c.__name__)
+def test_views_under_autograd_read_the_parameter_after_an_optimizer_step(layout):
+    """A view made under autograd (``w[1:]``, ``w.view(-1)`` of a parameter: a ``GradView``) read
+    the values the parameter had when the view was made: kept across ``opt.step()`` it computed
+    with the old weights, silently, where a view of a dense parameter reads the new ones. Its
+    gradients still reach the parameter."""
+    d = sparse_dense()
+    w = wrap(layout, d, parameter=True)
+    ref = torch.nn.Parameter(w.to_dense().detach().clone())
+    mask = kept(w)
+    views, ref_views = (w[1:], w.view(-1)), (ref[1:], ref.view(-1))
+    opt, ref_opt = torch.optim.SGD([w], lr=0.5), torch.optim.SGD([ref], lr=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = views[0].sum() * 2 + views[1].pow(2).sum()
+        ref_loss = ref_views[0].sum() * 2 + ref_views[1].pow(2).sum()
+        torch.testing.assert_close(loss, ref_loss)
+        loss.backward()
+        ref_loss.backward()
+        grad = densify(w.grad) if isinstance(w.grad, sten.SparseTensorWrapper) else w.grad
+        torch.testing.assert_close(grad * mask, ref.grad * mask)
+        ref.grad.mul_(mask)   # (the sparse step updates the stored positions only)
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(torch.as_tensor(views[0].detach().clone()), ref[1:].detach())

@@ -29,6 +29,7 @@ import torch
 
 from sten_core.dispatch.plan import is_inplace
 from sten_core.dispatch.writes import warn_if_dropped
+from sten_core.model.layouts import supports_values
 from sten_core.model.replacing import same_values
 from sten_core.model.signatures import op_name
 from sten_core.model.tensor import SparseTensorWrapper, densify, map_tensors, write_back
@@ -86,11 +87,39 @@ def _refresh(tree: Any) -> None:
     map_tensors(lambda t: sources.setdefault(id(t._sten_source[1]), t._sten_source)
                 if type(t) in (WrapperView, GradView) and hasattr(t, "_sten_source") else None, tree)
     for wrapper, root in sources.values():
-        with _Plain(), torch.no_grad():
-            current = densify(wrapper)
-            if current.shape == root.shape and current.data_ptr() != root.data_ptr() \
-                    and not same_values(root, current):   # (unchanged: no version bump of a saved copy)
-                root.copy_(current)
+        _refresh_root(wrapper, root)
+
+
+def _refresh_root(wrapper: SparseTensorWrapper, root: torch.Tensor) -> None:
+    """``root``, a dense copy of ``wrapper``, made equal to its current values."""
+    with _Plain(), torch.no_grad():
+        current = densify(wrapper)
+        if current.shape == root.shape and current.data_ptr() != root.data_ptr() \
+                and not same_values(root, current):   # (unchanged: no version bump of a saved copy)
+            root.copy_(current)
+
+
+def _sync_key(wrapper: SparseTensorWrapper) -> tuple:
+    """What changes when ``wrapper``'s values may have: its version (every write through the
+    wrapper bumps it), its layout object, and its stored values' version (a write into them)."""
+    layout = wrapper.wrapped_tensor
+    values = layout.values() if supports_values(layout) else None
+    return wrapper._version, id(layout), None if values is None else values._version
+
+
+def _refresh_changed(tree: Any) -> None:
+    """``_refresh`` for the ``GradView``s in ``tree`` whose wrapper changed since their copy was
+    made or last refreshed (a view of a parameter kept across ``opt.step()`` read the values the
+    parameter had before it, where a view of a dense parameter reads the new ones). Nothing is
+    densified, and no saved copy's version bumped, while the wrapper is unchanged."""
+    sources: dict[int, tuple] = {}
+    map_tensors(lambda t: sources.setdefault(id(t._sten_source[1]), t._sten_source)
+                if type(t) is GradView and hasattr(t, "_sten_source") else None, tree)
+    for wrapper, root in sources.values():
+        key = _sync_key(wrapper)
+        if root.__dict__.setdefault("_sten_synced", key) != key:
+            _refresh_root(wrapper, root)
+            root._sten_synced = key
 
 
 def _traced(parent: Any, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
@@ -147,6 +176,7 @@ class GradView(torch.Tensor):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             return _traced(super(), func, types, args, kwargs)
+        _refresh_changed((args, kwargs))
         target = written(args, kwargs)
         if isinstance(target, GradView) and is_inplace(func, kwargs) and func not in _NOT_WRITES:
             if torch.is_grad_enabled() and getattr(func, "__module__", None) != "torch.nn.init":  # (no_grad inside)
@@ -180,6 +210,7 @@ def _write_through(func: Any, args: tuple, kwargs: dict, source: tuple) -> Any:
 
 def grad_views_of(out: Any, wrapper: SparseTensorWrapper, root: torch.Tensor) -> Any:
     """``out`` with each tensor that is a view of ``root`` (``wrapper``'s dense copy) a ``GradView``."""
+    root.__dict__.setdefault("_sten_synced", _sync_key(wrapper))   # made from the wrapper as it is now
     return map_tensors(lambda t: GradView.of(t, wrapper, root) if _shares(t, root) else t, out)
 
 
