@@ -78,16 +78,22 @@ def written(args: tuple, kwargs: dict) -> Any:
 
 
 def _refresh(tree: Any) -> None:
-    """The dense copies that the ``WrapperView``s in ``tree`` view, brought up to date with their
-    wrappers: a view is taken of a copy, so after an in-place change of the wrapper
-    (``w.mul_(10)``, an optimizer step) it read the old values, and a write through it wrote
-    the whole old copy back (``row = w[0]; w.mul_(10); row.mul_(2)`` undid the ``mul_(10)``
-    everywhere; ``top, bottom = w[0], w[1]``, each written, kept only the second write)."""
+    """The dense copies that the ``WrapperView``s and ``GradView``s in ``tree`` view, brought up
+    to date with their wrappers where those changed since (``_sync_key``): a view is taken of a
+    copy, so after an in-place change of the wrapper (``w.mul_(10)``, an optimizer step) it read
+    the old values, and a write through it wrote the whole old copy back (``row = w[0];
+    w.mul_(10); row.mul_(2)`` undid the ``mul_(10)`` everywhere; ``top, bottom = w[0], w[1]``,
+    each written, kept only the second write; a view of a parameter kept across ``opt.step()``
+    computed with the old weights). Nothing is densified, and no saved copy's version bumped,
+    while the wrapper is unchanged."""
     sources: dict[int, tuple] = {}
     map_tensors(lambda t: sources.setdefault(id(t._sten_source[1]), t._sten_source)
                 if type(t) in (WrapperView, GradView) and hasattr(t, "_sten_source") else None, tree)
     for wrapper, root in sources.values():
-        _refresh_root(wrapper, root)
+        key = _sync_key(wrapper)
+        if key is None or root.__dict__.setdefault("_sten_synced", key) != key:
+            _refresh_root(wrapper, root)
+            root._sten_synced = key
 
 
 def _refresh_root(wrapper: SparseTensorWrapper, root: torch.Tensor) -> None:
@@ -99,27 +105,16 @@ def _refresh_root(wrapper: SparseTensorWrapper, root: torch.Tensor) -> None:
             root.copy_(current)
 
 
-def _sync_key(wrapper: SparseTensorWrapper) -> tuple:
+def _sync_key(wrapper: SparseTensorWrapper) -> tuple | None:
     """What changes when ``wrapper``'s values may have: its version (every write through the
-    wrapper bumps it), its layout object, and its stored values' version (a write into them)."""
+    wrapper bumps it), its layout object, and its stored values' version (a write into them);
+    ``None`` where there is no version to read (inference tensors): compare the values."""
     layout = wrapper.wrapped_tensor
     values = layout.values() if supports_values(layout) else None
-    return wrapper._version, id(layout), None if values is None else values._version
-
-
-def _refresh_changed(tree: Any) -> None:
-    """``_refresh`` for the ``GradView``s in ``tree`` whose wrapper changed since their copy was
-    made or last refreshed (a view of a parameter kept across ``opt.step()`` read the values the
-    parameter had before it, where a view of a dense parameter reads the new ones). Nothing is
-    densified, and no saved copy's version bumped, while the wrapper is unchanged."""
-    sources: dict[int, tuple] = {}
-    map_tensors(lambda t: sources.setdefault(id(t._sten_source[1]), t._sten_source)
-                if type(t) is GradView and hasattr(t, "_sten_source") else None, tree)
-    for wrapper, root in sources.values():
-        key = _sync_key(wrapper)
-        if root.__dict__.setdefault("_sten_synced", key) != key:
-            _refresh_root(wrapper, root)
-            root._sten_synced = key
+    try:
+        return wrapper._version, id(layout), None if values is None else values._version
+    except RuntimeError:   # "Inference tensors do not track version counter"
+        return None
 
 
 def _traced(parent: Any, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
@@ -147,6 +142,7 @@ def _shares(tensor: Any, root: torch.Tensor) -> bool:
 def views_of(out: Any, wrapper: SparseTensorWrapper, root: torch.Tensor) -> Any:
     """``out`` with each tensor that is a view of ``root`` (``wrapper``'s dense copy) made a
     ``WrapperView`` of ``wrapper``."""
+    root.__dict__.setdefault("_sten_synced", _sync_key(wrapper))   # made from the wrapper as it is now
     return map_tensors(lambda t: WrapperView.of(t, wrapper, root) if _shares(t, root) else t, out)
 
 
@@ -176,7 +172,7 @@ class GradView(torch.Tensor):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             return _traced(super(), func, types, args, kwargs)
-        _refresh_changed((args, kwargs))
+        _refresh((args, kwargs))
         target = written(args, kwargs)
         if isinstance(target, GradView) and is_inplace(func, kwargs) and func not in _NOT_WRITES:
             if torch.is_grad_enabled() and getattr(func, "__module__", None) != "torch.nn.init":  # (no_grad inside)
