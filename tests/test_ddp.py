@@ -469,3 +469,54 @@ def test_sparse_parameters_unused_on_some_ranks_are_averaged_with_zeros(tmp_path
         torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
         if kind != "topk-csr":   # a top-k of the average is not the average of top-ks: ranks agree (above)
             torch.testing.assert_close(ranks[0][name], single[name], rtol=1e-5, atol=1e-6)
+
+
+def interrupted_worker(rank, world, port, out_path):
+    """A saliency map on rank 0 only, then a backward that raises on every rank (a skipped batch)."""
+    import datetime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+        sb = sten.SparsityBuilder(model)
+        sb.set_weight("0.weight", initial_sparsifier=sten.ScalarFractionSparsifier(0.5), out_format=sten.CsrTensor)
+        model = sb.get_sparse_model()
+        net = sparse_ddp(model)
+        x = torch.full((4, 6), float(rank + 1))
+        if rank == 0:   # accumulates into no parameter: no collective to pair with rank 1's
+            xi = x.clone().requires_grad_()
+            torch.autograd.grad(net(xi).sum(), xi)
+        out = net(x)
+        out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("skip this batch")))
+        with pytest.raises(RuntimeError, match="skip this batch"):
+            out.sum().backward()
+        model.zero_grad()
+        net(x).pow(2).sum().backward()
+        grad = model[0].weight.grad
+        torch.save(grad.to_dense() if isinstance(grad, sten.SparseTensorWrapper) else grad, f"{out_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+    _leave()
+
+
+def test_sparse_ddp_after_a_one_rank_input_gradient_and_a_backward_that_raised(tmp_path):
+    """``torch.autograd.grad`` of an input on rank 0 alone queued a reduction whose collective had
+    no partner (gloo aborted the process); a backward that raised before its end left the
+    reduction marked as queued, so no later gradient was averaged (the ranks drifted apart)."""
+    out = str(tmp_path / "interrupted")
+    mp.start_processes(interrupted_worker, args=(2, free_port(), out), nprocs=2, join=True, start_method="spawn")
+    grads = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    torch.manual_seed(0)
+    single = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    sb = sten.SparsityBuilder(single)
+    sb.set_weight("0.weight", initial_sparsifier=sten.ScalarFractionSparsifier(0.5), out_format=sten.CsrTensor)
+    single = sb.get_sparse_model()
+    loss = sum(single(torch.full((4, 6), float(r + 1))).pow(2).sum() for r in range(2)) / 2
+    loss.backward()
+    want = single[0].weight.grad
+    want = want.to_dense() if isinstance(want, sten.SparseTensorWrapper) else want
+    torch.testing.assert_close(grads[0], want, rtol=1e-5, atol=1e-6)

@@ -197,3 +197,59 @@ def test_a_wrapper_that_requires_grad_keeps_its_pattern_under_a_scalar_update():
         w.add_(1.0)
     assert isinstance(w.wrapped_tensor, sten.CsrTensor)
     torch.testing.assert_close(w.to_dense(), torch.tensor([[0.0, 3.0]]))
+
+
+@pytest.mark.parametrize("grad_fmt", [None, "keep"])
+def test_state_updated_with_a_filled_divisor_keeps_the_weights_pattern(grad_fmt):
+    """RMSprop with momentum: ``buf.mul_(m).addcdiv_(grad, square_avg.sqrt().add_(eps))``. The
+    buffer is updated at its stored positions with the divisor read there (as a dense gradient
+    is): grown to every position, it made a step 60x slower and the buffer dense."""
+    torch.manual_seed(0)
+    w0 = torch.randn(8, 16)
+    fmt = (sten.KeepAll(), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor) if grad_fmt else None
+    w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(w0 * (w0.abs() > 0.5)), grad_fmt=fmt)
+    ref = torch.nn.Parameter(w.to_dense().detach().clone())
+    mask = ref.detach() != 0
+    opt = torch.optim.RMSprop([w], lr=0.01, momentum=0.9)
+    ref_opt = torch.optim.RMSprop([ref], lr=0.01, momentum=0.9)
+    for _ in range(3):
+        x = torch.randn(4, 16)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        F.linear(x, w).pow(2).sum().backward()
+        F.linear(x, ref).pow(2).sum().backward()
+        ref.grad.mul_(mask)
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(w.to_dense(), ref.detach())
+    assert opt.state[w]["momentum_buffer"].wrapped_tensor.nnz == int(mask.sum())
+
+
+def test_padded_layouts_fill_the_positions_they_do_not_store():
+    """A layout storing padding among its values (16 rows sharing an n:m pattern) has as many
+    values as positions: counting values took it for one that stores every position, and the
+    fill was dropped."""
+    sten_nm = pytest.importorskip("sten_nm")
+    torch.manual_seed(0)
+    dense = torch.randn(4, 16)
+    t = sten.SparseTensorWrapper(sten_nm.GroupedNMTensor.from_dense(dense, 2, 4))
+    expected = t.to_dense() + 1
+    t.add_(1.0)
+    torch.testing.assert_close(t.to_dense(), expected)
+
+
+def test_scalar_updates_on_the_meta_device():
+    t = sten.SparseTensorWrapper(sten.CooTensor.from_dense(torch.eye(3))).to("meta")
+    t.mul_(2.0).add_(1.0).zero_()
+    assert t.device.type == "meta" and t.shape == (3, 3)
+
+
+def test_a_filled_buffer_saves_as_its_layout_and_loads_with_weights_only():
+    t = sparse(torch.tensor([[0.0, 4.0], [9.0, 0.0]])).add_(0.5)
+    buffer = io.BytesIO()
+    torch.save({"buf": t}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)   # weights_only (torch's default): a registered layout
+    assert isinstance(loaded["buf"].wrapped_tensor, sten.CsrTensor)
+    torch.testing.assert_close(loaded["buf"].to_dense(), t.to_dense())
+

@@ -73,13 +73,19 @@ def _fills_zeros(op: Any, operands: tuple) -> bool:
     return False
 
 
-def _operand(value: Any, layout: Any, dense_ok: bool, inner_ok: bool = False) -> Any:
-    """``value`` at ``layout``'s stored positions; ``inner_ok``: only those positions are
-    computed (an update of a parameter), so a ``FilledTensor`` of that pattern gives its
-    inner values (its fill lies where nothing is computed)."""
+def _operand(value: Any, layout: Any, dense_ok: bool, updates: bool = False) -> Any:
+    """``value`` at ``layout``'s stored positions. In an update of stored values (in place or
+    ``out=`` a wrapper: those positions only are computed) a ``FilledTensor`` is read there as
+    a dense operand is: its inner values
+    where it has ``layout``'s pattern (Adam's ``param.addcdiv_(exp_avg, denom)``, RMSprop's
+    ``buf.addcdiv_(grad, avg)``: O(nnz)), else its dense tensor gathered."""
     if isinstance(value, SparseTensorWrapper):
         other = value.wrapped_tensor
-        if isinstance(other, FilledTensor) and inner_ok:
+        if isinstance(other, FilledTensor):
+            if not updates:
+                raise _NotOnValues
+            if not (supports_values(other.inner) and layout.same_pattern(other.inner)):
+                return layout.gather(other.to_dense().to(layout.device))
             other = other.inner
         if other is layout or (supports_values(other) and layout.same_pattern(other)):
             return other.values()
@@ -95,7 +101,7 @@ def _operand(value: Any, layout: Any, dense_ok: bool, inner_ok: bool = False) ->
             value = value.expand(layout.shape)
         return layout.gather(value.to(layout.device))
     if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
-        return type(value)(_operand(v, layout, dense_ok, inner_ok) for v in value)
+        return type(value)(_operand(v, layout, dense_ok, updates) for v in value)
     return value
 
 
@@ -127,16 +133,18 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False
             if not inplace and (op in MULS or op in DIVS) and _fills_zeros(op, (*args[1:], *kwargs.values())):
                 raise _NotOnValues
             values = layout.values()
-            weight = self._is_param or self.requires_grad   # keeps its pattern (not a temporary, not state)
-            inner_ok = inplace and weight
-            rest = tuple(_operand(a, layout, dense_ok, inner_ok) for a in args[1:])
-            kw = {k: _operand(v, layout, dense_ok, inner_ok) for k, v in kwargs.items()}
+            # an update of stored values: in place, or into a wrapper's values (Adamax's
+            # ``torch.maximum(exp_inf, grad.abs().add_(eps), out=exp_inf)``)
+            updates = inplace or isinstance(kwargs.get("out"), SparseTensorWrapper)
+            rest = tuple(_operand(a, layout, dense_ok, updates) for a in args[1:])
+            kw = {k: _operand(v, layout, dense_ok, updates) for k, v in kwargs.items()}
             intended = _filled(op, self, args, kwargs)
             result = op(values, *rest, **kw)
         except _NotOnValues:
             return _dense(op, args, kwargs, inplace)
         if inplace:
             # a temporary or optimizer state: the unstored zeros take the scalar update too
+            weight = self._is_param or self.requires_grad   # keeps its pattern (not a temporary, not state)
             fill = None if weight else image_of(op, 0.0, args[1:], kwargs, values)
             self.wrapped_tensor = with_fill(layout.with_values(values), fill)
             if intended is not None:   # w.fill_(v), w.masked_fill_(m, v): what landed off the pattern

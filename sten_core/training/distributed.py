@@ -188,10 +188,11 @@ class _EndOfBackwardReduction:
     parameter some rank used is averaged, a rank that did not use it taking part with zeros
     (as DDP's ``find_unused_parameters``); one no rank used keeps its gradient as it was."""
 
-    def __init__(self, params: list, group: Any):
+    def __init__(self, params: list, group: Any, model: torch.nn.Module):
         self.params = [param for param, _ in params]
         self.reducers = [reduce for _, reduce in params]
         self.group = group
+        self.trained = [p for p in model.parameters() if p.requires_grad]
         self.used: set[int] = set()
         self.queued = False
 
@@ -206,13 +207,26 @@ class _EndOfBackwardReduction:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.reduce)
 
+    def output_reached(self, grad: Any) -> None:
+        """The hook on the model's outputs: a backward that accumulates into a parameter of the
+        model (a training step, on a rank that may have used no sparse parameter) takes part;
+        ``torch.autograd.grad`` of an input (a saliency map on one rank) does not."""
+        will_run = torch._C._will_engine_execute_node
+        if any(will_run(torch.autograd.graph.get_gradient_edge(p).node) for p in self.trained):
+            self.queue()
+
     def watch(self, module: Any, inputs: Any, output: Any) -> None:
-        """A forward hook: the backward through the model's output queues the reduction, so a
-        rank that used none of the sparse parameters takes part too."""
+        """A forward hook: the backward through the model's output may queue the reduction
+        (``output_reached``), so a rank that used none of the sparse parameters takes part too."""
         from sten_core.model.tensor import map_tensors
 
+        if self.queued and torch._C._current_graph_task_id() == -1:
+            # a forward outside any backward while a reduction is queued: the backward that queued
+            # it raised before its end, so it never ran (and would never be queued again)
+            self.queued = False
+            self.used.clear()
         if torch.is_grad_enabled():
-            map_tensors(lambda t: t.register_hook(self.queue) if t.requires_grad else None, output)
+            map_tensors(lambda t: t.register_hook(self.output_reached) if t.requires_grad else None, output)
 
     def reduce(self) -> None:
         used = torch.tensor([id(p) in self.used for p in self.params], dtype=torch.int64,
@@ -336,8 +350,9 @@ def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
     The sparse gradients are reduced at the end of each backward pass, in one order on every
     rank: a sparse parameter that some ranks do not use (a branch) is averaged with zeros from
     those ranks, as DDP's ``find_unused_parameters`` does with dense ones. Every rank must run
-    the backward through the model's output or through one of its sparse parameters (a rank
-    whose loss reaches neither does not take part, and the others wait for it).
+    each training backward through the model's output or one of its sparse parameters (a rank
+    whose loss reaches neither does not take part, and the others wait for it); a backward that
+    accumulates into no parameter (``torch.autograd.grad`` of an input) reduces nothing.
     """
     if not dist.is_initialized():
         raise RuntimeError("sparse_ddp needs an initialised process group (torch.distributed.init_process_group)")
@@ -359,7 +374,7 @@ def sparse_ddp(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
             # (a seed per parameter: random grad_fmt masks of two same-shape weights were identical)
             trained.append((param, _reducer(param, group, seed + 1_000_003 * index)))
     if trained:
-        reduction = _EndOfBackwardReduction(trained, group)
+        reduction = _EndOfBackwardReduction(trained, group, model)
         for param, _ in trained:
             param.register_post_accumulate_grad_hook(reduction.accumulated)
         model.register_forward_hook(reduction.watch)

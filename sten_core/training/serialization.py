@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from sten_core.builtin.filled import FilledTensor
 from sten_core.model.layouts import StateTensors, implements
 from sten_core.model.registry import registry
 from sten_core.model.sparsifiers import KeepAll
@@ -156,6 +157,8 @@ def reduce_wrapper(wrapper: SparseTensorWrapper) -> tuple:
     if _in_torch("_legacy_save"):   # the file would not load back (see rebuild_sparse)
         raise RuntimeError(LEGACY_FORMAT.format(what="the file would not load back: save in torch.save's default format"))
     layout = wrapper.wrapped_tensor
+    if isinstance(layout, FilledTensor):   # a temporary or state after t.add_(c): saved as its inner layout, grown
+        layout = layout.materialized()
     plugins.ensure_loaded()
     name = _layout_name(type(layout))
     try:
