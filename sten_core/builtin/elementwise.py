@@ -76,9 +76,9 @@ def _fills_zeros(op: Any, operands: tuple) -> bool:
 def _operand(value: Any, layout: Any, dense_ok: bool, updates: bool = False) -> Any:
     """``value`` at ``layout``'s stored positions. In an update of stored values (in place or
     ``out=`` a wrapper: those positions only are computed) a ``FilledTensor`` is read there as
-    a dense operand is: its inner values
-    where it has ``layout``'s pattern (Adam's ``param.addcdiv_(exp_avg, denom)``, RMSprop's
-    ``buf.addcdiv_(grad, avg)``: O(nnz)), else its dense tensor gathered."""
+    a dense operand is: its inner values where it has ``layout``'s pattern (Adam's
+    ``param.addcdiv_(exp_avg, denom)``, RMSprop's ``buf.addcdiv_(grad, avg)``: O(nnz)), else its
+    dense tensor gathered."""
     if isinstance(value, SparseTensorWrapper):
         other = value.wrapped_tensor
         if isinstance(other, FilledTensor):

@@ -9,9 +9,9 @@ where dense torch has ``eps``, and the step divided 0 by 0 into the weight (NaN)
 
 A ``FilledTensor`` has no stored-values protocol of its own, so anything without an
 implementation for it reads ``to_dense()`` (the fill included). The element-wise module
-(``sten_core.builtin.elementwise``) reads its inner values where only the inner pattern's
-positions are computed (an update of a parameter with that pattern: Adam's
-``param.addcdiv_(exp_avg, denom)``, still O(nnz)), applies further scalar updates to values
+(``sten_core.builtin.elementwise``) reads it at the stored positions of an update of stored
+values, as it reads a dense operand (its inner values where the patterns agree: Adam's
+``param.addcdiv_(exp_avg, denom)`` stays O(nnz)), applies further scalar updates to values
 and fill, and turns it back into its inner layout, grown to hold the result, when anything
 else updates it in place.
 
@@ -143,4 +143,3 @@ def with_fill(layout: Any, fill: float | None) -> Any:
     if fill is None or fill == 0 or stores_every_position(layout):
         return layout
     return FilledTensor(layout, fill)
-
