@@ -493,6 +493,9 @@ def interrupted_worker(rank, world, port, out_path):
         out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("skip this batch")))
         with pytest.raises(RuntimeError, match="skip this batch"):
             out.sum().backward()
+        # gradients taken with torch.autograd.grad (nothing accumulates, nothing is reduced)
+        torch.autograd.grad(net(x).sum(), [model[2].bias])
+        torch.autograd.grad(net(x).sum(), [model[0].weight], create_graph=True)
         model.zero_grad()
         net(x).pow(2).sum().backward()
         grad = model[0].weight.grad
@@ -505,7 +508,9 @@ def interrupted_worker(rank, world, port, out_path):
 def test_sparse_ddp_after_a_one_rank_input_gradient_and_a_backward_that_raised(tmp_path):
     """``torch.autograd.grad`` of an input on rank 0 alone queued a reduction whose collective had
     no partner (gloo aborted the process); a backward that raised before its end left the
-    reduction marked as queued, so no later gradient was averaged (the ranks drifted apart)."""
+    reduction marked as queued, so no later gradient was averaged (the ranks drifted apart);
+    ``torch.autograd.grad`` with respect to a parameter raised (torch refuses to say whether a
+    leaf's node will run during it)."""
     out = str(tmp_path / "interrupted")
     mp.start_processes(interrupted_worker, args=(2, free_port(), out), nprocs=2, join=True, start_method="spawn")
     grads = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]

@@ -595,3 +595,31 @@ def test_views_under_autograd_read_the_parameter_after_an_optimizer_step(layout)
         opt.step()
         ref_opt.step()
     torch.testing.assert_close(torch.as_tensor(views[0].detach().clone()), ref[1:].detach())
+
+
+def test_a_backward_reads_a_saved_view_as_the_forward_saw_it():
+    """A view saved for a backward (``a * w.T[:3]``) and ``w`` changed before that backward: the
+    backward's re-run read the view refreshed with the new weights (10x the gradient, silently).
+    It reads what the forward saw, as before the views refreshed themselves."""
+    torch.manual_seed(0)
+    W = torch.randn(4, 4) * (torch.rand(4, 4) > 0.3)
+    A = torch.randn(3, 4) * (torch.rand(3, 4) > 0.3)
+    w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(W.clone()))
+    a = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(A.clone()))
+    with dispatch.quiet_fallbacks():
+        out = a * w.T[:3]
+        with torch.no_grad():
+            w.mul_(10)
+        out.sum().backward()
+    grad = densify(a.grad) if isinstance(a.grad, sten.SparseTensorWrapper) else a.grad
+    torch.testing.assert_close(grad * (A != 0), W.T[:3] * (A != 0))
+
+
+def test_a_view_sees_a_write_into_scipy_values():
+    """Scipy's ``values()`` is a fresh tensor over the scipy array at each call, so its version
+    tells nothing: such views compare values, as all views did before."""
+    w = sten.SparseTensorWrapper(ScipyCsrTensor.from_dense(torch.tensor([[1.0, 0.0], [-3.0, 1.5]])))
+    with torch.no_grad(), dispatch.quiet_fallbacks():
+        row = w[1]
+        w.wrapped_tensor.values().mul_(10)
+        torch.testing.assert_close(torch.as_tensor(row.clone()), torch.tensor([-30.0, 15.0]))

@@ -55,13 +55,14 @@ class FilledTensor:
         return dense.where(dense != 0, self.fill)   # (one dense pass fewer: 38 -> 22 ms at 2048x2048)
 
     def materialized(self) -> Any:
-        """The same tensor in the inner layout's class, storing every position where the fill
-        is (so a checkpoint holds a registered layout); itself where that class cannot."""
+        """The same tensor in a registered layout (for a checkpoint): the inner layout's class
+        storing every position, or a ``DenseTensor`` where that class cannot (n:m)."""
+        from sten_core.builtin.torch_layouts import DenseTensor
         from sten_core.dispatch.writes import layout_at
 
         dense = self.to_dense()
         grown = layout_at(type(self.inner), dense, torch.ones(dense.shape, dtype=torch.bool, device=dense.device))
-        return self if grown is None else grown
+        return DenseTensor(dense) if grown is None else grown
 
     def inner_mask(self) -> torch.Tensor:
         """Where ``inner`` stores values (stored zeros included)."""

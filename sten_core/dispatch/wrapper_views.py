@@ -89,6 +89,8 @@ def _refresh(tree: Any) -> None:
     sources: dict[int, tuple] = {}
     map_tensors(lambda t: sources.setdefault(id(t._sten_source[1]), t._sten_source)
                 if type(t) in (WrapperView, GradView) and hasattr(t, "_sten_source") else None, tree)
+    if sources and torch._C._current_graph_task_id() != -1:
+        return   # a backward re-running an op on a saved view: the values the forward saw
     for wrapper, root in sources.values():
         key = _sync_key(wrapper)
         if key is None or root.__dict__.setdefault("_sten_synced", key) != key:
@@ -108,11 +110,18 @@ def _refresh_root(wrapper: SparseTensorWrapper, root: torch.Tensor) -> None:
 def _sync_key(wrapper: SparseTensorWrapper) -> tuple | None:
     """What changes when ``wrapper``'s values may have: its version (every write through the
     wrapper bumps it), its layout object, and its stored values' version (a write into them);
-    ``None`` where there is no version to read (inference tensors): compare the values."""
+    ``None`` where that would not tell (compare the values instead): no version to read
+    (inference tensors), stored values that are a fresh tensor at each call (scipy's
+    ``from_numpy``, a copy of non-contiguous data: their version stays 0 whatever is written),
+    or in shared memory (another process writes without a version bump)."""
     layout = wrapper.wrapped_tensor
-    values = layout.values() if supports_values(layout) else None
+    if not supports_values(layout):
+        return None
+    values, again = layout.values(), layout.values()
+    if (again is not values and (values._base is None or again._base is not values._base)) or values.is_shared():
+        return None
     try:
-        return wrapper._version, id(layout), None if values is None else values._version
+        return wrapper._version, id(layout), values._version
     except RuntimeError:   # "Inference tensors do not track version counter"
         return None
 

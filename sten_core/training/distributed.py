@@ -212,7 +212,12 @@ class _EndOfBackwardReduction:
         model (a training step, on a rank that may have used no sparse parameter) takes part;
         ``torch.autograd.grad`` of an input (a saliency map on one rank) does not."""
         will_run = torch._C._will_engine_execute_node
-        if any(will_run(torch.autograd.graph.get_gradient_edge(p).node) for p in self.trained):
+        try:
+            accumulates = any(will_run(torch.autograd.graph.get_gradient_edge(p).node)
+                              for p in self.trained if p.requires_grad)   # (frozen since: no edge)
+        except RuntimeError:   # torch.autograd.grad with respect to a parameter: nothing accumulates
+            return
+        if accumulates:
             self.queue()
 
     def watch(self, module: Any, inputs: Any, output: Any) -> None:
