@@ -87,8 +87,17 @@ def _refresh(tree: Any) -> None:
     computed with the old weights). Nothing is densified, and no saved copy's version bumped,
     while the wrapper is unchanged."""
     sources: dict[int, tuple] = {}
-    map_tensors(lambda t: sources.setdefault(id(t._sten_source[1]), t._sten_source)
-                if type(t) in (WrapperView, GradView) and hasattr(t, "_sten_source") else None, tree)
+
+    def note(t: Any) -> None:
+        if type(t) in (WrapperView, GradView) and hasattr(t, "_sten_source"):
+            sources.setdefault(id(t._sten_source[1]), t._sten_source)
+
+    args, kwargs = tree
+    if any(isinstance(a, (list, tuple, dict)) for a in (*args, *kwargs.values())):
+        map_tensors(note, tree)
+    else:   # (the usual flat call, without a walk of the tree: a view's every call comes here)
+        for a in (*args, *kwargs.values()):
+            note(a)
     if sources and torch._C._current_graph_task_id() != -1:
         return   # a backward re-running an op on a saved view: the values the forward saw
     for wrapper, root in sources.values():
@@ -117,13 +126,24 @@ def _sync_key(wrapper: SparseTensorWrapper) -> tuple | None:
     layout = wrapper.wrapped_tensor
     if not supports_values(layout):
         return None
-    values, again = layout.values(), layout.values()
-    if (again is not values and (values._base is None or again._base is not values._base)) or values.is_shared():
+    values = layout.values()
+    if values._base is None:   # not a view: the same tensor at each call, or a fresh one
+        if layout.values() is not values:
+            return None
+    elif layout.values()._base is not values._base:
+        return None
+    if values.untyped_storage().is_shared():
         return None
     try:
         return wrapper._version, id(layout), values._version
     except RuntimeError:   # "Inference tensors do not track version counter"
         return None
+
+
+def _mark_synced(wrapper: SparseTensorWrapper, root: torch.Tensor) -> None:
+    """``root`` made from ``wrapper`` as it is now (views of views keep the first mark)."""
+    if "_sten_synced" not in root.__dict__:
+        root._sten_synced = _sync_key(wrapper)
 
 
 def _traced(parent: Any, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
@@ -151,7 +171,7 @@ def _shares(tensor: Any, root: torch.Tensor) -> bool:
 def views_of(out: Any, wrapper: SparseTensorWrapper, root: torch.Tensor) -> Any:
     """``out`` with each tensor that is a view of ``root`` (``wrapper``'s dense copy) made a
     ``WrapperView`` of ``wrapper``."""
-    root.__dict__.setdefault("_sten_synced", _sync_key(wrapper))   # made from the wrapper as it is now
+    _mark_synced(wrapper, root)
     return map_tensors(lambda t: WrapperView.of(t, wrapper, root) if _shares(t, root) else t, out)
 
 
@@ -215,7 +235,7 @@ def _write_through(func: Any, args: tuple, kwargs: dict, source: tuple) -> Any:
 
 def grad_views_of(out: Any, wrapper: SparseTensorWrapper, root: torch.Tensor) -> Any:
     """``out`` with each tensor that is a view of ``root`` (``wrapper``'s dense copy) a ``GradView``."""
-    root.__dict__.setdefault("_sten_synced", _sync_key(wrapper))   # made from the wrapper as it is now
+    _mark_synced(wrapper, root)
     return map_tensors(lambda t: GradView.of(t, wrapper, root) if _shares(t, root) else t, out)
 
 
