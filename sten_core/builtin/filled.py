@@ -66,9 +66,9 @@ class FilledTensor:
 
     def inner_mask(self) -> torch.Tensor:
         """Where ``inner`` stores values (stored zeros included)."""
-        inner = self.inner
-        ones = inner.with_values(torch.ones_like(inner.values()))
-        return to_dense_tensor(ones) != 0
+        from sten_core.dispatch.writes import stored_mask_of
+
+        return stored_mask_of(self.inner)
 
     def mask(self) -> torch.Tensor:
         """Every position holds a value of its own (``sten_core.model.masks.stored_mask``)."""
@@ -110,7 +110,9 @@ def stores_every_position(layout: Any) -> bool:
         return True
     if int(layout.values().numel()) < layout_metadata(layout)[0].numel():
         return False
-    return bool(FilledTensor(layout, 0.0).inner_mask().all())
+    from sten_core.dispatch.writes import stored_mask_of
+
+    return bool(stored_mask_of(layout).all())
 
 
 SETS = (torch.Tensor.fill_, torch.Tensor.masked_fill_, torch.Tensor.copy_)
