@@ -20,8 +20,10 @@ plugins in this repository).
   implementation (``linear_inputs``, ``needs_grad``, ``wrap_layout``,
   ``bias_grad``), the registration of a product with a sparse weight
   (``register_weight_product``: forward and backward of ``F.linear`` with
-  and without a bias, or of ``mm`` / ``matmul``) and the autograd formula of
-  a compiled linear on member tensors (``register_member_linear_autograd``).
+  and without a bias, or of ``mm`` / ``matmul``), the autograd formula of
+  a compiled linear on member tensors (``register_member_linear_autograd``), and
+  the wrapper of a layout sharing another wrapper's storage (``storage_view``: a
+  transpose of the same arrays, whose writes must keep the pattern).
 
 Example (a plugin module):
     >>> import torch
@@ -56,7 +58,7 @@ from sten_core.model.sparsifiers import (BLOCKING, BUILTIN_SPARSIFIERS, Blockwis
                                          SameFormatSparsifier, ScalarFractionSparsifier,
                                          ScalarThresholdSparsifier, Sparsifier, block_keep_mask, nm_keep_mask)
 from sten_core.model.spec import OutputSpec
-from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper, densify
+from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper, densify, storage_view
 from sten_core.plugins import register_plugin, unregister_plugin
 from sten_core.plugins.manager import PluginHookWarning, PluginLoadWarning
 from sten_core.training.pruning import METHODS, CalibratedSparsifier, SparseGPTSparsifier, WandaSparsifier, sparsegpt
@@ -85,6 +87,7 @@ __all__ = [
     "densify", "entry_for", "failure_mode", "get_dispatch_failure", "hookimpl", "implements", "layout_metadata",
     "linear_inputs", "lossy_fallback", "member_grads", "needs_grad", "nm_for_sparsity", "nm_keep_mask", "nm_label",
     "normalize_inp", "note", "observing", "normalize_out_pairs", "op_name", "register_member_linear_autograd", "register_plugin", "register_traceable_layout", "register_weight_product", "registry",
-    "set_dispatch_failure", "sparsify", "supports_values", "to_dense_tensor", "trim", "Unsupported", "unregister_plugin",
+    "set_dispatch_failure", "sparsify", "storage_view", "supports_values", "to_dense_tensor", "trim", "Unsupported",
+    "unregister_plugin",
     "wrap_layout",
 ]

@@ -161,3 +161,40 @@ def test_a_grad_fmt_in_another_layout_saves_and_loads_weights_only(layout, grad_
     state = torch.load(tmp_path / "sd.pt", weights_only=True)
     assert state["weight"].grad_fmt == fmt
     assert torch.equal(state["weight"].to_dense(), linear.weight.to_dense())
+
+
+def test_a_sparsifying_gradient_format_is_left_out_of_state_dicts():
+    """A weight whose ``grad_fmt`` holds a sparsifier: its state dict and its optimizer's (whose
+    ``exp_avg`` inherits the format) load with the default ``torch.load``; the optimizer state
+    failed on the sparsifier object. A parameter pickled itself keeps the format."""
+    import io
+
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    sb = sten.SparsityBuilder(model)
+    sb.set_weight("0.weight", sten.ScalarFractionSparsifier(0.7), out_format=sten.CsrTensor)
+    sb.set_weight_grad("0.weight", sten.ScalarFractionSparsifier(0.5), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor)
+    model = sb.get_sparse_model()
+    opt = torch.optim.Adam(model.parameters())
+    for _ in range(2):
+        opt.zero_grad()
+        F.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 8)).backward()
+        opt.step()
+    for state in (model.state_dict(), opt.state_dict()):
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        buf.seek(0)
+        back = torch.load(buf)
+        flat = back if "state" not in back else back["state"][0]
+        for key, value in flat.items():
+            if isinstance(value, sten.SparseTensorWrapper):
+                want = state[key] if "state" not in state else state["state"][0][key]
+                assert torch.equal(value.to_dense(), want.to_dense()), key
+    resumed = torch.optim.Adam(model.parameters())
+    resumed.load_state_dict(back)
+    buf = io.BytesIO()
+    torch.save(model[0].weight, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=False).grad_fmt is not None

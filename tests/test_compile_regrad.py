@@ -212,3 +212,59 @@ def test_only_resparsified_trainable_wrappers_get_the_hook():
     assert len(w._backward_hooks) == 1 and traceable(w)
     keep.grad_fmt = FORMATS["external-fraction-csr"]  # set afterwards: the hook comes with it
     assert len(keep._backward_hooks) == 1
+
+
+@pytest.mark.parametrize("what", ["step", "forward and backward"])
+def test_a_compiled_training_step_with_aot_autograd_matches_eager(what):
+    """``torch.compile(step, backend="aot_eager")`` of forward, backward (and the optimizer's step):
+    the backward calls the weight's gradient hook, which Dynamo compiled as a frame of its own
+    and failed on (``'dict' object has no attribute 'node'``)."""
+    results = []
+    for compiled in (False, True):
+        model = mlp(FORMATS["inline-fraction-csr"])
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+        def forward_backward(x):
+            loss = model(x).square().sum()
+            loss.backward()
+            return loss
+
+        def step(x):
+            opt.zero_grad()
+            loss = forward_backward(x)
+            opt.step()
+            return loss
+
+        run = step if what == "step" else forward_backward
+        if compiled:
+            run = torch.compile(run, backend="aot_eager")
+        torch.manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(5, 24)
+            if what == "step":
+                run(x)
+            else:
+                opt.zero_grad()
+                run(x)
+                opt.step()
+        results.append(model)
+    for (name, got), want in zip(results[1].named_parameters(), results[0].parameters()):
+        torch.testing.assert_close(dense(got), dense(want), msg=name)
+    assert_same_sparse_grad(results[1][0].weight.grad, results[0][0].weight.grad)
+
+
+def test_a_resparsified_weight_takes_a_parametrization():
+    """``register_parametrization`` swaps a traceable wrapper with ``torch.utils.swap_tensors``,
+    which refuses a tensor with weak references: the gradient hook held one
+    (``Cannot swap t1 because it has weakref associated with it``)."""
+    model = mlp(FORMATS["inline-fraction-csr"])
+    want = dense(model[0].weight).detach() * 2
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return w * 2
+
+    torch.nn.utils.parametrize.register_parametrization(model[0], "weight", Double())
+    torch.testing.assert_close(dense(model[0].weight).detach(), want)
+    model(torch.randn(3, 24)).square().sum().backward()
+    assert model[0].parametrizations.weight.original.grad is not None

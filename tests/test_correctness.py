@@ -441,10 +441,11 @@ def test_linear_coo_input_csr_weight(bias, lead):
 
 @pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor, sten.DenseTensor], ids=lambda c: c.__name__)
 @pytest.mark.parametrize("op", ["add_", "mul_", "copy_"])
-def test_in_place_into_a_wrapper_takes_gradients_at_its_stored_positions(layout, op):
-    """``h.add_(x)`` on a wrapper keeps h's pattern, so x's gradient lives only there; h's own
-    gradient is the dense one everywhere (``h.mul_(x)`` as ``h * x``: an entry stored at an
-    unstored position would have been written), so the weight behind h gets dense torch's."""
+def test_in_place_into_a_temporary_is_dense_torchs_values_and_gradients(layout, op):
+    """``h.add_(x)`` on a temporary ``h = a * 1`` takes dense torch's result everywhere (its
+    pattern grows), so ``x``'s gradient is dense torch's too (they were taken at ``h``'s stored
+    positions, where the write kept its pattern); h's own gradient is the dense one everywhere
+    (``h.mul_(x)`` as ``h * x``), so the weight behind h gets dense torch's."""
     torch.manual_seed(6)
     w = torch.randn(4, 4) * (torch.rand(4, 4) > 0.5)
     a = wrapper(layout, w)
@@ -453,19 +454,31 @@ def test_in_place_into_a_wrapper_takes_gradients_at_its_stored_positions(layout,
     getattr(h, op)(x)
     g = torch.randn(4, 4)
     torch.sum(torch.mul(h, g)).backward()
-    kept = (dense_of(a).detach() != 0) if layout is not sten.DenseTensor else torch.ones(4, 4, dtype=torch.bool)
     ref_a, ref_x = dense_of(a).detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
-
-    def ref(xv):
-        out = (ref_a * 1).clone()
-        getattr(out, op)(xv)
-        return out
-
-    written = torch.where(kept, ref(ref_x), ref(ref_x.detach()))  # x reaches the stored positions only
+    written = (ref_a * 1).clone()
+    getattr(written, op)(ref_x)
     (written * g).sum().backward()
-    torch.testing.assert_close(dense_of(h).detach(), (written * kept).detach())
+    torch.testing.assert_close(dense_of(h).detach(), written.detach())
     torch.testing.assert_close(x.grad, ref_x.grad)
     torch.testing.assert_close(dense_of(a.grad), ref_a.grad)
+
+
+def test_in_place_into_an_n_m_temporary_warns_and_takes_gradients_where_values_landed():
+    """An n:m temporary cannot hold ``h.add_(x)``'s result: it keeps its pattern, warns how many
+    values it dropped, and ``x``'s gradient is taken at the stored positions (where ``x`` landed)."""
+    from sten_nm import NMTensor
+
+    torch.manual_seed(6)
+    a = sten.SparseTensorWrapper(NMTensor.from_dense(torch.randn(4, 8)), requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    h = a * 1
+    with pytest.warns(sten.DispatchWarning, match="positions it does not store"):
+        h.add_(x)
+    g = torch.randn(4, 8)
+    torch.sum(torch.mul(h, g)).backward()
+    kept = dense_of(a).detach() != 0
+    torch.testing.assert_close(dense_of(h).detach(), torch.where(kept, dense_of(a).detach() + x.detach(), 0.0))
+    torch.testing.assert_close(x.grad, g * kept)
 
 
 def test_an_in_place_write_keeps_the_weights_dense_gradient_at_unstored_positions():

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import sten_core as sten
+from sten_core.model.tensor import densify
 
 DENSE = torch.tensor([[1.0, 0.0, 2.0], [0.0, 3.0, 0.0], [4.0, 0.0, 5.0]])
 LAYOUTS = [sten.CsrTensor, sten.CooTensor, sten.DenseTensor]
@@ -72,9 +73,26 @@ def test_dividing_by_a_wrapper_gives_nan_at_its_unstored_zeros(layout):
 
 @pytest.mark.parametrize("fill", ["fill_", "masked_fill_"])
 @pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor])
+def test_fills_into_a_temporary_reach_every_position(layout, fill):
+    """A temporary filled in place is filled everywhere, as a dense tensor (a weight keeps its
+    pattern: the next test)."""
+    t = sten.SparseTensorWrapper(layout.from_dense(DENSE))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*positions it does not store", sten.DispatchWarning)
+        if fill == "fill_":
+            t.fill_(9.0)
+        else:
+            t.masked_fill_(torch.ones(3, 3, dtype=torch.bool), 9.0)
+    torch.testing.assert_close(t.to_dense(), torch.full((3, 3), 9.0))
+    t.fill_(0.0)
+    torch.testing.assert_close(t.to_dense(), torch.zeros(3, 3))
+
+
+@pytest.mark.parametrize("fill", ["fill_", "masked_fill_"])
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor])
 def test_fills_off_the_pattern_warn_with_the_count(layout, fill):
-    w = sten.SparseTensorWrapper(layout.from_dense(DENSE))
-    with warnings.catch_warnings(record=True) as caught:
+    w = sten.SparseParameterWrapper(layout.from_dense(DENSE))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if fill == "fill_":
             w.fill_(9.0)
@@ -82,7 +100,7 @@ def test_fills_off_the_pattern_warn_with_the_count(layout, fill):
             w.masked_fill_(torch.ones(3, 3, dtype=torch.bool), 9.0)
     assert any("wrote 4 value(s) at positions it does not store" in str(c.message) for c in caught)
     torch.testing.assert_close(w.to_dense(), torch.where(DENSE != 0, 9.0, 0.0))
-    with warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", sten.DispatchWarning)
         w.fill_(0.0)                                          # nothing off the pattern: no warning
         w.masked_fill_(DENSE != 0, 1.0)
@@ -96,3 +114,18 @@ def test_a_detached_view_may_be_made_to_require_grad():
     view.requires_grad_(True)
     (view * 2).sum().backward()
     torch.testing.assert_close(view.grad, torch.full((3, 3), 2.0))
+
+
+@pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor, sten.DenseTensor])
+def test_type_as_takes_the_dtype_of_any_tensor(layout):
+    """``w.type_as(t)`` takes ``t``'s dtype whatever its shape (``weight.type_as(hidden_states)``):
+    ``t`` was read as an element-wise operand, so shapes that do not broadcast raised."""
+    w = sten.SparseParameterWrapper(layout.from_dense(DENSE))
+    for other in (torch.zeros(2, dtype=torch.float64), torch.zeros((), dtype=torch.float64),
+                  torch.zeros(5, 7, dtype=torch.float32)):
+        out = w.type_as(other)
+        assert out.dtype == other.dtype and type(out.wrapped_tensor) is layout
+        torch.testing.assert_close(out.to_dense(), DENSE.to(other.dtype))
+    out = w.type_as(torch.zeros(2, dtype=torch.float64))
+    (out * torch.arange(9.0, dtype=torch.float64).view(3, 3)).sum().backward()
+    torch.testing.assert_close(densify(w.grad), torch.arange(9.0).view(3, 3))

@@ -51,19 +51,25 @@ WRITES = {
 }
 
 
+HOLDS_ANY_PATTERN = {sten.DenseTensor, sten.CooTensor, sten.CsrTensor, sten.CscTensor, ScipyCsrTensor}
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("name", list(WRITES))
-def test_write_lands_at_the_stored_positions(layout, name):
+@pytest.mark.parametrize("parameter", [True, False], ids=["weight", "temporary"])
+def test_write_lands_at_the_stored_positions_of_a_weight_and_everywhere_in_a_temporary(layout, name, parameter):
+    """A weight keeps its pattern; a temporary takes dense torch's result, its pattern grown to
+    hold it, where its layout can hold any pattern (an n:m one keeps its pattern, warned)."""
     d = sparse_dense()
-    w = wrap(layout, d)
+    w = wrap(layout, d, parameter)
     mask = kept(w)
     before = w.to_dense().clone()
     ref, b = before.clone(), torch.full(d.shape, 0.75)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
         WRITES[name](ref, b)
-        with dispatch.quiet_fallbacks():
-            got = WRITES[name](w, b)
-    expected = torch.where(mask, ref, before)
+        got = WRITES[name](w, b)
+    expected = ref if not parameter and layout in HOLDS_ANY_PATTERN else torch.where(mask, ref, before)
     torch.testing.assert_close(w.to_dense(), expected)
     if name.startswith("out="):
         assert got is w   # as torch: out= returns its target
@@ -292,30 +298,30 @@ VIEW_WRITES = {
 
 @pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor, sten.CscTensor, sten.DenseTensor])
 @pytest.mark.parametrize("write", VIEW_WRITES)
-def test_writes_through_a_view_of_a_wrapper_reach_it(layout, write):
+@pytest.mark.parametrize("parameter", [True, False], ids=["weight", "temporary"])
+def test_writes_through_a_view_of_a_wrapper_reach_it(layout, write, parameter):
     """``w[0]``, ``w.view(-1)``, ``w.narrow(...)`` ran on the wrapper's dense copy, so writes
     through them changed the copy and were lost (every layout but DenseTensor): now, as for
-    writes into the wrapper itself, they land at its stored positions."""
+    writes into the wrapper itself, they land at a weight's stored positions, and everywhere
+    in a temporary."""
     base = torch.arange(1.0, 17.0).view(4, 4) * (torch.arange(16).view(4, 4) % 3 != 0)
-    w = sten.SparseTensorWrapper(layout.from_dense(base))
+    w = wrap(layout, base, parameter)
     dense = base.clone()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", sten.DispatchWarning)
         VIEW_WRITES[write](w)
     VIEW_WRITES[write](dense)
-    stored = base != 0 if layout is not sten.DenseTensor else torch.ones(4, 4, dtype=torch.bool)
+    stored = base != 0 if layout is not sten.DenseTensor and parameter else torch.ones(4, 4, dtype=torch.bool)
     assert type(w.wrapped_tensor) is layout
     torch.testing.assert_close(w.to_dense(), dense * stored)
 
 
 @pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor])
 def test_a_write_through_a_view_that_lands_off_the_pattern_is_warned(layout):
-    """Values written through a view at positions the wrapper does not store are dropped (the
-    pattern is kept), which dense torch would keep: a DispatchWarning says how many
-    (``zeros_like(w).diagonal().fill_(-1)`` in ``parametrizations.orthogonal`` stored nothing,
-    silently). A write that lands on stored positions (or NaN where NaN is stored) says nothing."""
+    """Values written through a view at positions a weight does not store are dropped (the
+    pattern is kept), which dense torch would keep: a DispatchWarning says how many. A write that lands on stored positions (or NaN where NaN is stored) says nothing."""
     base = torch.tensor([[1.0, 0.0], [float("nan"), 2.0]])
-    w = sten.SparseTensorWrapper(layout.from_dense(base))
+    w = wrap(layout, base, parameter=True)
     with torch.no_grad(), pytest.warns(sten.DispatchWarning, match=r"wrote 1 value\(s\) at positions it does not store"):
         w.diagonal().add_(0.0)  # the diagonal is stored
         w[0].fill_(5.0)                   # (0, 1) is not stored
@@ -343,31 +349,45 @@ def test_creation_ops_of_a_weight_that_requires_grad_have_no_history(layout):
     assert leaf.requires_grad and leaf.is_leaf
 
 
-def test_an_assignment_that_lands_off_the_pattern_is_warned():
-    """``mask = zeros_like(w); mask[rows] = 1`` (``prune.ln_structured``'s mask) keeps ``w``'s
-    pattern: the ones at unstored positions are dropped, and a DispatchWarning says so. Updates
-    of the stored values (``add_`` of a dense tensor, as an optimizer's step) stay silent."""
+def test_an_assignment_into_a_temporary_lands_everywhere_and_into_a_weight_is_warned():
+    """``mask = zeros_like(w); mask[rows] = 1`` (``prune.ln_structured``'s mask) sets whole rows,
+    as on a dense tensor: it kept ``w``'s pattern, dropping the ones at unstored positions with a
+    warning. The same assignment into the weight keeps its pattern and warns; updates of a
+    weight's stored values (``add_`` of a dense tensor, as an optimizer's step) stay silent."""
     w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(3)), requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", sten.DispatchWarning)
         mask = torch.zeros_like(w)
-    with pytest.warns(sten.DispatchWarning, match=r"__setitem__ .* wrote 4 value\(s\) at positions it does not store"):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*positions it does not store", sten.DispatchWarning)
         mask[[0, 2]] = 1
-    torch.testing.assert_close(mask.to_dense(), torch.diag(torch.tensor([1.0, 0.0, 1.0])))
+    torch.testing.assert_close(mask.to_dense(), torch.tensor([[1.0, 1, 1], [0, 0, 0], [1, 1, 1]]))
+    with torch.no_grad(), pytest.warns(sten.DispatchWarning, match=r"__setitem__ .* wrote 4 value\(s\) at positions"):
+        w[[0, 2]] = 3
+    torch.testing.assert_close(w.to_dense(), torch.diag(torch.tensor([3.0, 1.0, 3.0])))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("error", ".*positions it does not store", sten.DispatchWarning)
         w.add_(torch.ones(3, 3))
-    torch.testing.assert_close(w.to_dense(), 2 * torch.eye(3))
+    torch.testing.assert_close(w.to_dense(), torch.diag(torch.tensor([4.0, 2.0, 4.0])))
 
 
-def test_an_orthogonal_parametrization_of_a_sparse_weight_is_not_silent():
-    """``parametrizations.orthogonal`` builds its identity in ``zeros_like(weight)``: on a sparse
-    weight the diagonal it writes is dropped, and the weight it gives is not orthogonal (it
-    was silent)."""
-    lin = torch.nn.Linear(6, 6, bias=False)
-    lin.weight = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.triu(torch.randn(6, 6), 1)))
-    with pytest.warns(sten.DispatchWarning, match="positions it does not store"):
+def test_an_orthogonal_parametrization_of_a_sparse_weight_gives_dense_torchs():
+    """``parametrizations.orthogonal`` builds its identity in ``zeros_like(weight)`` and writes
+    its diagonal through a view: a temporary, which now takes it (the diagonal was dropped, with
+    a warning, and the weight it gave was not dense torch's)."""
+    torch.manual_seed(0)
+    d = torch.randn(6, 6) * (torch.rand(6, 6) > 0.4) + torch.eye(6)
+    lin, ref = torch.nn.Linear(6, 6, bias=False), torch.nn.Linear(6, 6, bias=False)
+    lin.weight = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(d))
+    with torch.no_grad():
+        ref.weight.copy_(d)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        warnings.filterwarnings("error", ".*positions it does not store", sten.DispatchWarning)
         torch.nn.utils.parametrizations.orthogonal(lin, "weight")
+        got = densify(lin.weight)
+    torch.nn.utils.parametrizations.orthogonal(ref, "weight")
+    torch.testing.assert_close(got, ref.weight)
 
 
 def test_orthogonal_init_writes_a_sparse_weight():
@@ -533,13 +553,15 @@ def test_an_in_place_shape_change_of_a_wrapper_raises_and_leaves_it_whole(layout
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: c.__name__)
-def test_views_see_and_keep_later_writes_into_the_wrapper(layout):
+@pytest.mark.parametrize("parameter", [True, False], ids=["weight", "temporary"])
+def test_views_see_and_keep_later_writes_into_the_wrapper(layout, parameter):
     """A view of a wrapper is a view of a dense copy taken when it was made: after ``w.mul_(10)``
     it read the old values, and a write through it wrote the whole old copy back (the ``mul_(10)``
     undone everywhere); of two views each written, only the second write was kept."""
     d = sparse_dense()
-    w = wrap(layout, d)
+    w = wrap(layout, d, parameter)
     mask = kept(w).float()
+    grows = not parameter and layout in HOLDS_ANY_PATTERN
     with torch.no_grad():
         row = w[0]
         w.mul_(10)
@@ -551,7 +573,7 @@ def test_views_see_and_keep_later_writes_into_the_wrapper(layout):
     want = 10 * d * mask
     want[0] *= 2
     want[1] *= 3
-    want[2] += mask[2]       # (added at the stored positions only)
+    want[2] += 1 if grows else mask[2]       # (a weight: added at the stored positions only)
     torch.testing.assert_close(w.to_dense(), want)
 
 

@@ -2,11 +2,13 @@
 stored-values protocol.
 
 In-place updates (``add_``, ``mul_``, ``lerp_``, ``addcdiv_``, ... as optimizers
-use them) act on the stored values only, in O(nnz): the pattern is kept. A dense
-operand is read at the stored positions (``gather``); a sparse operand must have
-the same pattern. A scalar update that turns zeros into something else, of a
-wrapper that is neither a parameter nor requires grad (a temporary, optimizer
-state), makes a ``FilledTensor`` (``filled.py``). Zero-preserving out-of-place
+use them) of a weight act on the stored values only, in O(nnz): the pattern is
+kept. A dense operand is read at the stored positions (``gather``), as it is in an
+optimizer's update of its state; a sparse operand must have the same pattern. A
+temporary's update is exact (``writes.writes_exactly``): a dense operand sends it to
+the dense path, whose result its pattern grows to hold, and a scalar update that turns
+zeros into something else (of any wrapper that is not a weight) makes a
+``FilledTensor`` (``filled.py``). Zero-preserving out-of-place
 operations (``sqrt``, ``mul``, ``clone``, ``zeros_like``, ...) called on a wrapper
 without an explicit output format return the same layout. Anything else goes to
 the dense path.
@@ -29,7 +31,8 @@ import torch
 
 from sten_core.builtin.filled import FilledTensor, image_of, with_fill
 from sten_core.dispatch.conversions import convert_exactly
-from sten_core.dispatch.writes import another_params_pattern, other_pattern, warn_if_dropped, write_growing
+from sten_core.dispatch.writes import (another_params_pattern, is_storage_view, is_weight, view_of_temporary,
+                                       warn_if_dropped, write_back_into_view, write_growing, writes_exactly)
 from sten_core.model.layouts import Layout, supports_values
 from sten_core.model.registry import Entry, OpKey
 from sten_core.model.tensor import SparseTensorWrapper, densify, densify_tree, write_back
@@ -78,13 +81,15 @@ def _operand(value: Any, layout: Any, dense_ok: bool, updates: bool = False) -> 
     ``out=`` a wrapper: those positions only are computed) a ``FilledTensor`` is read there as
     a dense operand is: its inner values where it has ``layout``'s pattern (Adam's
     ``param.addcdiv_(exp_avg, denom)``, RMSprop's ``buf.addcdiv_(grad, avg)``: O(nnz)), else its
-    dense tensor gathered."""
+    dense tensor gathered (unless ``dense_ok`` is false: then it, as a dense operand, is refused)."""
     if isinstance(value, SparseTensorWrapper):
         other = value.wrapped_tensor
         if isinstance(other, FilledTensor):
             if not updates:
                 raise _NotOnValues
             if not (supports_values(other.inner) and layout.same_pattern(other.inner)):
+                if not dense_ok:
+                    raise _NotOnValues
                 return layout.gather(other.to_dense().to(layout.device))
             other = other.inner
         if other is layout or (supports_values(other) and layout.same_pattern(other)):
@@ -103,6 +108,34 @@ def _operand(value: Any, layout: Any, dense_ok: bool, updates: bool = False) -> 
     if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
         return type(value)(_operand(v, layout, dense_ok, updates) for v in value)
     return value
+
+
+def _off_pattern(value: Any) -> Any:
+    """What an operand of a stored-values update holds where the target stores nothing: a
+    wrapper of the target's pattern 0 there, a ``FilledTensor`` its fill; anything else as it is
+    (``image_of`` takes no tensor of more than one value)."""
+    if isinstance(value, SparseTensorWrapper):
+        layout = value.wrapped_tensor
+        return layout.fill if isinstance(layout, FilledTensor) else 0.0
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        return type(value)(_off_pattern(v) for v in value)
+    return value
+
+
+INPLACE_SCALINGS = {T.mul_, T.div_, T.__imul__, T.__itruediv__}
+
+
+def _fill_of(op: Any, args: tuple, kwargs: dict, values: torch.Tensor, exact: bool) -> float | None:
+    """What a temporary's or optimizer state's in-place update makes of its unstored zeros (each
+    operand there one value: a scalar, the zero or fill of a wrapper of this pattern); ``None``
+    for zero. Where that is not known (a 0-d operand off the CPU, which ``image_of`` does not
+    read: a device sync per call), a scaling keeps zeros (``clip_grad_norm_``'s ``g.mul_(coef)``
+    stays O(nnz)); any other exact update goes to the dense path."""
+    fill = image_of(op, 0.0, _off_pattern(args[1:]), _off_pattern(kwargs), values)
+    if fill is None and exact and op not in INPLACE_SCALINGS \
+            and any(isinstance(a, torch.Tensor) and a.dim() == 0 for a in (*args[1:], *kwargs.values())):
+        raise _NotOnValues
+    return fill
 
 
 def _filled(op: Any, target: SparseTensorWrapper, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -125,8 +158,12 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False
         layout = self.wrapped_tensor
         if op is T.copy_ and isinstance(args[1], SparseTensorWrapper):
             return _copy_from_sparse(self, args[1])
+        if op is T.type_as:   # (its operand gives a dtype, not values: w.type_as(hidden_states))
+            if args[1].device != layout.device:
+                return _dense(op, args, kwargs, inplace)   # (a move too: the dense result, on that device)
+            args = (self, torch.empty((), dtype=args[1].dtype, device=layout.device))
         try:
-            if not supports_values(layout):
+            if not supports_values(layout) or (inplace and view_of_temporary(self)):   # (the dense path warns)
                 raise _NotOnValues
             if sparse_only and not all(isinstance(a, SparseTensorWrapper) for a in args[1:]):
                 raise _NotOnValues
@@ -136,16 +173,16 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False
             # an update of stored values: in place, or into a wrapper's values (Adamax's
             # ``torch.maximum(exp_inf, grad.abs().add_(eps), out=exp_inf)``)
             updates = inplace or isinstance(kwargs.get("out"), SparseTensorWrapper)
-            rest = tuple(_operand(a, layout, dense_ok, updates) for a in args[1:])
-            kw = {k: _operand(v, layout, dense_ok, updates) for k, v in kwargs.items()}
+            # a temporary's update is exact: a dense operand reaches every position (the dense path)
+            exact = inplace and writes_exactly(self, (*args[1:], *kwargs.values()))
+            rest = tuple(_operand(a, layout, dense_ok and not exact, updates) for a in args[1:])
+            kw = {k: _operand(v, layout, dense_ok and not exact, updates) for k, v in kwargs.items()}
+            fill = None if not inplace or is_weight(self) else _fill_of(op, args, kwargs, values, exact)
             intended = _filled(op, self, args, kwargs)
             result = op(values, *rest, **kw)
         except _NotOnValues:
             return _dense(op, args, kwargs, inplace)
         if inplace:
-            # a temporary or optimizer state: the unstored zeros take the scalar update too
-            weight = self._is_param or self.requires_grad   # keeps its pattern (not a temporary, not state)
-            fill = None if weight else image_of(op, 0.0, args[1:], kwargs, values)
             self.wrapped_tensor = with_fill(layout.with_values(values), fill)
             if intended is not None:   # w.fill_(v), w.masked_fill_(m, v): what landed off the pattern
                 warn_if_dropped(op, self, intended)
@@ -168,12 +205,14 @@ def _copy_from_sparse(self: SparseTensorWrapper, src: SparseTensorWrapper) -> Sp
     from sten_core.model.tensor import _copy_layout
 
     layout = self.wrapped_tensor
+    if is_storage_view(self):   # (its arrays are another wrapper's: they keep their pattern)
+        return write_back_into_view(self, densify(src).to(self.dtype), T.copy_)
     if src.wrapped_tensor is not layout:
         if type(src.wrapped_tensor) is type(layout):
             converted = src.wrapped_tensor
         else:
             source = type(src.wrapped_tensor).__name__
-            if not self._is_param and supports_values(layout):
+            if not is_weight(self) and supports_values(layout):
                 if write_growing(self, densify(src).to(self.dtype), T.copy_, lossy=False) is not None:
                     return self
                 what = (f"copy_ of a {source} value into a {type(layout).__name__} that is not a parameter "
@@ -206,11 +245,12 @@ def _dense(op: Any, args: tuple, kwargs: dict, inplace: bool) -> Any:
     if inplace:
         target = args[0]
         operands = (*args[1:], *kwargs.values())
-        if not target._is_param and other_pattern(target, operands):
-            return write_growing(target, dense_args[0], op)  # buf.add_(grad): SGD's momentum
-        if target._is_param and another_params_pattern(target, operands):
+        if writes_exactly(target, operands):   # a temporary, or buf.add_(grad): SGD's momentum
+            return write_growing(target, dense_args[0], op)
+        write_back(target, dense_args[0])
+        if view_of_temporary(target) or (is_weight(target) and another_params_pattern(target, operands)):
             warn_if_dropped(op, target, dense_args[0])        # ema_w.lerp_(w): w's pattern changed
-        return write_back(target, dense_args[0])
+        return target
     return result
 
 
@@ -233,7 +273,7 @@ def _on_filled(op: Any, inplace: bool) -> Callable:
         dense_args, dense_kwargs = densify_tree((args, kwargs))
         op(*dense_args, **dense_kwargs)
         self.wrapped_tensor = filled.inner
-        if self._is_param:
+        if is_weight(self):
             return write_back(self, dense_args[0])
         return write_growing(self, dense_args[0], op)
 

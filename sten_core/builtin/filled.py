@@ -1,7 +1,7 @@
 """``FilledTensor``: a sparse layout whose unstored positions hold one value instead of zero.
 
 A scalar update that turns zeros into something else (``t.add_(eps)``, ``t.clamp_(min=c)``)
-on a wrapper that is not a parameter (a temporary, optimizer state) makes one: the stored
+on a wrapper that is not a weight (a temporary, optimizer state), outside autograd, makes one: the stored
 values are updated in O(nnz) and the other positions are known to equal the scalar's image
 of zero (``fill``). Updating the stored values only lost that: Adamax's
 ``grad.abs().add_(eps)``, with a gradient of another pattern than the weight, left zeros
@@ -34,6 +34,8 @@ from sten_core.model.layouts import layout_metadata, supports_values, to_dense_t
 class FilledTensor:
     """``inner`` (a layout with the stored-values protocol) where it stores values, ``fill``
     everywhere else."""
+
+    fills_unstored = True   # (model.layouts.values_layout: its values are inner's)
 
     def __init__(self, inner: Any, fill: float):
         if not supports_values(inner):
@@ -115,28 +117,24 @@ def stores_every_position(layout: Any) -> bool:
     return bool(stored_mask_of(layout).all())
 
 
-SETS = (torch.Tensor.fill_, torch.Tensor.masked_fill_, torch.Tensor.copy_)
-"""In-place operators that set values rather than update them (``fill_`` and ``masked_fill_``
-keep their warning about values put off the pattern; ``copy_`` takes its source's pattern)."""
-
-
 def image_of(op: Any, fill: float, operands: tuple, kwargs: dict, like: torch.Tensor) -> float | None:
     """What the in-place ``op`` with these operands makes of ``fill`` at a position no layout
     stores; ``None`` where an operand is a tensor of more than one value (the image differs
-    per position) or ``op`` sets values.
+    per position).
 
     >>> image_of(torch.Tensor.add_, 0.0, (0.5,), {}, torch.ones(2))
     0.5
     """
-    if op in SETS:
-        return None
     for value in (*operands, *kwargs.values()):
         if isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor) and (
                 value.dim() > 0 or value.device.type != "cpu")):   # (reading a GPU scalar would sync)
             return None
     probe = torch.full((), fill, dtype=like.dtype)   # on the CPU: no device sync, and meta values work
-    with torch.no_grad():
-        op(probe, *operands, **kwargs)
+    try:
+        with torch.no_grad():
+            op(probe, *operands, **kwargs)
+    except (RuntimeError, TypeError, ValueError):   # (an operand a 0-d probe does not take: a mask)
+        return None
     return probe.item()
 
 

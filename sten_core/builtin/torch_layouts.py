@@ -77,6 +77,11 @@ class _TorchLayout(Layout):
         return self.data.device
 
     def to_dense(self) -> torch.Tensor:
+        if self.data.is_inference() and not torch.is_inference_mode_enabled():
+            # made under inference_mode, read outside it (a model's output): torch's CSR / CSC
+            # to_dense writes into its result in place, which an inference tensor refuses there
+            with torch.inference_mode():
+                return self.data.to_dense()
         return self.data.to_dense()
 
     def same_pattern(self, other: Any) -> bool:

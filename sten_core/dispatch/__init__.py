@@ -13,7 +13,8 @@ The same chain serves backward and sparsifiers. The modules, in the order a
 call meets them: ``entry`` (the call and its fast path), ``plan`` (resolution),
 ``conversions``, ``sparsifier_dispatch``, ``call`` (a call with an implementation, forward and
 backward), ``autograd`` (its node), ``dense_path`` (native and fallback calls),
-``errors`` (failure mode, warnings), ``observers`` (``explain``), ``compiled``
+``writes`` and ``optimizer_steps`` (what an in-place write does to a wrapper), ``errors``
+(failure mode, warnings), ``observers`` (``explain``), ``compiled``
 (``torch.compile``), ``eager_only`` (the dispatcher is never a compiled frame).
 
 Example:

@@ -24,11 +24,12 @@ Example:
 
 from __future__ import annotations
 
-import weakref
+import functools
 from typing import Any
 
 import torch
 
+from sten_core.dispatch.eager_only import never_compiled
 from sten_core.dispatch.errors import UnsupportedTrainingOp
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
 from sten_core.model.spec import OutputSpec
@@ -117,9 +118,23 @@ def watch_gradient(wrapper: SparseTensorWrapper) -> None:
     with torch._C.DisableTorchFunctionSubclass():
         if not wrapper.is_leaf:  # a non-leaf's gradient is never accumulated: nothing to convert
             return
-        ref = weakref.ref(wrapper)  # (the hook lives on the wrapper: no cycle through it)
-        torch.Tensor.register_hook(wrapper, lambda grad: resparsify_pending(grad, ref()))
+        torch.Tensor.register_hook(wrapper, functools.partial(_regrad_hook, wrapper._cell))
     wrapper.__dict__["_sten_regrad_hook"] = True
+
+
+def _regrad_hook(cell: list, grad: Any) -> Any:
+    """``resparsify_pending`` for the weight whose layout cell (``_cell``, shared with its
+    aliases) is ``cell``. The hook holds the cell, not the weight: it lives on the weight (a
+    strong reference would be a cycle through autograd), and a weak one made
+    ``torch.utils.swap_tensors`` refuse the weight (``register_parametrization`` swaps traceable
+    wrappers). Dynamo never compiles it (``never_compiled``): a compiled backward calls it, and
+    compiling it as a frame of its own failed on the wrapper's ``__dict__``."""
+    weight = SparseTensorWrapper(cell[0])
+    weight._cell = cell
+    return resparsify_pending(grad, weight)
+
+
+never_compiled(_regrad_hook)
 
 
 def _flatten(layout: CompiledDenseGrad) -> tuple[list, list]:

@@ -28,6 +28,7 @@ from sten_core.dispatch.observers import active, notify
 from sten_core.dispatch.plan import Plan, PlanKind
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
 from sten_core.dispatch.wrapper_views import guarded_views, writable_views
+from sten_core.dispatch.writes import is_storage_view, warn_if_dropped, write_growing, writes_exactly
 from sten_core.model.layouts import unshared_dense
 from sten_core.model.registry import OpKey
 from sten_core.model.signatures import op_name
@@ -114,12 +115,14 @@ def composite(op: Any, args: tuple, kwargs: dict, key: OpKey, plan: Plan, specs:
 
 
 class _InPlace(torch.autograd.Function):
-    """An in-place op on a wrapper under autograd: the dense op, written back at
-    the wrapper's stored positions. Backward is the dense op's, with the write-back's
-    adjoint where it applies:
+    """An in-place op on a wrapper under autograd: the dense op, its result written into the
+    wrapper exactly, its pattern grown to hold it (a temporary: ``writes.writes_exactly``), or at
+    its stored positions (a weight; a layout that cannot hold the result, with a warning).
+    Backward is the dense op's, with the write-back's adjoint where it applies:
 
-    - the other operands' gradients are taken at the stored positions (``h.add_(x)``
-      drops ``x`` elsewhere, so ``x``'s gradient there is 0);
+    - the other operands' gradients are taken where their values landed (everywhere when the
+      pattern grew; at the stored positions otherwise: ``h.add_(x)`` then drops ``x``
+      elsewhere, so ``x``'s gradient there is 0);
     - the target's own gradient is the dense one everywhere, as for the same op out of
       place (``h.mul_(3)`` as ``h * 3``: 3 at the unstored positions, as dense torch;
       an entry stored there would have been written). A dense ``grad_fmt`` keeps it
@@ -139,10 +142,18 @@ class _InPlace(torch.autograd.Function):
         dense_args, dense_kwargs = densify_tree((args, kwargs))
         written = dense_args[0].clone()
         op(written, *dense_args[1:], **dense_kwargs)
-        write_back(target, written)
+        exact = writes_exactly(target, others, recorded=True)
+        target.__dict__["_sten_recorded_writes"] = target.__dict__.get("_sten_recorded_writes", 0) + 1
+        if exact and write_growing(target, written, op, lossy=False) is not None:
+            landed = torch.ones_like(written, dtype=torch.bool)   # every value: a temporary's pattern grew
+        else:
+            write_back(target, written)
+            if exact:   # a layout that cannot hold the result (n:m)
+                warn_if_dropped(op, target, written)
+            landed = SameFormatSparsifier(target).mask(written)
         fctx.mark_dirty(target)
         fctx.call, fctx.target, fctx.others = call, target, others
-        fctx.save_for_backward(before, SameFormatSparsifier(target).mask(written))
+        fctx.save_for_backward(before, landed)
         return target
 
     @staticmethod
@@ -209,6 +220,11 @@ def inplace_with_grad(op: Any, args: tuple, kwargs: dict, bound: list, key: OpKe
     if isinstance(target, SparseTensorWrapper):
         if target.requires_grad and target.is_leaf:
             raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+        if target.requires_grad and is_storage_view(target):
+            raise RuntimeError(
+                f"STen: {op_name(op)} writes in place into a view of a {type(target.wrapped_tensor).__name__} "
+                "wrapper that requires grad (h.t() sharing h's arrays): autograd would not see the write reach h. "
+                "Write into h itself, compute out of place, or write under torch.no_grad()")
         others, seen = [], {id(target)}
         for v in tensors_in((args, kwargs)):
             if id(v) not in seen:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from sten_core.dispatch.plan import is_inplace
-from sten_core.dispatch.writes import warn_if_dropped
+from sten_core.dispatch.writes import warn_if_dropped, write_growing, writes_exactly
 from sten_core.model.layouts import supports_values
 from sten_core.model.replacing import same_values
 from sten_core.model.signatures import op_name
@@ -103,8 +103,26 @@ def _refresh(tree: Any) -> None:
     for wrapper, root in sources.values():
         key = _sync_key(wrapper)
         if key is None or root.__dict__.setdefault("_sten_synced", key) != key:
+            _refuse_stale_history(wrapper, root)
             _refresh_root(wrapper, root)
             root._sten_synced = key
+
+
+def _refuse_stale_history(wrapper: SparseTensorWrapper, root: torch.Tensor) -> None:
+    """The ``RuntimeError`` of a view of a wrapper with autograd history (``v = h.t()`` of
+    ``h = w * x``) used under autograd after an in-place write into the wrapper that autograd
+    recorded (``h.add_(d)``): its values would be brought up to date, but its gradients would go
+    to the wrapper as it was (``d`` got none, silently). Dense torch re-bases a view on the
+    write; a view of a copy cannot."""
+    made = root.__dict__.get("_sten_recorded")
+    if made is None or not torch.is_grad_enabled() or not wrapper.requires_grad or wrapper.is_leaf \
+            or wrapper.__dict__.get("_sten_recorded_writes", 0) == made:   # (a write under no_grad: not in
+        return                                                              # the graph, for dense torch either)
+    raise RuntimeError(
+        f"STen: a view of a {type(wrapper.wrapped_tensor).__name__} wrapper that has autograd history (h.t(), h[0], "
+        "h.view(...) of h = w * x) is used after an in-place write into the wrapper (h.add_(...)): its gradients "
+        "would miss the write (the view is of a dense copy, made before it). Take the view after the write, or "
+        "compute out of place (h = h + d)")
 
 
 def _refresh_root(wrapper: SparseTensorWrapper, root: torch.Tensor) -> None:
@@ -144,6 +162,7 @@ def _mark_synced(wrapper: SparseTensorWrapper, root: torch.Tensor) -> None:
     """``root`` made from ``wrapper`` as it is now (views of views keep the first mark)."""
     if "_sten_synced" not in root.__dict__:
         root._sten_synced = _sync_key(wrapper)
+        root._sten_recorded = wrapper.__dict__.get("_sten_recorded_writes", 0)   # (dense_path._InPlace counts)
 
 
 def _traced(parent: Any, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
@@ -221,15 +240,19 @@ class GradView(torch.Tensor):
 
 def _write_through(func: Any, args: tuple, kwargs: dict, source: tuple) -> Any:
     """An in-place ``func`` through a view of ``source``'s dense copy, on the wrapper's current
-    values, written back into the wrapper at its stored positions (values written elsewhere are
-    dropped with a ``DispatchWarning``)."""
+    values, written back into the wrapper: a temporary's pattern grows to hold it
+    (``writes.writes_exactly``); a weight keeps its stored positions (values written elsewhere
+    are dropped with a ``DispatchWarning``)."""
     wrapper, root = source
     _refresh((args, kwargs))
     with _Plain():
         out = func(*args, **kwargs)
     with torch.no_grad():
-        write_back(wrapper, root)
-        warn_if_dropped(func, wrapper, root)
+        if writes_exactly(wrapper):   # a temporary's pattern grows to hold the write
+            write_growing(wrapper, root, func)
+        else:
+            write_back(wrapper, root)
+            warn_if_dropped(func, wrapper, root)
     return out
 
 

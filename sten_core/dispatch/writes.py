@@ -1,17 +1,21 @@
 """In-place calls on wrappers without an in-place implementation: what the call wrote
 into (its first argument, ``out=``, the tensors of ``_foreach_mul_``'s or
 ``_fused_adam_``'s lists) is found by comparing the dense copies the op ran on with
-snapshots, and written back into those wrappers at their stored positions
-(``write_back``). Writing back only the first argument lost writes through ``out=``
-and into tensor lists (foreach and fused optimizers left sparse weights unchanged).
+snapshots, and written back into those wrappers: a weight at its stored positions
+(``write_back``), a temporary exactly, its pattern grown to hold the result
+(``writes_exactly``, ``write_growing``). Writing back only the first argument lost writes
+through ``out=`` and into tensor lists (foreach and fused optimizers left sparse weights
+unchanged).
 
 Example:
     >>> import torch, sten_core as sten
-    >>> a = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(2)))
-    >>> with sten.dispatch.quiet_fallbacks():
-    ...     _ = torch.mul(torch.full((2, 2), 3.0), 2.0, out=a)
-    >>> a.to_dense().tolist()
-    [[6.0, 0.0], [0.0, 6.0]]
+    >>> w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.eye(2)))
+    >>> t = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(2)))
+    >>> with torch.no_grad(), sten.dispatch.quiet_fallbacks():
+    ...     _ = torch.mul(torch.full((2, 2), 3.0), 2.0, out=w)
+    ...     _ = torch.mul(torch.full((2, 2), 3.0), 2.0, out=t)
+    >>> w.to_dense().tolist(), t.to_dense().tolist()
+    ([[6.0, 0.0], [0.0, 6.0]], [[6.0, 6.0], [6.0, 6.0]])
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import Any
 import torch
 
 from sten_core.dispatch.errors import DispatchWarning, fail
-from sten_core.model.layouts import builds_from_dense, pattern_of_mask, supports_values, to_dense_tensor
+from sten_core.dispatch.optimizer_steps import in_optimizer_step
+from sten_core.model.layouts import builds_from_dense, pattern_of_mask, supports_values, to_dense_tensor, values_layout
 from sten_core.model.masks import stored_mask
 from sten_core.model.signatures import op_name
 from sten_core.model.tensor import SparseTensorWrapper, densify, map_tensors, rebuild_seq, refuse_sharding, write_back
@@ -38,9 +43,9 @@ stored values (``add_``, ``mul_``, an optimizer's step) and ``copy_`` (documente
 the stored positions) keep the pattern without a word."""
 
 
-_FROM_TORCH = ("; torch wrote it (DistributedDataParallel copies its averaged gradient into .grad so, and a "
-               "collective writes its result so): ranks whose patterns differ (a grad_fmt with a sparsifier picks "
-               "each rank's own) drift apart; use sten.sparse_ddp, which reduces before it sparsifies")
+_FROM_TORCH = ("; torch wrote it (a collective, DistributedDataParallel's copy of its averaged gradient into an "
+               "n:m .grad): ranks whose patterns differ (a grad_fmt with a sparsifier picks each rank's own) drift "
+               "apart; use sten.sparse_ddp, which reduces before it sparsifies")
 
 
 def warn_if_dropped(func: Any, wrapper: SparseTensorWrapper, dense: torch.Tensor) -> None:
@@ -98,13 +103,13 @@ def run_dense_in_place(op: Any, args: tuple, kwargs: dict) -> Any:
         if d.shape != before.shape:
             raise RuntimeError(_reshaped(op, wrapper))
         if not torch.equal(d, before):
-            if not wrapper._is_param and other_pattern(wrapper, partners(op, args, kwargs, wrapper)):
+            if writes_exactly(wrapper, partners(op, args, kwargs, wrapper)):
                 write_growing(wrapper, d, op)  # _foreach_add_(bufs, grads): SGD's momentum, foreach
                 back[id(d)] = wrapper
                 continue
             write_back(wrapper, d)
-            if op in ASSIGNMENTS or isinstance(op, torch._ops.OpOverload) \
-                    or (wrapper._is_param and another_params_pattern(wrapper, partners(op, args, kwargs, wrapper))):
+            if op in ASSIGNMENTS or isinstance(op, torch._ops.OpOverload) or view_of_temporary(wrapper) \
+                    or (is_weight(wrapper) and another_params_pattern(wrapper, partners(op, args, kwargs, wrapper))):
                 warn_if_dropped(op, wrapper, d)   # (an aten call: from torch itself)
         back[id(d)] = wrapper
     return map_tensors(lambda t: back.get(id(t), t), raw)
@@ -172,6 +177,8 @@ def store_result(target: torch.Tensor, value: Any) -> torch.Tensor:
     wrapper: at its stored positions; a dense tensor: resized and copied, as ``out=``)."""
     dense = densify(value)
     if isinstance(target, SparseTensorWrapper):
+        if writes_exactly(target):
+            return write_growing(target, dense, torch.Tensor.copy_)
         return write_back(target, dense)
     if target.shape != dense.shape:
         target.resize_(dense.shape)
@@ -266,6 +273,53 @@ def stored_mask_of(layout: Any) -> torch.Tensor:
     return stored_mask(SparseTensorWrapper(layout))
 
 
+def is_weight(target: SparseTensorWrapper) -> bool:
+    """A parameter, a leaf that requires grad, or an alias of one (``p.data``, ``p.detach()``,
+    the detached twin an implementation receives, scipy's ``p.t()``): an in-place write (an
+    optimizer's step, a manual ``p.data.sub_(lr * p.grad)``) keeps its pattern; that is what
+    makes it sparse."""
+    return target._is_param or (target.requires_grad and target.is_leaf) \
+        or target.__dict__.get("_weight_alias", False)
+
+
+def is_storage_view(target: SparseTensorWrapper) -> bool:
+    """A wrapper over a layout sharing another wrapper's storage (``model.tensor.storage_view``:
+    scipy's transpose): a write keeps its pattern, as growing would not reach the other wrapper
+    (a temporary's view warns where it drops values)."""
+    return target.__dict__.get("_storage_view", False)
+
+
+def write_back_into_view(target: SparseTensorWrapper, dense: torch.Tensor, func: Any) -> SparseTensorWrapper:
+    """``dense`` written into a storage view at its stored positions, into the arrays it shares,
+    warned where values are dropped (a weight's view keeps its pattern quietly for an update of
+    stored values, as the weight does, but not for ``copy_``, whose source it cannot take)."""
+    write_back(target, dense)
+    warn_if_dropped(func, target, dense)
+    return target
+
+
+def view_of_temporary(target: SparseTensorWrapper) -> bool:
+    """A storage view of a wrapper that is not a weight: its writes keep the pattern, warned."""
+    return is_storage_view(target) and not is_weight(target)
+
+
+def writes_exactly(target: SparseTensorWrapper, operands: Any = (), recorded: bool = False) -> bool:
+    """Whether an in-place write into ``target`` gives dense torch's result at every position
+    (its pattern grows to hold it, ``write_growing``) rather than at its stored positions: a
+    wrapper that is neither a weight (``is_weight``) nor a storage view, unless the write is an
+    optimizer step's update of its state (``in_optimizer_step``: read at the parameter's stored
+    positions only), where only an operand of another pattern makes it grow. A write autograd
+    records (``recorded``; LBFGS's closure runs one inside the step) or into a result of a graph
+    is no state update. Writing at the stored positions only, a sparse intermediate's residual
+    ``out += identity`` silently dropped ``identity`` off the pattern, and ``h.exp_()`` left
+    zeros where dense torch has ones."""
+    if is_weight(target) or is_storage_view(target):
+        return False
+    if recorded or target.requires_grad:
+        return True
+    return not in_optimizer_step() or other_pattern(target, operands)
+
+
 def other_pattern(target: SparseTensorWrapper, operands: Any) -> bool:
     """Whether a wrapper among ``operands`` stores another pattern than ``target`` (a layout
     with the stored-values protocol; others are rebuilt by their ``SameFormatSparsifier``)."""
@@ -274,7 +328,7 @@ def other_pattern(target: SparseTensorWrapper, operands: Any) -> bool:
         return False
     for value in operands:
         if isinstance(value, SparseTensorWrapper) and value.wrapped_tensor is not layout:
-            other = value.wrapped_tensor
+            other = values_layout(value.wrapped_tensor)   # (a FilledTensor's: RMSprop's sqrt().add_(eps) divisor)
             if type(other) is not type(layout) or not layout.same_pattern(other):
                 return True
     return False
@@ -286,7 +340,7 @@ def another_params_pattern(target: SparseTensorWrapper, operands: Any) -> bool:
     changed): the write keeps ``target``'s pattern, so the values it drops are worth a warning.
     An optimizer step combines a parameter with its gradient and state, never with another
     parameter, and drops quietly by design."""
-    return any(isinstance(value, SparseTensorWrapper) and value._is_param for value in operands) \
+    return any(isinstance(value, SparseTensorWrapper) and is_weight(value) for value in operands) \
         and other_pattern(target, operands)
 
 

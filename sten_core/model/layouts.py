@@ -149,6 +149,13 @@ def supports_values(layout: Any) -> bool:
     return implements(layout, StoredValues) and layout.values() is not None
 
 
+def values_layout(layout: Any) -> Any:
+    """The layout whose stored positions hold ``layout``'s own values: ``layout`` itself, or,
+    for one that keeps them in an ``inner`` layout and one fill value elsewhere (a class with
+    ``fills_unstored = True``: ``sten_core.builtin.filled.FilledTensor``), that inner layout."""
+    return layout.inner if getattr(type(layout), "fills_unstored", False) else layout
+
+
 def pattern_of_mask(layout_cls: type, dense: torch.Tensor, mask: torch.Tensor, **from_dense_kwargs: Any) -> Any:
     """A ``layout_cls`` object whose pattern is ``from_dense`` of ``mask`` itself (zeros of
     ``dense`` at ``mask`` stay stored) with ``dense``'s values gathered there, or ``None``

@@ -400,6 +400,8 @@ def _alias(wrapper: SparseTensorWrapper) -> SparseTensorWrapper:
     an in-place change through either is seen by both (``w.detach().copy_(t)``)."""
     new = SparseTensorWrapper.__new__(SparseTensorWrapper, wrapper.wrapped_tensor, False, wrapper.grad_fmt)
     new._cell = wrapper._cell
+    if wrapper._is_param or (wrapper.requires_grad and wrapper.is_leaf) or wrapper.__dict__.get("_weight_alias"):
+        new.__dict__["_weight_alias"] = True   # p.data.sub_(lr * g) writes the weight (dispatch.writes.is_weight)
     if type(wrapper) in WRAPPER_TYPES and type(new) is not type(wrapper):
         # the alias keeps the class (not the parameter flag): a traceable wrapper's alias stays traceable
         # (a default-format one is traceable while it trains: torch.compile and export detach graph
@@ -407,6 +409,26 @@ def _alias(wrapper: SparseTensorWrapper) -> SparseTensorWrapper:
         # (parametrize and weight_norm make a parameter of a parameter)
         new.__class__ = type(wrapper)
     return new
+
+
+def storage_view(base: SparseTensorWrapper, layout: Any, grad_fmt: Any = None) -> SparseTensorWrapper:
+    """A wrapper over ``layout``, a layout sharing ``base``'s storage (scipy's transpose: the CSC
+    layout of a CSR layout's arrays). In-place writes through it land in those arrays, so they
+    keep its pattern (``dispatch.writes``): a weight's view as the weight does, a temporary's with
+    a ``DispatchWarning`` counting the values dropped, and under autograd they raise. Growing the
+    pattern wrote a new layout that ``base`` never saw (``W.t().add_(x)`` left ``W`` unchanged).
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.eye(2)))
+        >>> sorted(k for k in storage_view(w, w.wrapped_tensor).__dict__ if k.endswith(("_alias", "_view")))
+        ['_storage_view', '_weight_alias']
+    """
+    view = SparseTensorWrapper(layout, False, grad_fmt)
+    view.__dict__["_storage_view"] = True
+    if base._is_param or (base.requires_grad and base.is_leaf) or base.__dict__.get("_weight_alias"):
+        view.__dict__["_weight_alias"] = True
+    return view
 
 
 class WrapperServices:
@@ -559,6 +581,8 @@ def detached(value: Any) -> Any:
         if cached is None or cached[0] is not layout or cached[1] is not grad_fmt:
             twin = SparseTensorWrapper(layout, False, grad_fmt)
             twin._cell = value._cell
+            if value._is_param or value.is_leaf or value.__dict__.get("_weight_alias"):
+                twin.__dict__["_weight_alias"] = True   # (its writes are the weight's: dispatch.writes.is_weight)
             cached = value.__dict__["_sten_detached"] = (layout, grad_fmt, twin)
         return cached[2]
     if (t in DENSE_TYPES or isinstance(value, torch.Tensor)) and value.requires_grad:

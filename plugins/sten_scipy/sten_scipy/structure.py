@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from sten_core.plugin_api import KeepAll, SparseTensorWrapper
+from sten_core.plugin_api import KeepAll, SparseTensorWrapper, storage_view
 from sten_core.plugin_api import op_name
 
 from .compressed import ScipyCompressed
@@ -55,7 +55,9 @@ def t_fwd(dense_out: bool) -> Callable:
         layout = a.wrapped_tensor
         result = layout.transpose() if _swaps(ctx) else layout
         ctx.save_for_backward(a)
-        return result.to_dense() if dense_out else SparseTensorWrapper(result, False, _transposed_fmt(a.grad_fmt))
+        if dense_out:
+            return result.to_dense()
+        return storage_view(a, result, _transposed_fmt(a.grad_fmt))   # (the same arrays: writes reach a)
 
     return impl
 
