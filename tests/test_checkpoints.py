@@ -164,9 +164,10 @@ def test_a_grad_fmt_in_another_layout_saves_and_loads_weights_only(layout, grad_
 
 
 def test_a_sparsifying_gradient_format_is_left_out_of_state_dicts():
-    """A weight whose ``grad_fmt`` holds a sparsifier: its state dict and its optimizer's (whose
-    ``exp_avg`` inherits the format) load with the default ``torch.load``; the optimizer state
-    failed on the sparsifier object. A parameter pickled itself keeps the format."""
+    """A weight whose ``grad_fmt`` holds a sparsifier: its state dict and its optimizer's load
+    with the default ``torch.load``; the optimizer state failed on the sparsifier object (Adam's
+    ``exp_avg``, a ``zeros_like`` of the weight, inherited the format). A parameter pickled itself
+    keeps the format."""
     import io
 
     import torch.nn.functional as F

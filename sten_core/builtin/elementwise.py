@@ -191,7 +191,10 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False
             return _dense(op, args, kwargs, inplace)
         if kwargs.get("requires_grad"):  # zeros_like(w, requires_grad=True): a leaf that requires grad
             return SparseTensorWrapper(layout.with_values(result.detach()), True, self.grad_fmt)
-        return SparseTensorWrapper(layout.with_values(result), False, self.grad_fmt)
+        # (zeros_like(w) without grad is a new tensor, no gradient to format: Adam's exp_avg, which with
+        # a format holding a sparsifier did not load with torch.load(weights_only=True))
+        grad_fmt = None if op is torch.zeros_like else self.grad_fmt
+        return SparseTensorWrapper(layout.with_values(result), False, grad_fmt)
 
     return impl
 

@@ -150,12 +150,10 @@ def _in_torch(function: str, depth: int = 40) -> bool:
 def reduce_wrapper(wrapper: SparseTensorWrapper) -> tuple:
     """The pickle form of a wrapper: plain tensors where the layout allows.
 
-    A wrapper whose ``grad_fmt`` holds sparsifier objects pickles whole where that
-    format is needed (a parameter, a wrapper that requires grad) and in plain form
-    without it elsewhere (a state dict's detached weight, optimizer state made from
-    it: ``load_state_dict`` never reads the format); no ``grad_fmt`` or one of
-    ``GRAD_FORMAT_NAMES`` (which a state dict's detached wrappers keep) is named in
-    plain form.
+    A wrapper whose ``grad_fmt`` holds sparsifier objects pickles whole, but for a
+    state dict's detached weight, saved in plain form without it (``load_state_dict``
+    never reads the format); no ``grad_fmt`` or one of ``GRAD_FORMAT_NAMES`` (which a
+    state dict's detached wrappers keep) is named in plain form.
     """
     if _in_torch("_legacy_save"):   # the file would not load back (see rebuild_sparse)
         raise RuntimeError(LEGACY_FORMAT.format(what="the file would not load back: save in torch.save's default format"))
@@ -167,11 +165,11 @@ def reduce_wrapper(wrapper: SparseTensorWrapper) -> tuple:
     is_param = wrapper._is_param   # (nn.Parameter(wrapper) too; not a detached parameter, as in a state dict)
     try:
         grad_format = grad_format_name(wrapper)
-    except LookupError:   # sparsifier objects: kept (pickled whole) only where a gradient will need them
-        if is_param or wrapper.requires_grad:
+    except LookupError:   # sparsifier objects: the wrapper pickles whole, but for a state dict's entry
+        if wrapper.__dict__.get("_weight_alias") and not wrapper.requires_grad:
+            grad_format = None   # (a detached weight: load_state_dict never reads its format)
+        else:
             name = None
-        else:   # a state dict's detached weight, optimizer state: nothing that loads them reads it
-            grad_format = None
     if name is not None and implements(layout, StateTensors):
         tensors = _kept_alive(layout, tuple(layout.state_tensors()))
         args = (is_param, name, tuple(wrapper.shape), tensors, wrapper.requires_grad)
