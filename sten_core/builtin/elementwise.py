@@ -32,7 +32,7 @@ import torch
 from sten_core.builtin.filled import FilledTensor, image_of, with_fill
 from sten_core.dispatch.conversions import convert_exactly
 from sten_core.dispatch.writes import (another_params_pattern, is_storage_view, is_weight, view_of_temporary,
-                                       warn_if_dropped, write_back_into_view, write_growing, writes_exactly)
+                                       warn_if_dropped, write_back_warned, write_growing, writes_exactly)
 from sten_core.model.layouts import Layout, supports_values
 from sten_core.model.registry import Entry, OpKey
 from sten_core.model.tensor import SparseTensorWrapper, densify, densify_tree, write_back
@@ -208,8 +208,8 @@ def _copy_from_sparse(self: SparseTensorWrapper, src: SparseTensorWrapper) -> Sp
     from sten_core.model.tensor import _copy_layout
 
     layout = self.wrapped_tensor
-    if is_storage_view(self):   # (its arrays are another wrapper's: they keep their pattern)
-        return write_back_into_view(self, densify(src).to(self.dtype), T.copy_)
+    if is_storage_view(self):   # (its arrays are another wrapper's: no source's pattern taken, so warned)
+        return write_back_warned(self, densify(src).to(self.dtype), T.copy_)
     if src.wrapped_tensor is not layout:
         if type(src.wrapped_tensor) is type(layout):
             converted = src.wrapped_tensor

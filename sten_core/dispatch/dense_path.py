@@ -28,7 +28,7 @@ from sten_core.dispatch.observers import active, notify
 from sten_core.dispatch.plan import Plan, PlanKind
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec
 from sten_core.dispatch.wrapper_views import guarded_views, writable_views
-from sten_core.dispatch.writes import is_storage_view, warn_if_dropped, write_growing, writes_exactly
+from sten_core.dispatch.writes import is_storage_view, write_back_warned, write_growing, writes_exactly
 from sten_core.model.layouts import unshared_dense
 from sten_core.model.registry import OpKey
 from sten_core.model.signatures import op_name
@@ -147,9 +147,10 @@ class _InPlace(torch.autograd.Function):
         if exact and write_growing(target, written, op, lossy=False) is not None:
             landed = torch.ones_like(written, dtype=torch.bool)   # every value: a temporary's pattern grew
         else:
-            write_back(target, written)
-            if exact:   # a layout that cannot hold the result (n:m)
-                warn_if_dropped(op, target, written)
+            if exact:   # a temporary whose layout cannot hold the result (n:m)
+                write_back_warned(target, written, op)
+            else:
+                write_back(target, written)
             landed = SameFormatSparsifier(target).mask(written)
         fctx.mark_dirty(target)
         fctx.call, fctx.target, fctx.others = call, target, others

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from sten_core.dispatch.plan import is_inplace
-from sten_core.dispatch.writes import warn_if_dropped, write_growing, writes_exactly
+from sten_core.dispatch.writes import write_back_warned, write_growing, writes_exactly
 from sten_core.model.layouts import supports_values
 from sten_core.model.replacing import same_values
 from sten_core.model.signatures import op_name
-from sten_core.model.tensor import SparseTensorWrapper, densify, map_tensors, write_back
+from sten_core.model.tensor import SparseTensorWrapper, densify, map_tensors
 
 _Plain = torch._C.DisableTorchFunctionSubclass
 _forward_ad = torch.autograd.forward_ad
@@ -251,8 +251,7 @@ def _write_through(func: Any, args: tuple, kwargs: dict, source: tuple) -> Any:
         if writes_exactly(wrapper):   # a temporary's pattern grows to hold the write
             write_growing(wrapper, root, func)
         else:
-            write_back(wrapper, root)
-            warn_if_dropped(func, wrapper, root)
+            write_back_warned(wrapper, root, func)
     return out
 
 

@@ -30,7 +30,8 @@ from sten_core.dispatch.optimizer_steps import in_optimizer_step
 from sten_core.model.layouts import builds_from_dense, pattern_of_mask, supports_values, to_dense_tensor, values_layout
 from sten_core.model.masks import stored_mask
 from sten_core.model.signatures import op_name
-from sten_core.model.tensor import SparseTensorWrapper, densify, map_tensors, rebuild_seq, refuse_sharding, write_back
+from sten_core.model.tensor import (SparseTensorWrapper, densify, is_weight, map_tensors, rebuild_seq, refuse_sharding,
+                                    write_back)
 from sten_core.user_frames import user_stacklevel
 
 ASSIGNMENTS = frozenset({
@@ -246,9 +247,7 @@ def write_growing(target: SparseTensorWrapper, dense: torch.Tensor, func: Any,
         return target
     if not lossy:
         return None
-    write_back(target, dense)
-    warn_if_dropped(func, target, dense)
-    return target
+    return write_back_warned(target, dense, func)
 
 
 def layout_at(layout_cls: type, dense: torch.Tensor, mask: torch.Tensor) -> Any:
@@ -273,15 +272,6 @@ def stored_mask_of(layout: Any) -> torch.Tensor:
     return stored_mask(SparseTensorWrapper(layout))
 
 
-def is_weight(target: SparseTensorWrapper) -> bool:
-    """A parameter, a leaf that requires grad, or an alias of one (``p.data``, ``p.detach()``,
-    the detached twin an implementation receives, scipy's ``p.t()``): an in-place write (an
-    optimizer's step, a manual ``p.data.sub_(lr * p.grad)``) keeps its pattern; that is what
-    makes it sparse."""
-    return target._is_param or (target.requires_grad and target.is_leaf) \
-        or target.__dict__.get("_weight_alias", False)
-
-
 def is_storage_view(target: SparseTensorWrapper) -> bool:
     """A wrapper over a layout sharing another wrapper's storage (``model.tensor.storage_view``:
     scipy's transpose): a write keeps its pattern, as growing would not reach the other wrapper
@@ -289,10 +279,9 @@ def is_storage_view(target: SparseTensorWrapper) -> bool:
     return target.__dict__.get("_storage_view", False)
 
 
-def write_back_into_view(target: SparseTensorWrapper, dense: torch.Tensor, func: Any) -> SparseTensorWrapper:
-    """``dense`` written into a storage view at its stored positions, into the arrays it shares,
-    warned where values are dropped (a weight's view keeps its pattern quietly for an update of
-    stored values, as the weight does, but not for ``copy_``, whose source it cannot take)."""
+def write_back_warned(target: SparseTensorWrapper, dense: torch.Tensor, func: Any) -> SparseTensorWrapper:
+    """``write_back`` (``dense`` at ``target``'s stored positions), with ``warn_if_dropped``'s
+    ``DispatchWarning`` where ``func`` put values elsewhere."""
     write_back(target, dense)
     warn_if_dropped(func, target, dense)
     return target

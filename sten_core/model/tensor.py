@@ -400,8 +400,7 @@ def _alias(wrapper: SparseTensorWrapper) -> SparseTensorWrapper:
     an in-place change through either is seen by both (``w.detach().copy_(t)``)."""
     new = SparseTensorWrapper.__new__(SparseTensorWrapper, wrapper.wrapped_tensor, False, wrapper.grad_fmt)
     new._cell = wrapper._cell
-    if wrapper._is_param or (wrapper.requires_grad and wrapper.is_leaf) or wrapper.__dict__.get("_weight_alias"):
-        new.__dict__["_weight_alias"] = True   # p.data.sub_(lr * g) writes the weight (dispatch.writes.is_weight)
+    _alias_of(new, wrapper)   # p.data.sub_(lr * g) writes the weight
     if type(wrapper) in WRAPPER_TYPES and type(new) is not type(wrapper):
         # the alias keeps the class (not the parameter flag): a traceable wrapper's alias stays traceable
         # (a default-format one is traceable while it trains: torch.compile and export detach graph
@@ -409,6 +408,28 @@ def _alias(wrapper: SparseTensorWrapper) -> SparseTensorWrapper:
         # (parametrize and weight_norm make a parameter of a parameter)
         new.__class__ = type(wrapper)
     return new
+
+
+def is_weight(wrapper: SparseTensorWrapper) -> bool:
+    """A parameter, a leaf that requires grad, or an alias of one (``p.data``, ``p.detach()``,
+    the detached twin an implementation receives, scipy's ``p.t()``): an in-place write (an
+    optimizer's step, a manual ``p.data.sub_(lr * p.grad)``) keeps its pattern, which is what
+    makes it sparse (``dispatch.writes.writes_exactly``).
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.eye(2)))
+        >>> is_weight(w), is_weight(w.detach()), is_weight(w * 2)
+        (True, True, False)
+    """
+    return wrapper._is_param or (wrapper.requires_grad and wrapper.is_leaf) \
+        or wrapper.__dict__.get("_weight_alias", False)
+
+
+def _alias_of(alias: SparseTensorWrapper, source: SparseTensorWrapper) -> None:
+    """Mark ``alias``, a wrapper over ``source``'s storage, a weight where ``source`` is one."""
+    if is_weight(source):
+        alias.__dict__["_weight_alias"] = True
 
 
 def storage_view(base: SparseTensorWrapper, layout: Any, grad_fmt: Any = None) -> SparseTensorWrapper:
@@ -426,8 +447,7 @@ def storage_view(base: SparseTensorWrapper, layout: Any, grad_fmt: Any = None) -
     """
     view = SparseTensorWrapper(layout, False, grad_fmt)
     view.__dict__["_storage_view"] = True
-    if base._is_param or (base.requires_grad and base.is_leaf) or base.__dict__.get("_weight_alias"):
-        view.__dict__["_weight_alias"] = True
+    _alias_of(view, base)
     return view
 
 
@@ -581,8 +601,7 @@ def detached(value: Any) -> Any:
         if cached is None or cached[0] is not layout or cached[1] is not grad_fmt:
             twin = SparseTensorWrapper(layout, False, grad_fmt)
             twin._cell = value._cell
-            if value._is_param or value.is_leaf or value.__dict__.get("_weight_alias"):
-                twin.__dict__["_weight_alias"] = True   # (its writes are the weight's: dispatch.writes.is_weight)
+            _alias_of(twin, value)   # (its writes are the weight's)
             cached = value.__dict__["_sten_detached"] = (layout, grad_fmt, twin)
         return cached[2]
     if (t in DENSE_TYPES or isinstance(value, torch.Tensor)) and value.requires_grad:
