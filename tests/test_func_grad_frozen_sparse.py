@@ -61,6 +61,57 @@ def test_input_gradients_over_frozen_sparse_weights_match_dense(layout, kwargs):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+# what a function under a transform does with a frozen weight besides F.linear (x: [b, 8], w: [6, 8])
+WEIGHT_USES = {
+    "x @ w.t()": lambda v, w: v @ w.t(),
+    "torch.mm(x, w.T)": lambda v, w: torch.mm(v, w.T),
+    "(w @ x.t()).t()": lambda v, w: (w @ v.t()).t(),
+    "x * w.sum(0)": lambda v, w: v * w.sum(0),
+    "x + w[0]": lambda v, w: v + w[0],
+    "linear(x, w * 2)": lambda v, w: F.linear(v, w * 2),
+    "x * w.exp()[0]": lambda v, w: v * w.exp()[0],
+    "x + w.to_dense()[1]": lambda v, w: v + w.to_dense()[1],
+    "linear(x, relu(w))": lambda v, w: F.linear(v, torch.relu(w)),
+    "einsum": lambda v, w: torch.einsum("bk,nk->bn", v, w),
+    "cat": lambda v, w: torch.cat([v, w[:v.shape[-2]]], -1),
+    "linear(x, w.clone().add_(1))": lambda v, w: F.linear(v, w.clone().add_(1.0)),
+    "x * w.norm()": lambda v, w: v * w.norm(),
+}
+TRANSFORMS = {
+    "jvp": lambda f, x: torch.func.jvp(f, (x,), (torch.ones_like(x),))[1],
+    "grad": lambda f, x: grad(lambda v: f(v).sin().sum())(x),
+    "jacrev": lambda f, x: jacrev(f)(x[:1]),
+    "jacfwd": lambda f, x: torch.func.jacfwd(f)(x[:1]),
+    "vmap(grad)": lambda f, x: vmap(grad(lambda v: f(v).sin().sum()))(x.unsqueeze(1)),
+}
+
+
+@pytest.mark.parametrize("layout,kwargs", LAYOUTS, ids=[layout.__name__ for layout, _ in LAYOUTS])
+def test_functions_of_frozen_sparse_weights_under_transforms_match_dense(layout, kwargs):
+    """Every use of a frozen weight in a transformed function, not only the product kernels: a call
+    with no tensor of the transform runs outside it. Before, CSR / CSC weights raised "Sparse CSR
+    tensors do not have strides" for all of these but ``F.linear`` and ``jvp`` of ``einsum``, and a
+    scipy weight "Cannot access data pointer of Tensor that doesn't have storage" for ``w * 2``."""
+    torch.manual_seed(0)
+    w = torch.randn(6, 8, dtype=torch.float64)
+    ws = sten.SparseParameterWrapper(layout.from_dense(w * (w.abs() > 0.5), **kwargs)).requires_grad_(False)
+    wd = ws.to_dense()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    for use_name, use in WEIGHT_USES.items():
+        for name, transform in TRANSFORMS.items():
+            got = transform(lambda v: use(v, ws), x)
+            torch.testing.assert_close(got, transform(lambda v: use(v, wd), x), msg=f"{name} of {use_name}")
+
+
+def test_a_write_into_a_captured_frozen_weight_is_not_the_transforms():
+    """An in-place write into a frozen weight captured by ``grad`` runs outside the transform, as
+    every call with none of its tensors does: the transform sees a constant, and the weight changes."""
+    w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.eye(3))).requires_grad_(False)
+    got = grad(lambda v: F.linear(v, w.mul_(2)).sum())(torch.ones(3))
+    torch.testing.assert_close(got, torch.full((3,), 2.0))
+    torch.testing.assert_close(w.to_dense(), 2 * torch.eye(3))
+
+
 @pytest.mark.parametrize("keeps_layout", [False, True], ids=["dense grad", "grad in layout"])
 @pytest.mark.parametrize("layout,kwargs", LAYOUTS, ids=[layout.__name__ for layout, _ in LAYOUTS])
 def test_is_grads_batched_through_sparse_weights_matches_dense(layout, kwargs, keeps_layout):

@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from sten_core.dispatch.call import _Call, grad_spec, tensors_in
 from sten_core.dispatch.graph_keeping import keeping_graph
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec, grad_positions
-from sten_core.model.layouts import attribute_tensors, unshared_dense
+from sten_core.model.layouts import holds_transform_tensors, unshared_dense
 from sten_core.model.signatures import op_name
 from sten_core.model.spec import DENSE, OutputSpec
 from sten_core.model.tensor import WRAPPER_TYPES, SparseTensorWrapper, densify, map_tensors
@@ -144,7 +145,7 @@ def dense_under_transform(call: _Call, operands: list) -> Any:
     if specs is not None and any(s != DENSE for s in (*specs.out, *(specs.grad or ()))):
         raise specs_under_transform(call.op)
     with _NoTorchFunction():
-        dense = {id(v): _frozen_dense(v.wrapped_tensor) for v in operands if isinstance(v, SparseTensorWrapper)}
+        dense = {id(v): unshared_dense(v.wrapped_tensor) for v in operands if isinstance(v, SparseTensorWrapper)}
 
     def swap(tensor: torch.Tensor) -> torch.Tensor:
         return dense.get(id(tensor), tensor)
@@ -180,6 +181,25 @@ def batched_under_transform(call: _Call) -> Any:
     return dense_under_transform(call, operands)
 
 
+def outside_transform(args: tuple, kwargs: dict) -> Any:
+    """Where a call under an active ``torch.func`` transform runs: outside the transform
+    (``torch._C._DisableFuncTorch``) when none of its tensors is the transform's, which then sees
+    its result as the constant it is; inside it (``nullcontext``) otherwise. torch's own sparse
+    tensors refuse every operation inside one ("Sparse CSR tensors do not have strides": ``w.t()``,
+    ``w * 2``, ``w.to_dense()`` of a frozen CSR weight under ``torch.func.grad``), tensors made
+    there are the transform's (a scipy layout's values then have no storage), and an in-place
+    write there into a wrapper's copy made outside is refused as a write into a captured tensor.
+
+    Example: ``torch.func.grad(lambda x: (x @ frozen_csr_w.t()).sum())(x)``."""
+    if not functorch_active():
+        return contextlib.nullcontext()
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    with _NoTorchFunction():
+        held = any(holds_transform_tensors(v.wrapped_tensor) if isinstance(v, SparseTensorWrapper) else wrapped(v)
+                   for v in tensors_in((args, kwargs)))
+    return contextlib.nullcontext() if held else torch._C._DisableFuncTorch()
+
+
 def specs_under_transform(op: Any) -> NotImplementedError:
     """What a call whose output specs sparsify a result or its gradient raises under a ``torch.func``
     transform that differentiates that result."""
@@ -188,25 +208,6 @@ def specs_under_transform(op: Any) -> NotImplementedError:
         "(vmap, grad, jacrev, jacfwd) is not supported: the transform cannot differentiate through the "
         "sparsified outputs. Use torch.autograd.grad / torch.autograd.functional.jacobian, or run the transform "
         "on the dense model.")
-
-
-def _frozen_dense(layout: Any) -> torch.Tensor:
-    """A layout's dense tensor under a ``torch.func`` transform: one captured from outside the
-    transform (none of its tensors is the transform's) is densified outside it, as torch's own
-    sparse tensors must be there ("Sparse CSR tensors do not have strides")."""
-    if _holds_transformed(layout):
-        return unshared_dense(layout)
-    with torch._C._DisableFuncTorch():
-        return unshared_dense(layout)
-
-
-def _holds_transformed(layout: Any) -> bool:
-    """Whether ``layout`` may hold a tensor of a ``torch.func`` transform (an attribute that is one,
-    or attributes it cannot list): densifying it outside the transform would detach it."""
-    if not hasattr(layout, "__dict__"):
-        return True
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return any(wrapped(t) for t in attribute_tensors(layout))
 
 
 def unsupported_transform(op: Any, operands: list, error: Exception) -> NotImplementedError:

@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from sten_core.dispatch.autograd import any_requires_grad, batched_under_transform, functorch_active, record
+from sten_core.dispatch.autograd import (any_requires_grad, batched_under_transform, functorch_active,
+                                         outside_transform, record)
 from sten_core.dispatch.call import _KEEP_ALL_LIST, CallSpecs, OpContext, _Call, finish_outputs
 from sten_core.dispatch.conversions import converted_inputs, refusals, wrap
 from sten_core.dispatch.dense_path import composite, inplace_with_grad
@@ -202,7 +203,7 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
         if grad and getattr(op, "__module__", None) != "torch.nn.init" and not collective:  # (nn.init: no_grad inside)
             return inplace_with_grad(op, args, kwargs, bound, key, plan)
         try:
-            with torch.no_grad() if collective else contextlib.nullcontext():
+            with torch.no_grad() if collective else outside_transform(args, kwargs):
                 return _Call(op, args, kwargs, bound, positions, key, plan, specs).forward(detach=needs_grad)
         except Unsupported as error:
             return _dense_instead(op, args, kwargs, specs, key, plan.entry.fn, error)
@@ -210,6 +211,15 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
         dense = batched_under_transform(_Call(op, args, kwargs, bound, positions, key, plan, specs))
         if dense is not None:
             return dense
+        with outside_transform(args, kwargs):   # nothing of a transform's: outside it
+            return _run_planned(op, args, kwargs, bound, positions, key, plan, specs, grad, needs_grad)
+    return _run_planned(op, args, kwargs, bound, positions, key, plan, specs, grad, needs_grad)
+
+
+def _run_planned(op: Any, args: tuple, kwargs: dict, bound: list, positions: list, key: OpKey, plan: Plan,
+                 specs: CallSpecs | None, grad: bool, needs_grad: bool) -> Any:
+    """A call that is not in place by its plan: converted inputs, the dense path, or the
+    implementation (recorded for autograd when ``grad``)."""
     converted = None
     if plan.kind is PlanKind.CONVERT:
         converted = converted_inputs(bound, positions, plan, detach=needs_grad)

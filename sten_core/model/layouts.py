@@ -223,13 +223,37 @@ def to_dense_tensor(layout: Any) -> torch.Tensor:
     A wrapper reports contiguous strides, and ops that read strides (``view``, ``as_strided``)
     run on this tensor: a ``to_dense()`` returning a strided view (a slice of padded storage, a
     transpose) is copied, else those ops read the padding or the wrong order. A contiguous one
-    is returned as it is.
+    is returned as it is. Under a ``torch.func`` transform, a layout that holds none of the
+    transform's tensors (a frozen weight) is densified outside it, as torch's own sparse
+    tensors must be ("Sparse CSR tensors do not have strides").
 
     Example:
         >>> import torch, sten_core as sten
         >>> to_dense_tensor(sten.DenseTensor(torch.ones(2, 3).t())).is_contiguous()
         True
     """
+    if torch._C._are_functorch_transforms_active() and not holds_transform_tensors(layout):
+        with torch._C._DisableFuncTorch():
+            return _dense_of(layout)
+    return _dense_of(layout)
+
+
+def holds_transform_tensors(layout: Any) -> bool:
+    """Whether ``layout`` may hold a tensor of an active ``torch.func`` transform (an attribute
+    that is one, or attributes it cannot list): work on it outside the transform would detach it.
+
+    Example:
+        >>> import torch, sten_core as sten
+        >>> holds_transform_tensors(sten.DenseTensor.from_dense(torch.ones(2)))
+        False
+    """
+    if not hasattr(layout, "__dict__"):
+        return True
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return any(wrapped(t) for t in attribute_tensors(layout))
+
+
+def _dense_of(layout: Any) -> torch.Tensor:
     try:
         dense = layout.to_dense()
     except NotImplementedError:
