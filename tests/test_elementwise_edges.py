@@ -129,3 +129,16 @@ def test_type_as_takes_the_dtype_of_any_tensor(layout):
     out = w.type_as(torch.zeros(2, dtype=torch.float64))
     (out * torch.arange(9.0, dtype=torch.float64).view(3, 3)).sum().backward()
     torch.testing.assert_close(densify(w.grad), torch.arange(9.0).view(3, 3))
+
+
+@pytest.mark.parametrize("op", [lambda w, x, out: torch.mul(w, x, out=out), lambda w, x, out: torch.sqrt(w.abs(), out=out),
+                                lambda w, x, out: torch.div(w, x, out=out)], ids=["mul", "sqrt", "div"])
+def test_out_of_another_shape_is_resized_as_dense_torch_does(op):
+    """A dense ``out=`` of another shape reached the stored-values implementation as an operand,
+    whose broadcast check raised "Attempting to broadcast a dimension"; dense torch resizes it."""
+    w = sten.sparsify(sten.ScalarFractionSparsifier(0.5), torch.randn(4, 6), sten.CsrTensor)
+    x = torch.rand(4, 6) + 1
+    out, want = torch.empty(0), torch.empty(0)
+    op(w, x, out)
+    op(densify(w), x, want)
+    torch.testing.assert_close(out, want)

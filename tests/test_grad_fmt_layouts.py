@@ -162,3 +162,37 @@ def test_a_weight_used_twice_sums_its_gradients_in_the_grad_fmts_layout(grad_lay
         return sten.sparsify(sten.ScalarFractionSparsifier(0.5), t, grad_layout).to_dense()
 
     torch.testing.assert_close(w.grad.to_dense(), half(outer) + half(inner))
+
+
+VIEW_FIRST = {
+    "w[1:3] * c": lambda a, c: a * c,
+    "w[1:3] + c": lambda a, c: a + c,
+    "F.linear(w[1:3], c)": lambda a, c: F.linear(a, c),
+    "torch.cat([w[1:3], c])": lambda a, c: torch.cat([a, c]),
+    "torch.addcmul(w[1:3], w[1:3], c)": lambda a, c: torch.addcmul(a, a, c),
+}
+
+
+@pytest.mark.parametrize("view_requires_grad", [False, True], ids=["frozen view", "view that requires grad"])
+@pytest.mark.parametrize("name", VIEW_FIRST)
+def test_a_view_of_another_wrapper_first_in_a_call_keeps_the_wrappers_grad_fmt(name, view_requires_grad):
+    """A view of a wrapper (``w[1:3]``: ``WrapperView`` / ``GradView``) first in a call ran the call
+    plainly, so ``c`` was densified below autograd: its gradient came back dense, with values off
+    its pattern, its ``grad_fmt`` ignored. The call now reaches ``c``'s dispatch."""
+    torch.manual_seed(0)
+    wd, cd = torch.randn(4, 6), torch.randn(2, 6) * (torch.rand(2, 6) > 0.5)
+    w = sten.sparsify(sten.KeepAll(), wd, sten.CsrTensor).requires_grad_(view_requires_grad)
+    c = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(cd), requires_grad=True,
+                                 grad_fmt=(sten.KeepAll(), sten.CsrTensor, sten.KeepAll(), sten.CsrTensor))
+    w_ref, c_ref = wd.clone().requires_grad_(view_requires_grad), cd.clone().requires_grad_(True)
+    out, ref = VIEW_FIRST[name](w[1:3], c), VIEW_FIRST[name](w_ref[1:3], c_ref)
+    out = out.to_dense() if isinstance(out, sten.SparseTensorWrapper) else out
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(ref)
+    (out * g).sum().backward()
+    (ref * g).sum().backward()
+    assert isinstance(c.grad, sten.SparseTensorWrapper) and isinstance(c.grad.wrapped_tensor, sten.CsrTensor)
+    torch.testing.assert_close(c.grad.to_dense(), c_ref.grad * (cd != 0))
+    if view_requires_grad:
+        torch.testing.assert_close(w.grad.to_dense() if isinstance(w.grad, sten.SparseTensorWrapper) else w.grad,
+                                   w_ref.grad)

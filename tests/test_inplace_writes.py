@@ -645,3 +645,22 @@ def test_a_view_sees_a_write_into_scipy_values():
         row = w[1]
         w.wrapped_tensor.values().mul_(10)
         torch.testing.assert_close(torch.as_tensor(row.clone()), torch.tensor([-30.0, 15.0]))
+
+
+@pytest.mark.parametrize("convert", [int, lambda t: t.__index__()], ids=["int", "__index__"])
+def test_python_conversions_of_an_element_are_not_writes(convert):
+    """``Tensor.__int__``, ``__index__``, ``__invert__`` and ``__iter__`` were read as in-place
+    calls (their names start with ``__i``): ``int(w[0, 0])`` of a parameter raised "writes in place
+    through a view", and of a temporary bumped its version, so a later backward raised."""
+    p = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.tensor([[2.5, 0.0], [0.0, 3.0]])))
+    assert convert(p[0, 0].long()) == 2 and int(p[0, 0]) == 2
+    h = p * 2
+    loss = h.sum()
+    with torch.no_grad():
+        assert convert(h[0, 0].long()) == 5
+    loss.backward()
+    torch.testing.assert_close(densify(p.grad), torch.full((2, 2), 2.0))   # (the default dense gradient)
+    for name in ("__int__", "__index__", "__invert__", "__iter__"):
+        assert not dispatch.plan.is_inplace(getattr(torch.Tensor, name), {}), name
+    for name in ("__iadd__", "__imul__", "__itruediv__", "__setitem__"):
+        assert dispatch.plan.is_inplace(getattr(torch.Tensor, name), {}), name

@@ -84,6 +84,13 @@ def _collectives() -> frozenset:
 COLLECTIVES = _collectives()
 
 
+# the augmented assignments and item assignment (not ``__int__``, ``__index__``, ``__invert__``,
+# ``__iter__``: ``int(w[0, 0])`` read as a write bumped the wrapper's version)
+_INPLACE_DUNDERS = frozenset(f"__i{name}__" for name in (
+    "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "lshift", "rshift", "and", "xor", "or",
+    "div")) | {"__setitem__"}
+
+
 def is_inplace(op: Any, kwargs: dict) -> bool:
     """Whether a call writes into its first argument (``add_``, ``__iadd__``,
     ``__setitem__``, ``F.relu(x, inplace=True)``, the tensors of ``_foreach_mul_``'s
@@ -94,8 +101,7 @@ def is_inplace(op: Any, kwargs: dict) -> bool:
         return _inplace_ops[op]
     except (KeyError, TypeError):
         name = getattr(op, "__name__", "")
-        result = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__" \
-            or op in COLLECTIVES
+        result = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS or op in COLLECTIVES
         try:
             _inplace_ops[op] = result
         except TypeError:

@@ -58,12 +58,22 @@ class WrapperView(torch.Tensor):
         if type(target) is WrapperView and hasattr(target, "_sten_source") and is_inplace(func, kwargs):
             return _write_through(func, args, kwargs, target._sten_source)
         _refresh((args, kwargs))
+        if _has_wrapper(types):
+            return NotImplemented
         with _Plain():
             out = func(*args, **kwargs)
         source = next((a._sten_source for a in args if hasattr(a, "_sten_source")), None)
         if source is None:   # (a compiled graph's output made a WrapperView has none)
             return out
         return views_of(out, *source)
+
+
+def _has_wrapper(types: tuple) -> bool:
+    """Whether a call's overriding types include a sparse wrapper's (``w[1:3] * c``): the view then
+    leaves the call to the wrapper's ``__torch_function__``, which dispatches it (``c``'s kernels,
+    its ``grad_fmt``) with the view as a dense operand; run plainly, ``c`` was densified below
+    autograd and its gradient came back dense, its ``grad_fmt`` ignored."""
+    return any(issubclass(t, SparseTensorWrapper) for t in types)
 
 
 def written(args: tuple, kwargs: dict) -> Any:
@@ -230,6 +240,8 @@ class GradView(torch.Tensor):
                     "wrapper or its gradients. Write into the wrapper itself (h.mul_(m), h[i] = v), compute out "
                     "of place (torch.where, index_put), or write under torch.no_grad()")
             return _write_through(func, args, kwargs, target._sten_source)
+        if _has_wrapper(types):
+            return NotImplemented
         with _Plain():
             out = func(*args, **kwargs)
         source = next((a._sten_source for a in args if hasattr(a, "_sten_source")), None)

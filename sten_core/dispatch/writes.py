@@ -334,15 +334,19 @@ def another_params_pattern(target: SparseTensorWrapper, operands: Any) -> bool:
 
 
 def partners(op: Any, args: tuple, kwargs: dict, target: SparseTensorWrapper) -> list:
-    """The tensors a call combines with ``target``: for a ``torch._foreach_*`` op, those at
-    ``target``'s index in the other lists (``_foreach_add_(bufs, grads)`` pairs ``bufs[i]`` with
-    ``grads[i]``); otherwise every other tensor of the call."""
-    if getattr(op, "__name__", "").startswith("_foreach_") and args and isinstance(args[0], (list, tuple)):
-        index = next((i for i, t in enumerate(args[0]) if t is target), None)
-        if index is None:
+    """The tensors a call combines with ``target``: for a ``torch._foreach_*`` or ``torch._fused_*``
+    op, those at ``target``'s index in the other lists (``_foreach_add_(bufs, grads)`` pairs
+    ``bufs[i]`` with ``grads[i]``; ``_fused_adam_(params, grads, exp_avgs, ...)`` pairs
+    ``exp_avgs[i]`` with ``params[i]``: read as the other weights, two sparse weights' state grew
+    to every position); otherwise every other tensor of the call."""
+    if getattr(op, "__name__", "").startswith(("_foreach_", "_fused_")):
+        lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple))]
+        for mine in lists:
+            index = next((i for i, t in enumerate(mine) if t is target), None)
+            if index is not None:
+                return [a[index] for a in lists if a is not mine and index < len(a)]
+        if lists:
             return []
-        lists = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, (list, tuple))]
-        return [a[index] for a in lists if index < len(a)]
     found: list = []
     map_tensors(lambda t: found.append(t) if t is not target else None, (args, kwargs))
     return found

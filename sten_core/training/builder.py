@@ -486,8 +486,8 @@ class SparsityBuilder:
 
 def _swap_in_optimizer(optimizer: torch.optim.Optimizer, replaced: dict[int, Any]) -> None:
     """Make ``optimizer`` hold the new parameters (``old id → new``), its state like them."""
-    for group in optimizer.param_groups:
-        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    for group in optimizer.param_groups:   # (in place: LBFGS keeps the list itself as its _params)
+        group["params"][:] = [replaced.get(id(p), p) for p in group["params"]]
     for old_id, new in replaced.items():
         old = next((p for p in list(optimizer.state) if id(p) == old_id), None)
         if old is None:

@@ -869,8 +869,8 @@ class SparsityScheduler:
             setattr(module, attr, new)
         if self.optimizer is None:
             return
-        for group in self.optimizer.param_groups:
-            group["params"] = [new if p is old else p for p in group["params"]]
+        for group in self.optimizer.param_groups:   # (in place: LBFGS keeps the list itself as its _params)
+            group["params"][:] = [new if p is old else p for p in group["params"]]
         if old in self.optimizer.state:
             self.optimizer.state[new] = self.optimizer.state.pop(old)
 
