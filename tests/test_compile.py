@@ -287,6 +287,19 @@ def test_torch_export_strict_holds_the_custom_operator_and_runs():
     torch.testing.assert_close(program.module()(other), model(other))
 
 
+def test_run_decompositions_of_a_program_with_trainable_sparse_weights_says_to_freeze_them():
+    """torch unwraps a trainable subclass parameter into member parameters that require grad, which
+    CSR's indices cannot: its own error ("Only Tensors of floating point and complex dtype can
+    require gradients") named no cause. Frozen, the program decomposes and runs."""
+    model = sparse_mlp(requires_grad=True).eval()
+    x = torch.randn(4, 24)
+    with pytest.raises(RuntimeError, match="Freeze the model before exporting"):
+        torch.export.export(model, (x,), strict=True).run_decompositions()
+    model.requires_grad_(False)
+    program = torch.export.export(model, (x,), strict=True).run_decompositions()
+    torch.testing.assert_close(program.module()(x), model(x))
+
+
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -324,6 +337,10 @@ def test_strict_export_of_sparsified_intermediates_names_the_reason():
         torch.export.export(model, (torch.randn(4, 16),), strict=True)
     with pytest.raises(Exception, match="set_interm"):
         torch.compile(model, fullgraph=True)(torch.randn(4, 16))
+    # non-strict export (torch's default) said "Could not extract specialized integer from data-dependent
+    # expression u0" (the sparsifier's .item() on fake values)
+    with pytest.raises(NotImplementedError, match="non-strict torch.export: SparsityBuilder.set_interm"):
+        torch.export.export(model, (torch.randn(4, 16),), strict=False)
 
 
 @pytest.mark.parametrize("flip", ["requires_grad", "grad_mode"])

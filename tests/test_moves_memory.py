@@ -210,3 +210,20 @@ def test_hugging_face_save_pretrained_recipe(tmp_path):
     assert torch.equal(weight.to_dense(), model.get_parameter(name).to_dense())
     ids = torch.randint(0, 50, (2, 8))
     assert torch.equal(back(ids).last_hidden_state, model(ids).last_hidden_state)
+
+
+@pytest.mark.parametrize("sparsifier", [sten.ScalarFractionSparsifier(0.9), sten.RandomFractionSparsifier(0.9),
+                                        sten.ScalarThresholdSparsifier(0.1)],
+                         ids=["ScalarFraction", "RandomFraction", "ScalarThreshold"])
+def test_a_model_with_a_sparsified_intermediate_runs_on_the_meta_device(sparsifier):
+    """Shape inference on meta: the sparsifiers raised (``.item()`` on meta, no meta ``_to_sparse``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    sb = sten.SparsityBuilder(model)
+    sb.set_weight("0.weight", sten.ScalarFractionSparsifier(0.5), out_format=sten.CsrTensor)
+    sb.set_interm("1.relu", inline_sparsifier=sparsifier, tmp_format=torch.Tensor,
+                  external_sparsifier=sten.KeepAll(), out_format=sten.CooTensor)
+    sparse = sb.get_sparse_model()
+    assert sparse(torch.randn(4, 16)).shape == (4, 8)
+    out = sparse.to("meta")(torch.randn(4, 16, device="meta"))
+    assert out.shape == (4, 8) and out.device.type == "meta"

@@ -49,3 +49,11 @@ def test_an_older_torch_keeps_the_eager_class_and_eager_gradients(monkeypatch):
         got, want = (g.to_dense() if isinstance(g, sten.SparseTensorWrapper) else g for g in (got, want))
         torch.testing.assert_close(got, want)
     torch.testing.assert_close(run["compiled_out"], run["eager_out"])
+
+
+def test_an_element_of_a_wrapper_formats_with_a_spec():
+    """``f"{w[0, 0]:.3f}"`` raised "unsupported format string passed to WrapperView.__format__"."""
+    w = sten.SparseParameterWrapper(sten.CsrTensor.from_dense(torch.tensor([[1.25, 0.0], [0.0, 2.0]])))
+    assert f"{w[0, 0]:.3f}" == "1.250"
+    assert f"{w.detach()[1, 1]:.1f}" == "2.0"
+    assert f"{(w * 2)[0, 0]:.2f}" == "2.50"

@@ -168,6 +168,8 @@ def apply_spec(value: Any, spec: OutputSpec, inline_done: bool = False) -> Any:
     t = type(value)
     if t not in DENSE_TYPES and t not in WRAPPER_TYPES and not isinstance(value, torch.Tensor):
         return value
+    if t in DENSE_TYPES and value.device.type == "meta":   # (shape inference: which values a sparsifier
+        return value                                       # keeps is unknown there; it needs .item())
     layout = None
     if not inline_done:
         value = apply_sparsifier(spec.inline_sparsifier, value, spec.tmp_format)

@@ -38,10 +38,20 @@ _Plain = torch._C.DisableTorchFunctionSubclass
 _forward_ad = torch.autograd.forward_ad
 
 
+def _format_as_tensor(self: torch.Tensor, spec: str) -> str:
+    """``f"{w[0, 0]:.3f}"`` as for a dense element: torch formats a 0-d tensor with a spec only
+    when its type is ``Tensor`` (a view's raised "unsupported format string")."""
+    if self.dim() == 0 and spec:
+        return self.item().__format__(spec)
+    return torch.Tensor.__format__(self, spec)
+
+
 class WrapperView(torch.Tensor):
     """A view of a wrapper's dense copy whose in-place writes reach the wrapper."""
 
     _sten_source: tuple  # (the wrapper, its dense copy this is a view of)
+
+    __format__ = _format_as_tensor
 
     @staticmethod
     def of(view: torch.Tensor, wrapper: SparseTensorWrapper, root: torch.Tensor) -> "WrapperView":
@@ -218,6 +228,8 @@ class GradView(torch.Tensor):
     views of it are ``GradView``s too."""
 
     _sten_source: tuple   # (the wrapper, its dense copy this is a view of)
+
+    __format__ = _format_as_tensor
 
     @staticmethod
     def of(view: torch.Tensor, wrapper: SparseTensorWrapper, root: torch.Tensor) -> "GradView":

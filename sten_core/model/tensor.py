@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
 from typing import Any, Callable
 
 import torch
@@ -265,6 +266,8 @@ class _Traceable:
         if entry is None:
             raise TypeError(f"{type(layout).__name__} is not a traceable layout (register_traceable_layout)")
         tensors, consts = entry[0](layout)
+        if self.requires_grad and sys._getframe(1).f_code.co_name == "_create_subclass_meta":
+            _refuse_trainable_unwrap(layout, tensors)
         if len(tensors) > _MAX_MEMBERS:
             raise ValueError(f"{type(layout).__name__}: at most {_MAX_MEMBERS} member tensors, got {len(tensors)}")
         return [f"_sten_m{i}" for i in range(len(tensors))], (type(self), type(layout), tuple(consts), self.grad_fmt)
@@ -294,6 +297,19 @@ class _Traceable:
         if type(out) is not cls:  # a default-format wrapper rebuilt frozen is still the traced input's class
             out.__class__ = cls
         return out
+
+
+def _refuse_trainable_unwrap(layout: Any, members: list) -> None:
+    """torch's ``unwrap_tensor_subclass_parameters`` (``ExportedProgram.run_decompositions``,
+    AOTInductor) makes each member of a subclass parameter that requires grad a ``Parameter``
+    that requires grad, which integer members (indices, offsets) cannot be: torch's own error
+    ("Only Tensors of floating point and complex dtype can require gradients") named no cause."""
+    if any(not (t.is_floating_point() or t.is_complex()) for t in members):
+        raise RuntimeError(
+            f"STen: torch unwraps a sparse parameter that requires grad ({type(layout).__name__}) into member "
+            "parameters that require grad (ExportedProgram.run_decompositions, AOTInductor), and its integer "
+            "members (indices) cannot require grad. Freeze the model before exporting it for inference: "
+            "model.requires_grad_(False), then torch.export.export(model, ...)")
 
 
 def _tensor_metadata(tensor: torch.Tensor) -> tuple:

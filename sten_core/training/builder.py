@@ -94,7 +94,9 @@ class _IntermediateMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # Dynamo tracing: one graph break, the call run eagerly
-            return _eager_mode_call()(self, func, args, kwargs)
+            if torch.compiler.is_exporting() and not torch.compiler.is_dynamo_compiling():
+                raise NotImplementedError(f"STen: non-strict torch.export: {_INTERM_EAGER}")   # (fake values:
+            return _eager_mode_call()(self, func, args, kwargs)   # a sparsifier's .item() had no hint)
         return self._call(func, args, kwargs)
 
     def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -138,6 +140,9 @@ class _IntermediateMode(TorchFunctionMode):
 
 
 _EAGER_MODE_CALL: list = []
+_INTERM_EAGER = ("SparsityBuilder.set_interm / set_interm_grad intermediates run eagerly (a graph break): "
+                 "torch.export and fullgraph=True cannot hold them; export the model before get_sparse_model(), "
+                 "or sparsify its weights only")
 
 
 def _eager_mode_call() -> Any:
@@ -149,9 +154,7 @@ def _eager_mode_call() -> Any:
     if not _EAGER_MODE_CALL:
         _EAGER_MODE_CALL.append(torch.compiler.disable(
             lambda mode, func, args, kwargs: mode._call(func, args, kwargs),
-            reason="SparsityBuilder.set_interm / set_interm_grad intermediates run eagerly (a graph break): "
-                   "strict torch.export and fullgraph=True cannot hold them; export the model before "
-                   "get_sparse_model(), or sparsify its weights only"))
+            reason=_INTERM_EAGER))
     return _EAGER_MODE_CALL[0]
 
 
