@@ -287,6 +287,16 @@ def test_torch_export_strict_holds_the_custom_operator_and_runs():
     torch.testing.assert_close(program.module()(other), model(other))
 
 
+@pytest.mark.parametrize("shape", [(3, 24), (2, 3, 24)])
+def test_strict_export_of_frozen_coo_weights_runs(shape):
+    """Strict export stopped at ``tensor.is_inference()`` in the torch layouts' ``to_dense`` ("Encountered
+    tensor.is_inference() during tracing"), a check for tensors made under inference_mode."""
+    model = sparse_mlp(layout=sten.CooTensor, requires_grad=False).eval()
+    x = torch.randn(*shape)
+    program = torch.export.export(model, (x,), strict=True)
+    torch.testing.assert_close(program.module()(x), model(x))
+
+
 def test_run_decompositions_of_a_program_with_trainable_sparse_weights_says_to_freeze_them():
     """torch unwraps a trainable subclass parameter into member parameters that require grad, which
     CSR's indices cannot: its own error ("Only Tensors of floating point and complex dtype can

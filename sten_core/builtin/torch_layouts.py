@@ -77,7 +77,7 @@ class _TorchLayout(Layout):
         return self.data.device
 
     def to_dense(self) -> torch.Tensor:
-        if self.data.is_inference() and not torch.is_inference_mode_enabled():
+        if not torch.compiler.is_compiling() and self.data.is_inference() and not torch.is_inference_mode_enabled():
             # made under inference_mode, read outside it (a model's output): torch's CSR / CSC
             # to_dense writes into its result in place, which an inference tensor refuses there
             with torch.inference_mode():
