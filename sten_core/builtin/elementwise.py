@@ -31,6 +31,7 @@ import torch
 
 from sten_core.builtin.filled import FilledTensor, image_of, with_fill
 from sten_core.dispatch.conversions import convert_exactly
+from sten_core.dispatch.optimizer_steps import in_optimizer_step
 from sten_core.dispatch.state_patterns import follow_weight_patterns
 from sten_core.dispatch.writes import (another_params_pattern, is_storage_view, is_weight, view_of_temporary,
                                        warn_if_dropped, write_back_warned, write_growing, writes_exactly)
@@ -223,7 +224,9 @@ def _copy_from_sparse(self: SparseTensorWrapper, src: SparseTensorWrapper) -> Sp
         else:
             source = type(src.wrapped_tensor).__name__
             if not is_weight(self) and supports_values(layout):
-                if write_growing(self, densify(src).to(self.dtype), T.copy_, lossy=False) is not None:
+                # optimizer state inside a step keeps its pattern where it cannot take the source's, with
+                # a warning, as its other updates do (Rprop's prev.copy_(grad) of an n:m weight's CSR grad)
+                if write_growing(self, densify(src).to(self.dtype), T.copy_, lossy=in_optimizer_step()) is not None:
                     return self
                 what = (f"copy_ of a {source} value into a {type(layout).__name__} that is not a parameter "
                         "(optimizer state, a gradient, a buffer)")
