@@ -1,10 +1,12 @@
 """Optimizer state when the optimizer's list or the weight's pattern changes under it, checked
 against the masked dense twin (the same mask, the gradient restricted to it).
 
-- A weight's pattern changed between steps (``w.data = new``, ``load_state_dict`` of another
+- A weight's pattern changed between steps (its layout too: CSR given a COO value) (``w.data = new``, ``load_state_dict`` of another
   pattern: the regrowth the training guide describes) left state made before on the old
   pattern: Adam's regrown weights never moved, RMSprop's were divided by ``eps`` (~1e18). The
-  state now follows the weight's pattern (``dispatch.state_patterns``).
+  state now follows the weight's pattern (``dispatch.state_patterns``). Dense state (SGD's momentum
+  of the dense gradient, Adagrad's ``sum``, Rprop's ``step_size``) held junk at the regrown
+  positions: they now start at the optimizer's initial state (``fresh_state``).
 - Fused optimizers (``fused=True``) with two sparse weights read each weight's state against the
   *other* weight: the state grew to every position and every step warned "dropped".
 - ``sparsify_model_and_optimizer_inplace`` and ``SparsityScheduler`` replaced the optimizer's
@@ -29,6 +31,12 @@ OPTIMIZERS = {
     "Adamax": lambda p: torch.optim.Adamax(p, lr=0.01),
     "NAdam": lambda p: torch.optim.NAdam(p, lr=0.01),
     "Adam foreach": lambda p: torch.optim.Adam(p, lr=0.01, foreach=True),
+    # dense state: SGD's momentum of the dense gradient (junk off the pattern), Adagrad's and Rprop's
+    # state from full_like (their regrown positions start at the optimizer's initial value, not 0)
+    "SGD momentum": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+    "SGD momentum fused": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, fused=True),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1),
+    "Rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
 }
 
 
@@ -46,7 +54,7 @@ def _regrown(dense: torch.Tensor, mask: torch.Tensor, layout: type) -> tuple[tor
     return torch.where(mask, dense, torch.where(new, 0.5, 0.0)), new
 
 
-@pytest.mark.parametrize("how", ["data", "load_state_dict", "optimizer reloaded"])
+@pytest.mark.parametrize("how", ["data", "load_state_dict", "optimizer reloaded", "data in another layout"])
 @pytest.mark.parametrize("layout", [sten.CsrTensor, sten.CooTensor, sten_nm.NMTensor],
                          ids=["CsrTensor", "CooTensor", "NMTensor"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -76,6 +84,8 @@ def test_state_follows_a_weight_whose_pattern_changed(name, layout, how):
     new = sten.sparsify(sten.KeepAll(), dense, layout)
     if how == "data":
         w.data = new
+    elif how == "data in another layout":   # (the weight takes it: its state follows into it too)
+        w.data = sten.sparsify(sten.KeepAll(), dense, sten.CooTensor if layout is sten.CsrTensor else sten.CsrTensor)
     else:
         holder = torch.nn.Module()
         holder.weight = w
@@ -91,9 +101,10 @@ def test_state_follows_a_weight_whose_pattern_changed(name, layout, how):
     assert torch.equal(w.to_dense() != 0, mask)
     steps(3)
     torch.testing.assert_close(w.detach().to_dense(), twin.detach(), rtol=1e-5, atol=1e-6)
-    for value in opt.state[w].values():   # on the weight's pattern
+    for value in opt.state[w].values():   # on the weight's pattern, in its layout
         if isinstance(value, sten.SparseTensorWrapper):
             assert torch.equal(stored_mask(value), stored_mask(w))
+            assert type(value.wrapped_tensor) is type(w.wrapped_tensor)
 
 
 def test_state_that_follows_its_weight_shares_its_pattern():

@@ -245,6 +245,8 @@ class SparseParameterWrapper(SparseTensorWrapper):
             wrapped_tensor = wrapped_tensor.wrapped_tensor
         self = SparseTensorWrapper.__new__(cls, wrapped_tensor, requires_grad, grad_fmt)
         self._is_param = True
+        if services.watch_optimizer_state is not None:   # (its optimizer state follows its pattern)
+            services.watch_optimizer_state()
         return self
 
 
@@ -473,6 +475,7 @@ class WrapperServices:
     ``dense_with_grad``, ``same_format_layout``, ``convert``, ``accumulate``,
     ``run_dense_in_place``, ``sum_growing``;
     ``sten_core.dispatch.compiled``: ``compiled_call``, ``MISSING``;
+    ``sten_core.dispatch.state_patterns``: ``watch_optimizer_state``;
     ``sten_core.training.serialization``: ``reduce_wrapper``;
     ``sten_core.plugins``: ``load_plugins``), so the
     programming model imports nothing above it.
@@ -497,6 +500,7 @@ class WrapperServices:
     sum_growing: Any = None
     eager_only_message: Any = None
     run_dense_in_place: Any = None
+    watch_optimizer_state: Any = None
 
     def install(self, **services: Any) -> None:
         for name, service in services.items():
@@ -782,6 +786,8 @@ def _store(target: SparseTensorWrapper, layout: Any) -> None:
             torch.Tensor.data.__set__(target, shell)  # the tensor's own metadata
     target._cell[0] = layout
     sync_class(target)
+    if services.watch_optimizer_state is not None:   # (its optimizer state follows a new pattern)
+        services.watch_optimizer_state()
 
 
 def _view_as(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
