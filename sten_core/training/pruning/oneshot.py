@@ -257,7 +257,8 @@ def prune(model: torch.nn.Module, calibration_batches: Iterable[Any] | None = No
         progress: a per-layer progress bar on stderr; default: when stderr is a terminal.
 
     Returns:
-        ``model``, with the selected weights replaced.
+        ``model``, with the selected weights replaced by new parameters: make the optimizer
+        for fine-tuning after pruning (one made before keeps the old, dense parameters).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
