@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .nm_tensor import NMTensor
-from .ops import _backward, nm_matmul
+from .ops import _autocast_dtype, _backward, _cast, nm_matmul
 
 
 def nm_addmm(bias: torch.Tensor, x: torch.Tensor, weight: Any, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
@@ -32,6 +32,8 @@ def nm_addmm(bias: torch.Tensor, x: torch.Tensor, weight: Any, *, beta: Any = 1,
         y = y * alpha
     if beta == 0:  # torch ignores input then: NaN or inf there must not reach the result
         return y
+    amp = _autocast_dtype(x, weight, bias)   # (as dense: the bias too, the result in amp;
+    bias = _cast(bias, amp)                           # a float32 bias promoted it back to float32)
     return y + (bias if beta == 1 else beta * bias)
 
 

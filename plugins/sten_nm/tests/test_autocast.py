@@ -92,3 +92,22 @@ def test_cached_fp32_weights_follow_in_place_updates(layout):
             f(x, t)
             t.values().add_(1)
             _close(f(x, t), F.linear(x, t.to_dense()))
+
+
+@pytest.mark.parametrize("beta,alpha", [(1, 1), (0.5, 2)])
+def test_addmm_under_bf16_autocast(beta, alpha):
+    """``torch.addmm(bias, x, W)`` (GPT-2's ``Conv1D``) returned float32 under autocast: the float32
+    bias promoted the bf16 product back; dense torch casts the bias too and returns bf16."""
+    t = NMTensor.from_dense(torch.randn(12, 10), 2, 4, dim=0)
+    W = sten.SparseParameterWrapper(sten.SparseTensorWrapper(t, requires_grad=True))
+    Wr = torch.nn.Parameter(t.to_dense())
+    x, b = torch.randn(5, 12, requires_grad=True), torch.randn(10, requires_grad=True)
+    xr, br = x.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, yr = torch.addmm(b, x, W, beta=beta, alpha=alpha), torch.addmm(br, xr, Wr, beta=beta, alpha=alpha)
+    assert y.dtype == yr.dtype == torch.bfloat16
+    _close(y, yr)
+    y.float().sum().backward()
+    yr.float().sum().backward()
+    _close(x.grad, xr.grad)
+    _close(b.grad, br.grad)
