@@ -181,7 +181,22 @@ def batched_under_transform(call: _Call) -> Any:
     return dense_under_transform(call, operands)
 
 
-def outside_transform(args: tuple, kwargs: dict) -> Any:
+_RANDOM_OPS = frozenset({
+    "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "alpha_dropout_",
+    "feature_alpha_dropout", "feature_alpha_dropout_", "feature_dropout", "feature_dropout_", "rrelu", "rrelu_",
+    "rand_like", "randn_like", "randint_like", "bernoulli", "bernoulli_", "multinomial", "normal", "normal_",
+    "poisson", "uniform_", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"})
+"""Random operators: under ``vmap`` they stay inside it, whose ``randomness`` says what they do
+(``"error"`` raises, ``"different"`` draws per batch element)."""
+
+
+def _under_vmap() -> bool:
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == torch._C._functorch.TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+
+
+def outside_transform(args: tuple, kwargs: dict, op: Any = None) -> Any:
     """Where a call under an active ``torch.func`` transform runs: outside the transform
     (``torch._C._DisableFuncTorch``) when none of its tensors is the transform's, which then sees
     its result as the constant it is; inside it (``nullcontext``) otherwise. torch's own sparse
@@ -189,9 +204,10 @@ def outside_transform(args: tuple, kwargs: dict) -> Any:
     ``w * 2``, ``w.to_dense()`` of a frozen CSR weight under ``torch.func.grad``), tensors made
     there are the transform's (a scipy layout's values then have no storage), and an in-place
     write there into a wrapper's copy made outside is refused as a write into a captured tensor.
+    A random ``op`` under ``vmap`` stays inside it (``_RANDOM_OPS``).
 
     Example: ``torch.func.grad(lambda x: (x @ frozen_csr_w.t()).sum())(x)``."""
-    if not functorch_active():
+    if not functorch_active() or (getattr(op, "__name__", None) in _RANDOM_OPS and _under_vmap()):
         return contextlib.nullcontext()
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     with _NoTorchFunction():

@@ -232,7 +232,13 @@ def inplace_with_grad(op: Any, args: tuple, kwargs: dict, bound: list, key: OpKe
                 seen.add(id(v))
                 others.append(v)
         before = (dense_with_grad(target) if target.requires_grad else densify(target)).clone()  # (may alias)
-        result = apply_function(_InPlace, (op, args, kwargs), target, before, *others)
+        try:
+            result = apply_function(_InPlace, (op, args, kwargs), target, before, *others)
+        except RuntimeError as error:
+            # w.clone().add_(x) under torch.func.grad of x: torch's message names only STen's node
+            if "setup_context" in str(error):
+                raise unsupported_transform(op, [target, *others], error) from error
+            raise
     else:
         if isinstance(target, (list, tuple)) and any(isinstance(t, SparseTensorWrapper) for t in target):
             raise RuntimeError(f"{op_name(op)}(): an in-place write into sparse wrappers inside a list is not "

@@ -203,7 +203,7 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
         if grad and getattr(op, "__module__", None) != "torch.nn.init" and not collective:  # (nn.init: no_grad inside)
             return inplace_with_grad(op, args, kwargs, bound, key, plan)
         try:
-            with torch.no_grad() if collective else outside_transform(args, kwargs):
+            with torch.no_grad() if collective else outside_transform(args, kwargs, op):
                 return _Call(op, args, kwargs, bound, positions, key, plan, specs).forward(detach=needs_grad)
         except Unsupported as error:
             return _dense_instead(op, args, kwargs, specs, key, plan.entry.fn, error)
@@ -211,7 +211,7 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
         dense = batched_under_transform(_Call(op, args, kwargs, bound, positions, key, plan, specs))
         if dense is not None:
             return dense
-        with outside_transform(args, kwargs):   # nothing of a transform's: outside it
+        with outside_transform(args, kwargs, op):   # nothing of a transform's: outside it
             return _run_planned(op, args, kwargs, bound, positions, key, plan, specs, grad, needs_grad)
     return _run_planned(op, args, kwargs, bound, positions, key, plan, specs, grad, needs_grad)
 

@@ -26,7 +26,8 @@ def fresh_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[s
     ``param``'s group, takes one step with a zero gradient on a one-element zero
     parameter (for torch's optimizers the state then is the initial one: Rprop's
     ``step_size`` is ``lr``, Adagrad's ``sum`` is ``initial_accumulator_value``,
-    Adam's moments are 0). Scalar state (the ``step`` counter) is not included.
+    Adam's moments are 0). Scalar state (the ``step`` counter) is not included. The probe's step
+    is a real one: global optimizer step hooks see it too.
 
     >>> w = torch.nn.Parameter(torch.ones(2, 2))
     >>> fresh_state(torch.optim.Rprop([w], lr=0.5), w)["step_size"].item()

@@ -41,7 +41,7 @@ _forward_ad = torch.autograd.forward_ad
 def _format_as_tensor(self: torch.Tensor, spec: str) -> str:
     """``f"{w[0, 0]:.3f}"`` as for a dense element: torch formats a 0-d tensor with a spec only
     when its type is ``Tensor`` (a view's raised "unsupported format string")."""
-    if self.dim() == 0 and spec:
+    if self.dim() == 0 and spec and not self.is_meta:
         return self.item().__format__(spec)
     return torch.Tensor.__format__(self, spec)
 

@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -249,8 +249,31 @@ def holds_transform_tensors(layout: Any) -> bool:
     """
     if not hasattr(layout, "__dict__"):
         return True
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return any(wrapped(t) for t in attribute_tensors(layout))
+    return _holds_transformed(vars(layout).values(), torch._C._functorch.is_functorch_wrapped_tensor, 4)
+
+
+def _holds_transformed(values: Any, wrapped: Callable[[torch.Tensor], bool], depth: int) -> bool:
+    """Whether a transform's tensor is among ``values``: in lists, tuples, dicts and nested
+    objects (a ``FilledTensor``'s ``inner`` layout) too; ``True`` past ``depth`` levels."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if wrapped(value):
+                return True
+        elif isinstance(value, (str, bytes, int, float, bool, type, torch.dtype, torch.device, torch.Size)) \
+                or value is None:
+            continue
+        elif depth == 0:
+            return True
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            if _holds_transformed(value, wrapped, depth - 1):
+                return True
+        elif isinstance(value, dict):
+            if _holds_transformed(value.values(), wrapped, depth - 1):
+                return True
+        elif hasattr(value, "__dict__") and not callable(value):
+            if _holds_transformed(vars(value).values(), wrapped, depth - 1):
+                return True
+    return False
 
 
 def _dense_of(layout: Any) -> torch.Tensor:

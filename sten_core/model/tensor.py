@@ -268,6 +268,7 @@ class _Traceable:
         if entry is None:
             raise TypeError(f"{type(layout).__name__} is not a traceable layout (register_traceable_layout)")
         tensors, consts = entry[0](layout)
+        # (the caller named in torch/_functorch/_aot_autograd/subclass_parametrization.py: UnwrapTensorSubclass)
         if self.requires_grad and sys._getframe(1).f_code.co_name == "_create_subclass_meta":
             _refuse_trainable_unwrap(layout, tensors)
         if len(tensors) > _MAX_MEMBERS:

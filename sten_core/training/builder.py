@@ -94,9 +94,9 @@ class _IntermediateMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # Dynamo tracing: one graph break, the call run eagerly
-            if torch.compiler.is_exporting() and not torch.compiler.is_dynamo_compiling():
-                raise NotImplementedError(f"STen: non-strict torch.export: {_INTERM_EAGER}")   # (fake values:
-            return _eager_mode_call()(self, func, args, kwargs)   # a sparsifier's .item() had no hint)
+            if _non_strict_export():   # fake values: a sparsifier's .item() failed with no hint of why
+                raise NotImplementedError(f"STen: non-strict torch.export: {_INTERM_EAGER}")
+            return _eager_mode_call()(self, func, args, kwargs)
         return self._call(func, args, kwargs)
 
     def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -140,6 +140,13 @@ class _IntermediateMode(TorchFunctionMode):
 
 
 _EAGER_MODE_CALL: list = []
+
+
+def _non_strict_export() -> bool:
+    """Whether non-strict ``torch.export`` runs this code (``is_exporting`` is in torch 2.6+)."""
+    exporting = getattr(torch.compiler, "is_exporting", None)
+    return exporting is not None and exporting() and not torch.compiler.is_dynamo_compiling()
+
 _INTERM_EAGER = ("SparsityBuilder.set_interm / set_interm_grad intermediates run eagerly (a graph break): "
                  "torch.export and fullgraph=True cannot hold them; export the model before get_sparse_model(), "
                  "or sparsify its weights only")

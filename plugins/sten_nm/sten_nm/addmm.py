@@ -32,8 +32,8 @@ def nm_addmm(bias: torch.Tensor, x: torch.Tensor, weight: Any, *, beta: Any = 1,
         y = y * alpha
     if beta == 0:  # torch ignores input then: NaN or inf there must not reach the result
         return y
-    amp = _autocast_dtype(x, weight, bias)   # (as dense: the bias too, the result in amp;
-    bias = _cast(bias, amp)                           # a float32 bias promoted it back to float32)
+    # under CPU autocast the bias is cast too, as dense torch does (a float32 bias promoted the result)
+    bias = _cast(bias, _autocast_dtype(x, weight, bias))
     return y + (bias if beta == 1 else beta * bias)
 
 
