@@ -282,3 +282,65 @@ def test_compiled_vmap_over_frozen_sparse_weights_matches_eager(layout, kwargs):
     for make in (vmap, lambda m: vmap(grad(lambda v: m(v).sin().sum()))):
         got = torch.compile(make(sparse), backend="aot_eager")(x)
         torch.testing.assert_close(got, make(dense)(x), atol=1e-5, rtol=1e-5)
+
+
+class _Flat(sten.Layout):
+    """A layout of one tensor, densified as a new tensor (``to_dense`` is differentiable)."""
+
+    def __init__(self, data):
+        self.data = data
+
+    @classmethod
+    def from_dense(cls, tensor):
+        return cls(tensor)
+
+    def to_dense(self):
+        return self.data * 1
+
+    shape = property(lambda self: self.data.shape)
+    dtype = property(lambda self: self.data.dtype)
+    device = property(lambda self: self.data.device)
+
+
+class _InDict(_Flat):
+    def __init__(self, data):
+        self.parts = {"data": data}
+
+    data = property(lambda self: self.parts["data"])
+
+
+class _Nested(_Flat):
+    def __init__(self, data):
+        self.inner = _Flat(data)
+
+    data = property(lambda self: self.inner.data)
+
+
+@pytest.mark.parametrize("layout", [_Flat, _InDict, _Nested], ids=["attribute", "in a dict", "nested layout"])
+def test_a_layout_holding_a_transform_tensor_is_densified_inside_the_transform(layout):
+    """A layout made inside ``grad`` from its tensor stays inside it wherever it keeps the tensor:
+    one looked only at attributes and their lists, so a dict or a nested layout was densified
+    outside the transform, and its gradient silently 0."""
+    from sten_core.model.layouts import to_dense_tensor
+
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(grad(lambda v: to_dense_tensor(layout(v * 1.0)).pow(2).sum())(x), 2 * x)
+
+
+def test_random_operators_on_a_frozen_weight_keep_vmaps_randomness():
+    """A call with none of vmap's tensors runs outside it, except a random one: vmap's ``randomness``
+    decides (``"error"`` raises, ``"different"`` draws per element), as for dense torch."""
+    w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.randn(4, 4)))
+    xs = torch.ones(3, 4)
+    with pytest.raises(RuntimeError, match="randomness"):
+        vmap(lambda x: F.dropout(w, 0.5, training=True) @ x, randomness="error")(xs)
+    torch.manual_seed(0)
+    out = vmap(lambda x: F.dropout(w, 0.5, training=True) @ x, randomness="different")(xs)
+    assert not (torch.equal(out[0], out[1]) and torch.equal(out[1], out[2]))
+
+
+def test_an_in_place_write_of_a_transform_tensor_into_a_wrapper_names_stens_limit():
+    """torch's "must override the setup_context staticmethod" named only STen's private node."""
+    w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(4)))
+    with pytest.raises(NotImplementedError, match="STen: Tensor.add_ with a sparse operand"):
+        grad(lambda x: w.clone().add_(x[0]).sum())(torch.randn(3, 4))
