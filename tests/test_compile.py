@@ -351,6 +351,8 @@ def test_strict_export_of_sparsified_intermediates_names_the_reason():
     # expression u0" (the sparsifier's .item() on fake values)
     with pytest.raises(NotImplementedError, match="non-strict torch.export: SparsityBuilder.set_interm"):
         torch.export.export(model, (torch.randn(4, 16),), strict=False)
+    # raised inside STen's mode, it left export's own torch function mode active for later code
+    assert not torch.overrides._get_current_function_mode_stack()
 
 
 @pytest.mark.parametrize("flip", ["requires_grad", "grad_mode"])

@@ -94,8 +94,6 @@ class _IntermediateMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # Dynamo tracing: one graph break, the call run eagerly
-            if _non_strict_export():   # fake values: a sparsifier's .item() failed with no hint of why
-                raise NotImplementedError(f"STen: non-strict torch.export: {_INTERM_EAGER}")
             return _eager_mode_call()(self, func, args, kwargs)
         return self._call(func, args, kwargs)
 
@@ -185,6 +183,10 @@ class _Intermediates:
         _eager_mode_call()   # made now, eagerly: Dynamo cannot trace torch.compiler.disable itself
 
     def pre(self, module: torch.nn.Module, args: Any, kwargs: Any = None) -> None:
+        if torch.compiler.is_compiling() and _non_strict_export():
+            # fake values (a sparsifier's .item() failed with no hint of why); raised before the mode
+            # is entered: raised inside it, export's own mode was left on the stack
+            raise NotImplementedError(f"STen: non-strict torch.export: {_INTERM_EAGER}")
         graph = self.graphs.get(module.training)
         if graph is not None and self._signature is None:
             try:
@@ -210,6 +212,8 @@ class _Intermediates:
                 mode.calls.module_done(module, output)
 
     def post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self._stack:   # (pre raised)
+            return
         mode = self._stack.pop()
         mode.__exit__(None, None, None)
         modes = _active_modes()

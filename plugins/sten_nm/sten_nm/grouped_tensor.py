@@ -298,7 +298,8 @@ class GroupedNMTensor(_Base):
     def same_pattern(self, other: Any) -> bool:
         return (isinstance(other, GroupedNMTensor) and other._shape == self._shape
                 and (other.n, other.m) == (self.n, self.m)
-                and torch.equal(other.indices, self.indices) and torch.equal(other.perm, self.perm))
+                and (other.indices is self.indices or torch.equal(other.indices, self.indices))
+                and (other.perm is self.perm or torch.equal(other.perm, self.perm)))
 
     def to(self, device: Any = None, dtype: "torch.dtype | None" = None) -> "GroupedNMTensor":
         """The same pattern, values cast to ``dtype`` and every tensor on ``device`` (``"meta"`` too)."""
