@@ -344,3 +344,19 @@ def test_an_in_place_write_of_a_transform_tensor_into_a_wrapper_names_stens_limi
     w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(torch.eye(4)))
     with pytest.raises(NotImplementedError, match="STen: Tensor.add_ with a sparse operand"):
         grad(lambda x: w.clone().add_(x[0]).sum())(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("layout,kwargs", LAYOUTS, ids=[layout.__name__ for layout, _ in LAYOUTS])
+def test_jvp_with_respect_to_a_sparse_weight_in_a_parameter_dict_matches_dense(layout, kwargs):
+    """``jvp`` makes its primals dual (``_make_dual``) inside the transform: run outside it, as other
+    calls with none of its tensors are, the weight's tangent was lost without an error."""
+    from torch.func import functional_call, jvp
+
+    dense, sparse = frozen_pair(layout, kwargs, KERNEL_SIZES)
+    params = {k: v.detach() for k, v in sparse.named_parameters()}
+    dense_params = {k: v.detach() for k, v in dense.named_parameters()}
+    tangents = {k: torch.randn(v.shape) for k, v in params.items()}
+    x = torch.randn(3, KERNEL_SIZES[0])
+    got = jvp(lambda p: functional_call(sparse, p, (x,)), (params,), (tangents,))
+    want = jvp(lambda p: functional_call(dense, p, (x,)), (dense_params,), (tangents,))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

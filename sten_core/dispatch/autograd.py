@@ -190,6 +190,11 @@ _RANDOM_OPS = frozenset({
 (``"error"`` raises, ``"different"`` draws per batch element)."""
 
 
+_DUAL_OPS = frozenset({"_make_dual", "_unpack_dual"})
+"""Forward-mode AD's own operators: ``jvp`` makes its primals dual with them, inside it (run
+outside, ``jvp`` over a parameter dict holding a sparse weight lost the weight's tangent)."""
+
+
 def _under_vmap() -> bool:
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
@@ -204,10 +209,12 @@ def outside_transform(args: tuple, kwargs: dict, op: Any = None) -> Any:
     ``w * 2``, ``w.to_dense()`` of a frozen CSR weight under ``torch.func.grad``), tensors made
     there are the transform's (a scipy layout's values then have no storage), and an in-place
     write there into a wrapper's copy made outside is refused as a write into a captured tensor.
-    A random ``op`` under ``vmap`` stays inside it (``_RANDOM_OPS``).
+    A random ``op`` under ``vmap`` stays inside it (``_RANDOM_OPS``), and so do forward-mode AD's
+    own operators (``_DUAL_OPS``).
 
     Example: ``torch.func.grad(lambda x: (x @ frozen_csr_w.t()).sum())(x)``."""
-    if not functorch_active() or (getattr(op, "__name__", None) in _RANDOM_OPS and _under_vmap()):
+    name = getattr(op, "__name__", None)
+    if not functorch_active() or name in _DUAL_OPS or (name in _RANDOM_OPS and _under_vmap()):
         return contextlib.nullcontext()
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     with _NoTorchFunction():

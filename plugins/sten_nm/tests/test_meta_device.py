@@ -166,23 +166,31 @@ def test_ptr_refuses_fake_tensors():
 
 
 @requires_kernel
-def test_jvp_with_respect_to_an_nm_weight_names_what_to_do():
-    """``torch.func.jvp`` over a parameter dict holding an n:m weight: the dense path's decompress
-    (the C kernel's) gets a transform's tensor; it said "out is on device cpu ... Move the layout to
-    the CPU first" (the weight is on the CPU)."""
+def test_jvp_with_respect_to_an_nm_weight_gives_dense_torchs_tangent():
+    """``torch.func.jvp`` over a parameter dict holding an n:m weight: ``jvp`` makes the weight dual
+    (``_make_dual``, inside the transform) from its dense values, densified outside the transform.
+    Densified inside it, the C kernel's decompress got a transform's tensor and raised; made dual
+    outside it, the weight's tangent was lost (a silently wrong result)."""
     from torch.func import functional_call, jvp
 
     import sten_core as sten
     from sten_nm import NMTensor
 
+    torch.manual_seed(0)
     lin = torch.nn.Linear(16, 8)
     lin.weight = sten.SparseParameterWrapper(NMTensor.from_dense(lin.weight.detach(), n=2, m=4))
+    dense = torch.nn.Linear(16, 8)
+    dense.weight = torch.nn.Parameter(lin.weight.to_dense().detach().clone())
+    dense.bias = lin.bias
     params = {k: v.detach() for k, v in lin.named_parameters()}
+    dense_params = {k: v.detach() for k, v in dense.named_parameters()}
     tangents = {k: torch.randn(v.shape) for k, v in params.items()}
+    x = torch.randn(4, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", sten.DispatchWarning)
-        with pytest.raises(ValueError, match="without data of its own.*torch.func.*frozen"):
-            jvp(lambda p: functional_call(lin, p, (torch.randn(4, 16),)), (params,), (tangents,))
+        got = jvp(lambda p: functional_call(lin, p, (x,)), (params,), (tangents,))
+    want = jvp(lambda p: functional_call(dense, p, (x,)), (dense_params,), (tangents,))
+    torch.testing.assert_close(got, want)
 
 
 # -- the layouts on meta: class, shapes, dtypes ----------------------------------------------
