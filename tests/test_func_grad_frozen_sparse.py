@@ -360,3 +360,22 @@ def test_jvp_with_respect_to_a_sparse_weight_in_a_parameter_dict_matches_dense(l
     got = jvp(lambda p: functional_call(sparse, p, (x,)), (params,), (tangents,))
     want = jvp(lambda p: functional_call(dense, p, (x,)), (dense_params,), (tangents,))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "vjp", "jvp", "jacfwd", "hessian"])
+@pytest.mark.parametrize("layout,kwargs", LAYOUTS[:5], ids=[layout.__name__ for layout, _ in LAYOUTS[:5]])
+def test_transforms_with_respect_to_a_sparse_argument_match_dense(layout, kwargs, transform):
+    """A wrapper as the differentiated argument runs the dense path; ``jvp`` raised for CSR ("do not
+    have strides") and n:m (the C decompress got a transform's tensor)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    d = torch.randn(6, 8, dtype=torch.float64)
+    w = sten.SparseTensorWrapper(layout.from_dense(d * (torch.rand(6, 8) > 0.5), **kwargs))
+    f = lambda ww: F.linear(x, ww).sin().sum()
+    make = {"grad": torch.func.grad, "jacrev": torch.func.jacrev, "jacfwd": torch.func.jacfwd,
+            "hessian": torch.func.hessian,
+            "vjp": lambda g: (lambda a: torch.func.vjp(g, a)[1](torch.tensor(1.0, dtype=torch.float64))[0]),
+            "jvp": lambda g: (lambda a: torch.func.jvp(g, (a,), (torch.ones(6, 8, dtype=torch.float64),))[1])}[transform]
+    got = make(f)(w)
+    got = got.to_dense() if isinstance(got, sten.SparseTensorWrapper) else got
+    torch.testing.assert_close(got, make(f)(w.to_dense()))
