@@ -145,6 +145,7 @@ def _non_strict_export() -> bool:
     exporting = getattr(torch.compiler, "is_exporting", None)
     return exporting is not None and exporting() and not torch.compiler.is_dynamo_compiling()
 
+
 _INTERM_EAGER = ("SparsityBuilder.set_interm / set_interm_grad intermediates run eagerly (a graph break): "
                  "torch.export and fullgraph=True cannot hold them; export the model before get_sparse_model(), "
                  "or sparsify its weights only")
