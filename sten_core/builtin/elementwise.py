@@ -32,7 +32,6 @@ import torch
 from sten_core.builtin.filled import FilledTensor, image_of, with_fill
 from sten_core.dispatch.conversions import convert_exactly
 from sten_core.dispatch.optimizer_steps import in_optimizer_step
-from sten_core.dispatch.state_patterns import follow_weight_patterns
 from sten_core.dispatch.writes import (another_params_pattern, is_storage_view, is_weight, view_of_temporary,
                                        warn_if_dropped, write_back_warned, write_growing, writes_exactly)
 from sten_core.model.layouts import Layout, supports_values
@@ -200,8 +199,6 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False
         # (zeros_like(w) without grad is a new tensor, no gradient to format: Adam's exp_avg, which with
         # a format holding a sparsifier did not load with torch.load(weights_only=True))
         grad_fmt = None if op is torch.zeros_like else self.grad_fmt
-        if op is torch.zeros_like and is_weight(self):   # (maybe optimizer state: it follows the weight's pattern)
-            follow_weight_patterns()
         return SparseTensorWrapper(layout.with_values(result), False, grad_fmt)
 
     return impl

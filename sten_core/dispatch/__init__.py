@@ -36,12 +36,14 @@ from sten_core.dispatch.observers import (add_note_listener, add_observer, liste
                                           observing, remove_note_listener, remove_observer)
 from sten_core.dispatch.plan import Plan, PlanKind, clear_caches, plan_for, plan_of
 from sten_core.dispatch.sparsifier_dispatch import apply_spec, same_format_layout, sparsify
+from sten_core.dispatch.state_patterns import follow_weight_patterns
 from sten_core.dispatch.writes import accumulate, run_dense_in_place, sum_growing
 from sten_core.model.tensor import layout_of, services
 
 services.install(dispatch_call=dispatch_call, dense_with_grad=dense_with_grad,
                  same_format_layout=same_format_layout, convert=convert, accumulate=accumulate,
-                 run_dense_in_place=run_dense_in_place, sum_growing=sum_growing)
+                 run_dense_in_place=run_dense_in_place, sum_growing=sum_growing,
+                 watch_optimizer_state=follow_weight_patterns)
 
 __all__ = [
     "add_note_listener", "add_observer", "clear_caches", "listening_to_notes", "note", "observing",

@@ -7,7 +7,7 @@ new``, ``w.set_(...)``, ``load_state_dict`` of a checkpoint with another pattern
 state made before no longer fits it: Adam's regrown weights never moved (their ``exp_avg`` was
 unstored, so 0), RMSprop's were divided by ``eps`` (~1e18), and SGD's started with the momentum
 its dense buffer had gathered off the pattern. A global step pre-hook (registered when the first
-sparse parameter is made, or a weight's state is made or loaded) compares each sparse weight's
+sparse weight is made: a parameter, or a wrapper that requires grad) compares each sparse weight's
 layout with the one it had at the last step (O(1) while they share their index tensors) and,
 where the pattern changed, moves sparse state onto the weight's pattern and layout (its values
 kept where both store) and keeps dense state of the weight's shape where the old and new
@@ -38,17 +38,17 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from sten_core.dispatch.fresh_state import fresh_state
-from sten_core.dispatch.writes import layout_at
+from sten_core.dispatch.writes import layout_at, stored_mask_of
 from sten_core.model.layouts import supports_values
 from sten_core.model.masks import stored_mask
-from sten_core.model.tensor import SparseTensorWrapper, densify, services
+from sten_core.model.tensor import SparseTensorWrapper, densify
 
 _registered = False
 
 
 def follow_weight_patterns() -> None:
     """Register the step pre-hook that moves optimizer state onto its weight's pattern (once;
-    torch is left as it is until a sparse parameter or a weight's state is made)."""
+    torch is left as it is until a sparse weight is made)."""
     global _registered
     if not _registered:
         register_optimizer_step_pre_hook(_state_follows_weights)
@@ -103,7 +103,7 @@ def _follow(optimizer: torch.optim.Optimizer, weight: SparseTensorWrapper, entry
         return entry
     fresh, new, old = None, stored_mask(weight), None
     if last is not None and not unchanged:
-        old = stored_mask(SparseTensorWrapper(last)).to(new.device)
+        old = stored_mask_of(last).to(new.device)
     for name, value in list(state.items()):
         if not isinstance(value, torch.Tensor) or value.shape != weight.shape or not value.is_floating_point():
             continue   # (the step counter, scalars, factored state)
@@ -149,6 +149,3 @@ def _onto_pattern(state: SparseTensorWrapper, weight: SparseTensorWrapper, wante
         grown = theirs.with_values(theirs.gather(dense).to(state.dtype))
     state.wrapped_tensor = grown
     return added
-
-
-services.install(watch_optimizer_state=follow_weight_patterns)

@@ -70,6 +70,8 @@ class SparseTensorWrapper(torch.Tensor):
         self.__dict__["_grad_fmt"] = grad_fmt
         if requires_grad and issubclass(cls, _Traceable) and services.watch_gradient is not None:
             services.watch_gradient(self)  # a re-sparsified grad_fmt: the compiled gradient's conversion
+        if (requires_grad or issubclass(cls, SparseParameterWrapper)) and services.watch_optimizer_state is not None:
+            services.watch_optimizer_state()  # a weight: its optimizer state follows its pattern
         return self
 
     @property
@@ -245,8 +247,6 @@ class SparseParameterWrapper(SparseTensorWrapper):
             wrapped_tensor = wrapped_tensor.wrapped_tensor
         self = SparseTensorWrapper.__new__(cls, wrapped_tensor, requires_grad, grad_fmt)
         self._is_param = True
-        if services.watch_optimizer_state is not None:   # (its optimizer state follows its pattern)
-            services.watch_optimizer_state()
         return self
 
 
@@ -474,9 +474,8 @@ class WrapperServices:
     """What the wrapper needs from the layers built on this module, installed
     by them when imported (``sten_core.dispatch``: ``dispatch_call``,
     ``dense_with_grad``, ``same_format_layout``, ``convert``, ``accumulate``,
-    ``run_dense_in_place``, ``sum_growing``;
+    ``run_dense_in_place``, ``sum_growing``, ``watch_optimizer_state``;
     ``sten_core.dispatch.compiled``: ``compiled_call``, ``MISSING``;
-    ``sten_core.dispatch.state_patterns``: ``watch_optimizer_state``;
     ``sten_core.training.serialization``: ``reduce_wrapper``;
     ``sten_core.plugins``: ``load_plugins``), so the
     programming model imports nothing above it.
@@ -787,8 +786,6 @@ def _store(target: SparseTensorWrapper, layout: Any) -> None:
             torch.Tensor.data.__set__(target, shell)  # the tensor's own metadata
     target._cell[0] = layout
     sync_class(target)
-    if services.watch_optimizer_state is not None:   # (its optimizer state follows a new pattern)
-        services.watch_optimizer_state()
 
 
 def _view_as(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from sten_core.builtin.filled import FilledTensor
-from sten_core.dispatch.state_patterns import follow_weight_patterns
 from sten_core.model.layouts import StateTensors, implements
 from sten_core.model.registry import registry
 from sten_core.model.sparsifiers import KeepAll
@@ -122,8 +121,6 @@ def rebuild_sparse(is_param: bool, layout_name: str, shape: tuple, tensors: tupl
         except Exception:  # an exception class that takes other arguments: as it is
             raise error from None
         raise named from error
-    if not is_param:   # (maybe optimizer state: it follows its weight's pattern)
-        follow_weight_patterns()
     cls = SparseParameterWrapper if is_param else SparseTensorWrapper
     return cls(layout, requires_grad, _grad_format(grad_format, layout_cls))
 
