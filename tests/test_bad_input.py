@@ -215,3 +215,11 @@ def test_block_sparsifier_on_too_few_dims():
 def test_set_dispatch_failure_names_mode():
     with pytest.raises(ValueError, match="mode must be 'warn' or 'raise'"):
         sten.set_dispatch_failure("loud")
+
+
+def test_converting_a_3d_coo_tensor_to_a_2d_layout_names_the_layout():
+    """The registered COO -> CSR step raised torch's "coo_to_sparse_csr: ... sparse_dim()!=2"; a step
+    refusing the tensor now leaves it to the target layout, which says what it needs."""
+    coo = sten.SparseTensorWrapper(sten.CooTensor.from_dense(torch.eye(4).reshape(2, 2, 4)))
+    with pytest.raises(ValueError, match=r"CsrTensor.from_dense: tensor must be 2-D, got shape \(2, 2, 4\)"):
+        sten.convert(coo, sten.CsrTensor)

@@ -113,3 +113,27 @@ def test_failed_inplace_sparsification_changes_nothing():
     assert [list(g["params"]) for g in optimizer.param_groups] == groups
     assert {id(p) for p in optimizer.state} == set(state)
     assert not model[1]._forward_pre_hooks and not model[1]._forward_hooks   # no intermediate hooks either
+
+
+class _Relu3d(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.proj(x))
+
+
+@pytest.mark.parametrize("where", ["the model", "a submodule"])
+def test_an_intermediate_a_layout_refuses_is_named_in_the_error(where):
+    """A 2-D-only layout given a 3-D intermediate failed at the first forward with the layout's own
+    message only ("CsrTensor.from_dense: tensor must be 2-D"), naming no intermediate."""
+    model = _Relu3d() if where == "the model" else torch.nn.Sequential(_Relu3d())
+    name = "relu" if where == "the model" else "0.relu"
+    sb = sten.SparsityBuilder(model)
+    sb.set_interm(name, inline_sparsifier=sten.ScalarThresholdSparsifier(0.3), tmp_format=torch.Tensor,
+                  external_sparsifier=sten.KeepAll(), out_format=sten.CsrTensor)
+    sparse = sb.get_sparse_model()
+    with pytest.raises(ValueError, match=rf"set_interm\('{name}', \.\.\.\): CsrTensor.from_dense: tensor must be 2-D"):
+        sparse(torch.randn(2, 5, 8))
+    assert isinstance(sparse(torch.randn(5, 8)), sten.SparseTensorWrapper)  # a 2-D one is sparsified

@@ -5,6 +5,7 @@ default ``torch.load`` (``weights_only=True``), with the conformance kit's
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,73 @@ def test_a_layout_name_now_registered_by_another_plugin_is_named_on_load(tmp_pat
     finally:
         sten.registry.layouts["CooTensor"] = coo
     assert torch.equal(torch.load(path, weights_only=True)["weight"].to_dense(), torch.eye(3))
+
+
+class ElsewhereLayout(DenseCopyLayout):
+    """A layout whose class another package defines (its module is set below)."""
+
+    def state_tensors(self) -> tuple:
+        return (self.data,)
+
+    @classmethod
+    def from_state_tensors(cls, tensors: tuple, shape: tuple) -> "ElsewhereLayout":
+        return cls(tensors[0])
+
+
+def _saved_under_the_coo_name(tmp_path: Path, cls: type, module: str) -> Path:
+    """A checkpoint of a ``cls`` tensor (its class in ``module``) saved while ``cls`` held the name
+    ``CooTensor``."""
+    path, coo = tmp_path / "w.pt", sten.registry.layouts["CooTensor"]
+    cls.__module__, cls.__qualname__ = module, "CooTensor"
+    try:
+        sten.registry.layouts["CooTensor"] = cls
+        torch.save({"weight": sten.SparseTensorWrapper(cls.from_dense(torch.eye(3)))}, path)
+    finally:
+        sten.registry.layouts["CooTensor"] = coo
+    return path
+
+
+def test_a_checkpoint_of_another_packages_layout_of_the_same_name_is_refused(tmp_path):
+    """Two plugins (installed on different machines) both call their layout ``CooTensor``: the
+    checkpoint named only the layout, and loaded into the other package's class, which read its
+    values wrong without a word."""
+    path = _saved_under_the_coo_name(tmp_path, ElsewhereLayout, "other_vendor.layouts")
+    with pytest.raises(TypeError, match=r"saved by other_vendor\.layouts\.CooTensor \(package 'other_vendor'\), but "
+                                        r"'CooTensor' is now sten_core\.builtin\.torch_layouts\.CooTensor"):
+        torch.load(path, weights_only=True)
+
+
+def test_a_layout_class_moved_within_its_package_still_loads(tmp_path):
+    coo = sten.CooTensor
+    path = tmp_path / "w.pt"
+    torch.save({"weight": sten.SparseTensorWrapper(coo.from_dense(torch.eye(3)))}, path)
+    module = coo.__module__
+    try:
+        coo.__module__ = "sten_core.layouts_moved"
+        assert torch.equal(torch.load(path, weights_only=True)["weight"].to_dense(), torch.eye(3))
+    finally:
+        coo.__module__ = module
+
+
+def test_checkpoints_without_the_saving_class_still_load():
+    """Checkpoints written before the class was recorded name the layout only."""
+    from sten_core.training.serialization import rebuild_sparse
+
+    tensors = sten.CooTensor.from_dense(torch.eye(3)).state_tensors()
+    for args in ((), (None,)):
+        w = rebuild_sparse(False, "CooTensor", (3, 3), tensors, False, *args)
+        assert torch.equal(w.to_dense(), torch.eye(3))
+
+
+def test_a_layout_no_plugin_registers_names_the_class_that_saved_it(tmp_path):
+    path = _saved_under_the_coo_name(tmp_path, ElsewhereLayout, "other_vendor.layouts")
+    coo = sten.registry.layouts.pop("CooTensor")
+    try:
+        with pytest.raises(ValueError, match=r"'CooTensor' tensor \(saved by other_vendor\.layouts\.CooTensor\), a "
+                                             r"layout no installed plugin registers: install or enable the plugin"):
+            torch.load(path, weights_only=True)
+    finally:
+        sten.registry.layouts["CooTensor"] = coo
 
 
 @pytest.mark.parametrize("layout, corrupt", [
@@ -199,3 +267,25 @@ def test_a_sparsifying_gradient_format_is_left_out_of_state_dicts():
     torch.save(model[0].weight, buf)
     buf.seek(0)
     assert torch.load(buf, weights_only=False).grad_fmt is not None
+
+
+class Whole(NoStateLayout):
+    """Pickled whole (module level: pickle finds it by name)."""
+
+
+def test_saving_a_layout_without_state_tensors_says_the_file_needs_weights_only_false(tmp_path):
+    """It saved without a word, and ``torch.load``'s default then failed with "Unsupported global:
+    sten_core.model.tensor._rebuild", naming neither the layout nor the fix."""
+    sten.registry.register_layout(Whole)
+    try:
+        weight = sten.SparseTensorWrapper(Whole.from_dense(torch.eye(3)))
+        with pytest.warns(UserWarning, match=r"layout Whole has no state_tensors\(\) / from_state_tensors\(\).*"
+                                             r"weights_only=False"):
+            torch.save({"w": weight}, tmp_path / "w.pt")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # once per layout class
+            torch.save({"w": weight}, tmp_path / "w.pt")
+        assert torch.equal(torch.load(tmp_path / "w.pt", weights_only=False)["w"].to_dense(), torch.eye(3))
+    finally:
+        sten.registry.layouts.pop("Whole")
+        sten.registry._owners.pop(("layouts", "Whole"))

@@ -237,3 +237,69 @@ def test_an_in_place_implementation_may_return_none():
         torch.testing.assert_close(w.to_dense(), torch.ones(2, 2))
     finally:
         sten.registry.remove_owner(OWNER)
+
+
+@pytest.mark.parametrize("returns", ["another shape", "another dtype", "a layout of another shape", "two results"])
+def test_an_implementation_returning_another_shape_or_dtype_than_the_operator_is_an_error(returns):
+    """A forward's result was taken as it came: an ``F.linear`` of shape ``[3, 5]`` where torch gives
+    ``[3, 4]`` (broadcasting then hid it), an ``add`` of float32 tensors giving float16, a ``mul``
+    returning a layout object of another shape."""
+    def linear(ctx, inputs, outs):
+        y = F.linear(inputs[0], inputs[1].wrapped_tensor.data)
+        if returns == "another shape":
+            return torch.cat([y, y[:, :1]], 1)
+        if returns == "another dtype":
+            return y.half()
+        if returns == "a layout of another shape":
+            return Forgetful.from_dense(y.t())
+        return y, y
+
+    try:
+        with sten.registry.owner(OWNER):
+            sten.registry.register_layout(Forgetful)
+            sten.registry.register_fwd_op_impl(F.linear, (torch.Tensor, Forgetful), None, linear)
+        w = sten.SparseTensorWrapper(Forgetful.from_dense(torch.randn(4, 6)))
+        says = {"another shape": r"shape \(3, 5\) float32", "another dtype": r"shape \(3, 4\) float16",
+                "a layout of another shape": r"shape \(4, 3\) float32",
+                "two results": r"\(shape \(3, 4\) float32, shape \(3, 4\) float32\)"}[returns]
+        with pytest.raises(ValueError, match=rf"implementation .*linear of fwd torch.nn.functional.linear .*returned "
+                                             rf"{says} where torch.nn.functional.linear gives shape \(3, 4\) float32"):
+            F.linear(torch.randn(3, 6), w)
+    finally:
+        sten.registry.remove_owner(OWNER)
+
+
+def test_results_are_checked_for_each_signature_and_a_correct_one_passes():
+    """The check runs once per argument signature: a kernel wrong for a batch of one only is caught there."""
+    def linear(ctx, inputs, outs):
+        y = F.linear(inputs[0], inputs[1].wrapped_tensor.data)
+        return y.t() if y.shape[0] == 1 else y   # a "vector" special case returning a column
+
+    try:
+        with sten.registry.owner(OWNER):
+            sten.registry.register_layout(Forgetful)
+            sten.registry.register_fwd_op_impl(F.linear, (torch.Tensor, Forgetful), None, linear)
+        dense = torch.randn(4, 6)
+        w = sten.SparseTensorWrapper(Forgetful.from_dense(dense))
+        for _ in range(2):
+            torch.testing.assert_close(F.linear(torch.ones(3, 6), w), F.linear(torch.ones(3, 6), dense))
+        with pytest.raises(ValueError, match=r"returned shape \(4, 1\) float32 where .* gives shape \(1, 4\)"):
+            F.linear(torch.ones(1, 6), w)
+    finally:
+        sten.registry.remove_owner(OWNER)
+
+
+def test_the_packages_of_this_repository_are_not_checked_at_run_time():
+    from sten_core.dispatch.result_check import checks
+
+    sten.plugins.ensure_loaded()
+    owners = {sten.registry.owner_of("impls", key): checks(key) for key in sten.registry.impls}
+    assert owners and not any(checked for owner, checked in owners.items() if owner in ("builtin", "nm", "scipy"))
+    try:
+        with sten.registry.owner(OWNER):
+            sten.registry.register_layout(Forgetful)
+            sten.registry.register_fwd_op_impl(torch.tanh, (Forgetful,), None, lambda ctx, inputs, outs: None)
+        key = next(key for key in sten.registry.impls if sten.registry.owner_of("impls", key) == OWNER)
+        assert checks(key)
+    finally:
+        sten.registry.remove_owner(OWNER)

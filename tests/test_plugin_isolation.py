@@ -131,6 +131,87 @@ def test_last_registration_wins_and_removing_it_brings_back_the_previous(plugins
     assert MUL_KEY not in registry.impls and "IsolationLayout" not in registry.layouts
 
 
+def test_a_plugin_overriding_only_a_forward_does_not_get_the_other_plugins_backward(plugins):
+    """Plugin B replaces A's forward of ``F.linear`` but not its backward: A's backward reads what A's
+    forward saved, so after B's forward the call takes the dense gradients, with a warning naming both."""
+
+    def a_forward(ctx, inputs, output_sparsifiers):
+        ctx.save_for_backward(inputs[0], inputs[1].wrapped_tensor.to_dense())
+        return F.linear(inputs[0], inputs[1].wrapped_tensor.to_dense())
+
+    def a_backward(ctx, grads, input_sparsifiers):
+        x, w = ctx.saved_tensors  # what a_forward saved: B's forward saves nothing
+        return grads[0] @ w, grads[0].t() @ x
+
+    def b_forward(ctx, inputs, output_sparsifiers):
+        return F.linear(inputs[0], inputs[1].wrapped_tensor.to_dense())
+
+    @api.hookimpl
+    def a_register(registry):
+        registry.register_layout(IsolationLayout)
+        registry.register_fwd_op_impl(F.linear, (T, IsolationLayout), [(sten.KeepAll, T)], a_forward)
+        registry.register_bwd_op_impl(F.linear, (T,), [(sten.KeepAll, T), (sten.KeepAll, T)],
+                                      (T, IsolationLayout), a_backward)
+
+    @api.hookimpl
+    def b_register(registry):
+        registry.register_fwd_op_impl(F.linear, (T, IsolationLayout), [(sten.KeepAll, T)], b_forward)
+
+    def gradients() -> tuple:
+        dense = torch.randn(4, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        w = sten.SparseParameterWrapper(IsolationLayout.from_dense(dense))
+        x = torch.linspace(-1, 1, 24, dtype=torch.float64).reshape(3, 8).requires_grad_()
+        (F.linear(x, w) ** 2).sum().backward()
+        x_ref, w_ref = x.detach().clone().requires_grad_(), dense.clone().requires_grad_()
+        (F.linear(x_ref, w_ref) ** 2).sum().backward()
+        return x.grad, densify(w.grad), x_ref.grad, w_ref.grad
+
+    assert plugins("iso-a", sten_register=a_register)
+    x_grad, w_grad, x_ref, w_ref = gradients()  # A's own pair
+    torch.testing.assert_close(x_grad, x_ref)
+    torch.testing.assert_close(w_grad, w_ref)
+    with pytest.warns(OverrideWarning, match="iso-b"):
+        assert plugins("iso-b", sten_register=b_register)
+    with pytest.warns(sten.DispatchWarning, match=r"a_backward \(of 'iso-a'\), belongs to 'iso-a'.s forward, which "
+                                                  r"'iso-b' overrides: the forward that ran is .*b_forward \(of 'iso-b'\)"):
+        x_grad, w_grad, x_ref, w_ref = gradients()
+    torch.testing.assert_close(x_grad, x_ref)
+    torch.testing.assert_close(w_grad, w_ref)
+
+
+def test_a_backward_registered_alone_follows_the_forward_in_force(plugins):
+    """User code (or a plugin) giving only a backward, a custom gradient of a built-in forward, runs it:
+    its owner registered no forward of its own for the key."""
+    calls = []
+
+    def forward(ctx, inputs, output_sparsifiers):
+        ctx.save_for_backward(inputs[0], inputs[1].wrapped_tensor.to_dense())
+        return F.linear(inputs[0], inputs[1].wrapped_tensor.to_dense())
+
+    def backward(ctx, grads, input_sparsifiers):
+        calls.append("custom")
+        x, w = ctx.saved_tensors
+        return grads[0] @ w, grads[0].t() @ x
+
+    @api.hookimpl
+    def forward_only(registry):
+        registry.register_layout(IsolationLayout)
+        registry.register_fwd_op_impl(F.linear, (T, IsolationLayout), [(sten.KeepAll, T)], forward)
+
+    assert plugins("iso-forward", sten_register=forward_only)
+    with registry.owner("iso-custom-gradient"):
+        registry.register_bwd_op_impl(F.linear, (T,), [(sten.KeepAll, T), (sten.KeepAll, T)], (T, IsolationLayout),
+                                      backward)
+    try:
+        w = sten.SparseParameterWrapper(IsolationLayout.from_dense(torch.eye(4)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", sten.DispatchWarning)
+            F.linear(torch.ones(2, 4), w).sum().backward()
+        assert calls == ["custom"] and torch.equal(densify(w.grad), torch.full((4, 4), 2.0))
+    finally:
+        registry.remove_owner("iso-custom-gradient")
+
+
 def test_registering_the_same_layout_again_keeps_its_owner(plugins):
     @api.hookimpl
     def again_register(registry):
@@ -227,6 +308,95 @@ def test_raising_convert_hook_is_skipped_with_one_warning(plugins):
     with warnings.catch_warnings():
         warnings.simplefilter("error", PluginHookWarning)  # once per plugin and hook
         sten.convert(csr, UnreachableLayout)
+
+
+class HookedLayout(DenseCopyLayout):
+    """A layout only a test plugin's ``sten_convert`` hook converts (to CSR)."""
+
+
+def _linear_plans(weight: torch.Tensor) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """The plans of ``F.linear(x, w)`` with a ``HookedLayout`` weight, its output and the weight's gradient."""
+    w = sten.SparseParameterWrapper(HookedLayout.from_dense(weight))
+    x = torch.arange(12, dtype=weight.dtype).reshape(3, 4) / 10
+    plans: list = []
+    with sten.dispatch.observed(lambda event: plans.append(event["plan"])):
+        y = F.linear(x, w)
+    y.square().sum().backward()
+    return plans, y, densify(w.grad)
+
+
+@pytest.mark.parametrize("converts", ["to CSR", "only some tensors", "lossily"])
+def test_dispatch_converts_through_the_sten_convert_hook(plugins, converts):
+    """DESIGN.md's dispatch step 3: the conversions to a layout that has an implementation include the
+    ``sten_convert`` hook's (they were asked by ``sten.convert`` only, so a layout reached through the hook
+    alone ran dense). The hook is asked at the call, so a tensor it does not convert, or converts
+    with a loss, takes the dense path instead (with a warning)."""
+    @api.hookimpl
+    def sten_register(registry):
+        registry.register_layout(HookedLayout)
+
+    @api.hookimpl
+    def sten_convert(tensor, target):
+        if not isinstance(tensor, HookedLayout) or target is not sten.CsrTensor:
+            return None   # (the CSR implementation is not the only one F.linear reaches: the others are tried first)
+        if converts == "only some tensors" and tensor.data.shape[0] == 5:
+            return None
+        dense = tensor.data.clamp(min=0) if converts == "lossily" else tensor.data
+        return sten.CsrTensor.from_dense(dense)
+
+    assert plugins("iso-hooked", sten_register=sten_register, sten_convert=sten_convert)
+    weight = torch.tensor([[1.0, 0, -2, 0], [0, 3, 0, 0]], dtype=torch.float64)
+    x = torch.arange(12, dtype=torch.float64).reshape(3, 4) / 10
+    expected_grad = 2 * F.linear(x, weight).t() @ x
+    if converts == "lossily":
+        with pytest.warns(sten.DispatchWarning, match="Lossy conversion HookedLayout -> CsrTensor: the sten_convert hook"):
+            plans, y, grad = _linear_plans(weight)
+        assert plans == ["fallback"]
+    else:
+        plans, y, grad = _linear_plans(weight)
+        assert plans == ["convert", "convert"], "the hook's conversion, then the CSR implementation"
+    torch.testing.assert_close(y, F.linear(x, weight))
+    torch.testing.assert_close(grad, expected_grad)
+    if converts == "only some tensors":   # a weight the hook does not convert: dense, with the warning
+        weight5 = torch.eye(5, 4, dtype=torch.float64)
+        with pytest.warns(sten.DispatchWarning, match=r"the conversion HookedLayout -> CsrTensor refused these inputs"):
+            plans, y, grad = _linear_plans(weight5)
+        assert plans == ["fallback"]
+        torch.testing.assert_close(y, F.linear(x, weight5))
+
+
+@pytest.mark.parametrize("target", ["ScipyCsrTensor", None], ids=["a late candidate", "none"])
+def test_the_sten_convert_hook_is_asked_for_every_candidate_on_a_keys_first_call_only(plugins, target):
+    """Every implementation the hook might reach is tried on the first call (a cap of eight left the scipy
+    layouts out); then the key keeps the one it served, or the dense path, and the hook is not asked for
+    the others again (each call asked it up to eight times before going dense, 3.5x slower)."""
+    pytest.importorskip("sten_scipy")
+    asked = []
+
+    @api.hookimpl
+    def sten_register(registry):
+        registry.register_layout(HookedLayout)
+
+    @api.hookimpl
+    def sten_convert(tensor, target):
+        if not isinstance(tensor, HookedLayout):
+            return None
+        asked.append(target.__name__)
+        return target.from_dense(tensor.data) if target.__name__ == wanted else None
+
+    wanted = target
+    assert plugins("iso-hooked-late", sten_register=sten_register, sten_convert=sten_convert)
+    weight = torch.tensor([[1.0, 0, -2, 0], [0, 3, 0, 0]], dtype=torch.float64)
+    x = torch.arange(12, dtype=torch.float64).reshape(3, 4) / 10
+    w = sten.SparseTensorWrapper(HookedLayout.from_dense(weight))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        torch.testing.assert_close(F.linear(x, w), F.linear(x, weight))
+    first = list(asked)
+    assert len(first) > 8 and ("ScipyCsrTensor" in first) and (target is None or first[-1] == target)
+    asked.clear()
+    torch.testing.assert_close(F.linear(x, w), F.linear(x, weight))
+    assert asked == ([target] if target else []), "the key's plan is settled"
 
 
 class ConvertedLayout(DenseCopyLayout):

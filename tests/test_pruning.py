@@ -557,3 +557,27 @@ def test_sparse24_layout_of_sten_cuda24():
     sten.prune(model, [x], "wanda", pattern=(2, 4), out_format=sten_cuda24.Sparse24Tensor)
     assert type(model.fc2.weight.wrapped_tensor) is sten_cuda24.Sparse24Tensor
     torch.testing.assert_close(model.fc2.weight.to_dense(), ref.fc2.weight.detach(), rtol=0, atol=0)
+
+
+def test_wanda_zeroes_a_pruned_inf_or_nan_weight():
+    """``dense * keep`` left NaN where Wanda pruned an inf (``inf * 0``), which no sparse layout stores."""
+    from sten_core.training.pruning import WandaSparsifier
+
+    w = torch.tensor([[float("inf"), float("nan"), float("inf"), 4.0]])
+    wanda = WandaSparsifier(0.75).bind(input_norm=torch.ones(4))
+    values, keep = wanda.prune(w)
+    assert keep.sum() == 1 and not values[~keep].isnan().any() and (values[~keep] == 0).all()
+    assert torch.equal(sten.sparsify(wanda, w, sten.CsrTensor).to_dense().isnan(), values.isnan())
+
+
+@pytest.mark.parametrize("row", [[1e-300, 2e-300, 3e-300, 4e-300], [1e39, 2e39, 3e39, 4e39],
+                                 [1.0, 1.0 + 1e-12, 0.5, 0.25]], ids=["underflow", "overflow", "close"])
+def test_wanda_ranks_a_float64_weight_in_float64(row):
+    """Scores were float32: values under 1e-38 or over 3e38, or 1e-12 apart, tied, and the first kept."""
+    from sten_core.training.pruning import WandaSparsifier
+
+    w = torch.tensor([row], dtype=torch.float64)
+    norm = torch.ones(4, dtype=torch.float64)
+    expected = sten.ScalarFractionSparsifier(0.5).mask(w)  # unit norms: Wanda is per-row magnitude
+    assert torch.equal(WandaSparsifier(0.5).mask(w, input_norm=norm), expected)
+    assert WandaSparsifier(n=1, m=2).mask(w[:, :2], input_norm=norm[:2]).tolist() == [[False, True]]

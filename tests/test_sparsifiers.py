@@ -415,3 +415,15 @@ def test_magnitudes_of_integers_are_exact(dtype):
     second = {torch.int8: 127, torch.int32: 2 ** 31 - 1, torch.int64: 2 ** 40}[dtype]
     x = torch.tensor([second, 1, big, 0], dtype=dtype)
     assert sten.ScalarFractionSparsifier(0.75).mask(x).tolist() == [False, False, True, False]
+
+
+@pytest.mark.parametrize("numel, fraction, kept", [(10, 0.95, 0), (15, 0.9, 2), (15, 0.7, 4), (25, 0.78, 6)])
+def test_the_kept_count_rounds_the_exact_product_half_to_even(numel, fraction, kept):
+    """``round(numel * (1 - fraction))`` was taken in binary floating point: 10 * (1 - 0.95) is
+    0.5000000000000004 and kept 1, where the documented rule (a half rounds to even) keeps 0."""
+    from sten_core.training.scores import TaylorSparsifier
+
+    w = torch.arange(1.0, numel + 1)
+    assert int(sten.ScalarFractionSparsifier(fraction).mask(w).sum()) == kept
+    assert int(sten.BlockwiseFractionSparsifier(fraction, (1,)).mask(w).sum()) == kept
+    assert int(TaylorSparsifier(fraction).mask(w, grad=torch.ones(numel)).sum()) == kept

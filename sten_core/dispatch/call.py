@@ -22,9 +22,10 @@ from sten_core.dispatch.conversions import wrap
 from sten_core.dispatch.errors import Unsupported, declined, report_missing
 from sten_core.dispatch.observers import active, notify
 from sten_core.dispatch.plan import Plan, PlanKind, is_inplace, plan_for
+from sten_core.dispatch.result_check import check_result, checks, is_torch_op
 from sten_core.dispatch.sparsifier_dispatch import apply_grad_spec, apply_spec, is_grads_batched
 from sten_core.dispatch.writes import into_target, run_dense_in_place
-from sten_core.model.registry import OpKey, trim
+from sten_core.model.registry import OpKey, registry, trim
 from sten_core.model.signatures import op_name
 from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.spec import DENSE, OutputSpec
@@ -73,11 +74,33 @@ def run_impl(plan: Plan, ctx: OpContext, specs: CallSpecs | None) -> Any:
     """Call a plan's implementation on ``ctx.inputs`` (``plan.nargs`` of them, or all);
     bare layout objects in its output are wrapped."""
     raw = plan.entry.fn(ctx, ctx.inputs, _KEEP_ALL_LIST if specs is None else specs.sparsifiers)
-    if type(raw) in DENSE_TYPES:
-        return raw
-    if raw is None or _foreign_array(raw) or (type(raw) in _NOT_TENSORS and returns_tensors(ctx.op)):
-        _check_result(plan, ctx, raw)
-    return wrap(raw)
+    return impl_result(plan, ctx, raw, checks_results(plan, ctx.op))
+
+
+def impl_result(plan: Plan, ctx: OpContext, raw: Any, check: bool) -> Any:
+    """An implementation's result ``raw``, bare layout objects wrapped, refused where it can only be a
+    mistake (``_check_result``) and, where ``check``, where its shapes or dtypes are not the operator's."""
+    if type(raw) not in DENSE_TYPES:
+        if raw is None or _foreign_array(raw) or (type(raw) in _NOT_TENSORS and returns_tensors(ctx.op)):
+            _check_result(plan, ctx, raw)
+        raw = wrap(raw)
+    if check and not is_inplace(ctx.op, ctx.call_args[1]):
+        check_result(plan.entry.fn, plan.key, ctx.op, ctx.call_args, raw)
+    return raw
+
+
+def checks_results(plan: Plan, op: Any) -> bool:
+    """Whether ``plan``'s implementation has its results for ``op`` checked against torch's
+    (``result_check``): a registered one of user code or of a plugin outside this repository, for one of
+    torch's out-of-place operators that returns tensors (known once per plan)."""
+    if plan.checks is None:
+        plan.checks = plan.kind is not PlanKind.GENERIC and _checkable(op) and checks(plan.key)
+    return plan.checks
+
+
+@functools.lru_cache(maxsize=None)
+def _checkable(op: Any) -> bool:
+    return is_torch_op(op) and returns_tensors(op) and not is_inplace(op, {}) and op not in _ARRAY_RESULT_OPS
 
 
 _NOT_TENSORS = frozenset({int, float, bool, complex, str, list})
@@ -346,10 +369,11 @@ class _Call:
         plan = plan_for(key)
         started = time.perf_counter() if active() else 0.0
         slot_of = self.slot_of
+        foreign = _foreign_backward(self.plan, plan)
         # is_grads_batched: a batch of gradients (vmap'ed), which the kernels do not take
-        if plan.kind is PlanKind.FALLBACK or any(is_grads_batched(g) for g in grad_outputs):
-            if plan.kind is PlanKind.FALLBACK:
-                report_missing(key)
+        if plan.kind is PlanKind.FALLBACK or foreign or any(is_grads_batched(g) for g in grad_outputs):
+            if plan.kind is PlanKind.FALLBACK or foreign:
+                report_missing(key, foreign)
             by_slot = self._dense_backward(grad_outputs, needs)
             if active():
                 notify("op", key, plan.kind, time.perf_counter() - started)
@@ -509,6 +533,27 @@ class _Call:
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 _autocast_available = getattr(torch.amp, "is_autocast_available", lambda device_type: device_type in ("cpu", "cuda"))
+
+
+def _foreign_backward(forward: Plan, backward: Plan) -> str | None:
+    """Why the registered ``backward`` cannot follow the ``forward`` that ran, or ``None``: its owner
+    registered a forward of its own for this key, which another owner's forward overrides, so the
+    context the backward reads was not made by the forward it was written for. (A backward whose owner
+    registered no forward here, user code's custom gradient of a built-in forward, follows any.) Such a
+    call takes the dense operator's gradients, with a warning.
+
+    Example:
+        >>> _foreign_backward(Plan(PlanKind.NATIVE, None), Plan(PlanKind.FALLBACK, None)) is None
+        True
+    """
+    if backward.kind is not PlanKind.IMPL or forward.kind not in (PlanKind.IMPL, PlanKind.CONVERT):
+        return None
+    ran, owner = registry.owner_of("impls", forward.key), registry.owner_of("impls", backward.key)
+    if ran == owner or owner not in registry.registered_by("impls", forward.key):
+        return None
+    return (f"its backward, {op_name(backward.entry.fn)} (of {owner!r}), belongs to {owner!r}'s forward, which "
+            f"{ran!r} overrides: the forward that ran is {op_name(forward.entry.fn)} (of {ran!r}), whose context "
+            "that backward cannot read")
 
 
 def autocast_state(tensors: list) -> tuple | None:

@@ -20,7 +20,7 @@ from sten_core.dispatch.errors import DispatchError, fail
 from sten_core.dispatch.observers import active, notify
 from sten_core.model.layouts import DenseConvertible, builds_from_dense, implements, to_dense_tensor
 from sten_core.model.registry import OpKey, registry
-from sten_core.model.replacing import replacement_layout, same_values
+from sten_core.model.replacing import replacement_layout, same_values, stores_at_most
 from sten_core.model.tensor import DENSE_TYPES, WRAPPER_TYPES, SparseTensorWrapper, densify, detach_at, layout_of
 from sten_core.plugins import manager as plugins
 
@@ -98,7 +98,13 @@ def _convert(value: Any, target: type) -> Any:
         layout = value.wrapped_tensor
         if type(layout) is target:
             return value
-        registered = _registered_conversion(layout, target)
+        try:
+            registered = _registered_conversion(layout, target)
+        except (RuntimeError, NotImplementedError) as error:
+            # torch refusing a step (a 3-D COO to CSR: "coo_to_sparse_csr: ... sparse_dim()!=2"): the target says
+            # why, or takes it through dense; a plugin's own ValueError / TypeError says it better and is raised
+            _reraise_failures(error)
+            registered = None
         if registered is not None:
             return SparseTensorWrapper(registered)
         return _through_dense(layout, target)
@@ -132,7 +138,12 @@ def _registered_conversion(layout: Any, target: type) -> Any:
         if (source, target) not in _exact and not _exact_on_first_use(layout, result, target):
             return None
         return result
-    return plugins.first_result("sten_convert", tensor=layout, target=target)
+    hooked = plugins.first_result("sten_convert", tensor=layout, target=target)
+    if hooked is None or (source, target) in _lossy:
+        return None
+    if (source, target) not in _exact and not _exact_on_first_use(layout, hooked, target):
+        return None
+    return hooked
 
 
 _exact: set[tuple[type, type]] = set()
@@ -157,8 +168,9 @@ def _exact_on_first_use(layout: Any, result: Any, target: type) -> bool:
         return True
     _lossy.add((source, target))
     owners = sorted({str(registry.owner_of("conversions", key)) for key in _path_keys(source, target)})
-    fail(f"Lossy conversion {source.__name__} -> {target.__name__}: the registered conversion (registered by "
-         f"{', '.join(owners)}) changed the values on its first use, so it is not used: conversions to "
+    what = f"the registered conversion (registered by {', '.join(owners)})" if owners else "the sten_convert hook"
+    fail(f"Lossy conversion {source.__name__} -> {target.__name__}: {what} changed the values on its first use, so it "
+         f"is not used: conversions to "
          f"{target.__name__} go through dense ({target.__name__}.from_dense) instead. A registered conversion "
          f"must keep every value (sten_core.testing.check_layout checks a layout's conversions)",
          ("lossy registered conversion", source, target))
@@ -184,7 +196,8 @@ def _path_keys(source: type, target: type) -> list[tuple[type, type]]:
 def convert_exactly(value: SparseTensorWrapper, target: SparseTensorWrapper, what: str, advice: str) -> Any:
     """A layout object of ``target``'s layout class holding exactly ``value``'s values
     (loading a checkpoint value of another layout): a registered conversion or the
-    ``sten_convert`` hook where it gives ``value``'s values, else ``replacement_layout``
+    ``sten_convert`` hook where it gives ``value``'s values and stores no more than ``value`` or
+    ``target`` does, else ``replacement_layout``
     (``from_dense``, or ``target``'s pattern), else a ``ValueError`` (every time, never a
     once-per-process warning) saying what ``what`` cannot store and, from ``advice``, what
     to do instead.
@@ -203,8 +216,11 @@ def convert_exactly(value: SparseTensorWrapper, target: SparseTensorWrapper, wha
     except Exception as error:  # a refusing (or broken) step: the exact conversion through dense may still serve
         _reraise_failures(error)
         registered = None
-    if registered is not None and same_values(to_dense_tensor(registered), dense):
+    if registered is not None and same_values(to_dense_tensor(registered), dense) and (
+            stores_at_most(registered, layout) or stores_at_most(registered, target.wrapped_tensor)):
         return registered
+    # (a conversion storing more than both, as 2:4 into one padded 64x64 block for a model of 4x4 blocks,
+    # would have made the weight dense: the target's own pattern, or an error saying why not)
     return replacement_layout(target, dense, what, advice)
 
 
@@ -256,7 +272,7 @@ def converted_inputs(bound: list, positions: list[int], plan: Plan, detach: bool
     conversion refuses them: one plugin's layouts never break another's calls."""
     inputs = detach_at(bound, positions) if detach else list(bound)
     try:
-        return [convert(v, c) if c is not None else v for v, c in zip(inputs, plan.conversions)] \
+        return [_converted_exactly(v, c) if c is not None else v for v, c in zip(inputs, plan.conversions)] \
             + inputs[len(plan.conversions):]
     except Exception as error:  # (a plugin's broken conversion too: IndexError, KeyError, ...)
         _reraise_failures(error)
@@ -265,6 +281,22 @@ def converted_inputs(bound: list, positions: list[int], plan: Plan, detach: bool
         verb = "refused these inputs" if isinstance(error, _REFUSALS) else "failed on these inputs (a plugin bug?)"
         refusals[plan.key] = f"the conversion {steps} {verb} ({type(error).__name__}: {error})"
         return None
+
+
+def _converted_exactly(value: Any, target: type) -> Any:
+    """A convert plan's input in ``target``: by the registered conversions or the ``sten_convert`` hook,
+    never through dense, which may drop values the operator then would not see (a ``ValueError``, a
+    refusal: the call takes the dense path instead)."""
+    if type(value.wrapped_tensor) is target:
+        return value
+    started = time.perf_counter() if active() else 0.0
+    converted = _registered_conversion(value.wrapped_tensor, target)
+    if converted is None:
+        raise ValueError(f"no lossless conversion of {layout_of(value).__name__} to {target.__name__} applies (no "
+                         "exact registered one, and no sten_convert hook converts this tensor)")
+    if active():
+        notify("convert", OpKey("convert", None, (layout_of(value),), target), "convert", time.perf_counter() - started)
+    return SparseTensorWrapper(converted)
 
 
 _path_cache: dict[tuple[type, type], tuple | None] = {}

@@ -19,12 +19,14 @@ import torch
 
 from sten_core.dispatch.autograd import (any_requires_grad, batched_under_transform, functorch_active,
                                          outside_transform, record)
-from sten_core.dispatch.call import _KEEP_ALL_LIST, CallSpecs, OpContext, _Call, finish_outputs
-from sten_core.dispatch.conversions import converted_inputs, refusals, wrap
+from sten_core.dispatch.call import (_KEEP_ALL_LIST, CallSpecs, OpContext, _Call, checks_results, finish_outputs,
+                                    impl_result)
+from sten_core.dispatch.conversions import converted_inputs, refusals
 from sten_core.dispatch.dense_path import composite, inplace_with_grad
 from sten_core.dispatch.errors import Unsupported, declined, report_missing, traced
 from sten_core.dispatch.observers import active
-from sten_core.dispatch.plan import COLLECTIVES, NOT_DIFFERENTIABLE, Plan, PlanKind, is_inplace, plan_for
+from sten_core.dispatch.plan import (COLLECTIVES, NOT_DIFFERENTIABLE, Plan, PlanKind, is_inplace, plan_for,
+                                    remember)
 from sten_core.model.registry import OpKey, registry
 from sten_core.model.signatures import bind, given_past
 from sten_core.model.spec import coerce_specs
@@ -77,7 +79,7 @@ class _Fast:
     kinds)``, where a wrapper's kind is its layout class; cleared with the
     plan cache on every registration."""
 
-    __slots__ = ("plan", "fn", "key", "nargs", "pad", "fill", "positions", "inplace")
+    __slots__ = ("plan", "fn", "key", "nargs", "pad", "fill", "positions", "inplace", "checks")
 
     def __init__(self, plan: Plan, key: OpKey, op: Any, args: tuple, bound: list, positions: list[int]):
         n, nargs = len(args), len(bound) if plan.all_args else plan.nargs
@@ -87,6 +89,7 @@ class _Fast:
         self.fill = tuple(bound[n:])  # defaults completing the bound arguments
         self.positions = tuple(positions)
         self.inplace = is_inplace(op, {})
+        self.checks = checks_results(plan, op)
 
     def record(self, op: Any, args: tuple, kwargs: dict, specs: CallSpecs | None) -> Any:
         """The call as an autograd node."""
@@ -165,13 +168,13 @@ def dispatch_call(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | None = 
             if functorch_active() or _forward_ad._current_level >= 0:  # vmap's batched inputs, dual tensors
                 return _dispatch_general(op, args, kwargs, specs, None)
             inputs = [*args[:hit.nargs], *hit.pad]
+            ctx = OpContext(op, inputs, (args, kwargs))
             try:
-                out = hit.fn(OpContext(op, inputs, (args, kwargs)), inputs,
-                             _KEEP_ALL_LIST if specs is None else specs.sparsifiers)
+                out = hit.fn(ctx, inputs, _KEEP_ALL_LIST if specs is None else specs.sparsifiers)
             except Unsupported as error:
                 return _dense_instead(op, args, kwargs, specs, hit.key, hit.fn, error)
-            if type(out) not in DENSE_TYPES:
-                out = wrap(out)
+            if type(out) not in DENSE_TYPES or hit.checks:
+                out = impl_result(hit.plan, ctx, out, hit.checks)
             return out if specs is None else finish_outputs(out, specs, hit.inplace, True)
         if not hit.inplace and torch.is_grad_enabled() and op not in NOT_DIFFERENTIABLE:
             try:
@@ -216,16 +219,42 @@ def _dispatch_general(op: Any, args: tuple, kwargs: dict, specs: CallSpecs | Non
     return _run_planned(op, args, kwargs, bound, positions, key, plan, specs, grad, needs_grad)
 
 
+def _converted(key: OpKey, plan: Plan, bound: list, positions: list, needs_grad: bool) -> tuple[Plan, list | None]:
+    """A convert plan's inputs converted, or the dense path's plan where a conversion refused them (with
+    its warning, once per key). A plan reached through the ``sten_convert`` hook comes with the other
+    implementations the hook might reach: on the key's first call the hook is asked for each in turn, and
+    the first it serves (or the dense path, where it serves none) is the key's plan from then on."""
+    converted = converted_inputs(bound, positions, plan, detach=needs_grad)
+    if plan.alternatives:
+        chosen = plan if converted is not None else None
+        for other in plan.alternatives if converted is None else ():
+            converted = converted_inputs(bound, positions, other, detach=needs_grad)
+            if converted is not None:
+                chosen = other
+                break
+        if chosen is None:
+            tried = ", ".join("(" + ", ".join(getattr(c, "__name__", "None") for c in p.key.inp) + ")"
+                              for p in (plan,) + plan.alternatives)
+            refusals[key] = ("the sten_convert hook turned these inputs into none of the layouts with an "
+                             f"implementation: {tried}")
+        plan = remember(key, Plan(PlanKind.CONVERT, chosen.key, chosen.entry, chosen.conversions) if chosen
+                        else Plan(PlanKind.FALLBACK, key))
+        if chosen is None:
+            report_missing(key, refusals[key])
+        return plan, converted
+    if converted is None:  # a conversion refused these inputs: the dense path, with its warning
+        report_missing(key, refusals.get(plan.key))  # (once per key: the fallback's own call is then silent)
+        plan = Plan(PlanKind.FALLBACK, key)
+    return plan, converted
+
+
 def _run_planned(op: Any, args: tuple, kwargs: dict, bound: list, positions: list, key: OpKey, plan: Plan,
                  specs: CallSpecs | None, grad: bool, needs_grad: bool) -> Any:
     """A call that is not in place by its plan: converted inputs, the dense path, or the
     implementation (recorded for autograd when ``grad``)."""
     converted = None
     if plan.kind is PlanKind.CONVERT:
-        converted = converted_inputs(bound, positions, plan, detach=needs_grad)
-        if converted is None:  # a conversion refused these inputs: the dense path, with its warning
-            report_missing(key, refusals.get(plan.key))  # (once per key: the fallback's own call is then silent)
-            plan = Plan(PlanKind.FALLBACK, key)
+        plan, converted = _converted(key, plan, bound, positions, needs_grad)
     if not plan.direct and plan.kind is not PlanKind.CONVERT:
         return composite(op, args, kwargs, key, plan, specs, grad)
     call = _Call(op, args, kwargs, bound, positions, key, plan, specs)

@@ -40,13 +40,17 @@ class Plan:
     """How a key is executed: its ``kind``, and the implementation ``entry``
     and per-input ``conversions`` it runs."""
 
-    __slots__ = ("kind", "entry", "conversions", "key", "fixes_inline", "nargs", "all_args", "direct")
+    __slots__ = ("kind", "entry", "conversions", "key", "fixes_inline", "nargs", "all_args", "direct", "alternatives",
+                 "checks")
 
-    def __init__(self, kind: PlanKind, key: OpKey, entry: Entry | None = None, conversions: tuple = ()):
+    def __init__(self, kind: PlanKind, key: OpKey, entry: Entry | None = None, conversions: tuple = (),
+                 alternatives: tuple = ()):
         self.kind = kind
         self.key = key
         self.entry = entry
         self.conversions = conversions
+        self.alternatives = alternatives  # convert plans the sten_convert hook may reach, tried on a first call
+        self.checks: bool | None = None  # whether its results are checked (call.checks_results), once known
         # implementations produce tmp_format themselves; the rest need the inline sparsifier applied
         self.fixes_inline = kind in (PlanKind.IMPL, PlanKind.CONVERT, PlanKind.GENERIC)
         self.nargs = max(entry.nargs, len(key.inp)) if entry is not None else 0
@@ -133,28 +137,42 @@ def resolve(key: OpKey) -> Plan:
         return resolve(key._replace(out=DENSE_OUT))
     if all(layout in (torch.Tensor, None) for layout in key.inp):
         return Plan(PlanKind.NATIVE, key)
-    best = None
+    found = _reachable_implementations(key)
+    if not found:
+        return Plan(PlanKind.FALLBACK, key)
+    (_, cand_key, entry, steps), others = found[0], found[1:]
+    return Plan(PlanKind.CONVERT, cand_key, entry, steps, tuple(Plan(PlanKind.CONVERT, *other[1:]) for other in others))
+
+
+def _reachable_implementations(key: OpKey) -> list[tuple]:
+    """``(cost, registered key, entry, target layout per input)`` of the implementations the inputs reach by
+    conversions, fewest first. A conversion is a chain of registered ones or, where a plugin implements the
+    ``sten_convert`` hook, that hook, asked at the call. The implementation reached by registered conversions
+    alone with the fewest steps is the one answer where there is one; otherwise every one the hook might
+    reach is kept, tried in order on the key's first call until the hook converts the inputs."""
+    hook = plugins.has_hook("sten_convert")
+    found = []
     for cand_key, entry in registry.fwd_candidates(key.op, key.out):
         if len(cand_key.inp) != len(key.inp):
             continue
-        steps, ok = [], True
+        steps, hooked = [], 0
         for have, want in zip(key.inp, cand_key.inp):
             if have is want:
                 steps.append(None)
-            elif have is None or want is None or want is torch.Tensor:
-                ok = False
+                continue
+            if have is None or want in (None, torch.Tensor):
                 break
-            else:
-                path = conversion_path(have, want)
-                if path is None:
-                    ok = False
+            if conversion_path(have, want) is None:
+                if not hook or have is torch.Tensor:
                     break
-                steps.append(want)
-        if ok and (best is None or sum(s is not None for s in steps) < sum(s is not None for s in best[2])):
-            best = (cand_key, entry, tuple(steps))
-    if best is not None:
-        return Plan(PlanKind.CONVERT, best[0], best[1], best[2])
-    return Plan(PlanKind.FALLBACK, key)
+                hooked += 1
+            steps.append(want)
+        else:
+            found.append(((hooked, sum(s is not None for s in steps)), cand_key, entry, tuple(steps)))
+    found.sort(key=lambda candidate: candidate[0])
+    if found and found[0][0][0] == 0:  # registered conversions reach one: always used
+        return found[:1]
+    return found
 
 
 def plan_for(key: OpKey) -> Plan:
@@ -162,6 +180,12 @@ def plan_for(key: OpKey) -> Plan:
     plan = _cache.get(key)
     if plan is None:
         plan = _cache[key] = resolve(key)
+    return plan
+
+
+def remember(key: OpKey, plan: Plan) -> Plan:
+    """Cache ``plan`` as ``key``'s (a convert plan that put the alternative the hook served first)."""
+    _cache[key] = plan
     return plan
 
 

@@ -240,6 +240,9 @@ def _batched_in_grad_spec(grad: torch.Tensor, spec: OutputSpec, value: Any) -> t
 
 
 def _in_grad_spec(grad: Any, spec: OutputSpec, value: Any, inline_done: bool) -> Any:
+    if type(grad) in DENSE_TYPES and grad.layout is not torch.strided and not (
+            spec.keeps_all and spec.tmp_format is torch.Tensor and spec.out_format is torch.Tensor):
+        grad = grad.to_dense()  # torch's sparse gradient (Embedding(sparse=True)) put in a format: from its values
     if isinstance(value, SparseTensorWrapper) and type(grad) in DENSE_TYPES:
         layout = type(value.wrapped_tensor)
         if spec.keeps_all and spec.out_format is not torch.Tensor:

@@ -287,6 +287,15 @@ class Registry:
         (``"impls"``, ``"layouts"``, ``"conversions"``), if known."""
         return self._owners.get((kind, key))
 
+    def registered_by(self, kind: str, key: Any) -> list[str]:
+        """Every owner with a registration of ``key``, the one in force last (those underneath
+        come back when it is removed)."""
+        stack = self._stacks.get((kind, key))
+        if stack:
+            return [owner for owner, _ in stack]
+        owner = self._owners.get((kind, key))
+        return [] if owner is None else [owner]
+
     def owned_by(self, name: str, kind: str) -> list:
         return [key for (k, key), owner in self._owners.items() if owner == name and k == kind]
 

@@ -57,7 +57,7 @@ def replacement_layout(target: Any, dense: torch.Tensor, what: str, advice: str)
     pattern_dense = None if at_pattern is None else to_dense_tensor(at_pattern)
     if pattern_dense is not None and same_values(pattern_dense, dense):
         return at_pattern
-    if exact and _stores_at_most(built, layout):
+    if exact and stores_at_most(built, layout):
         return built
     raise ValueError(_unrepresentable(layout, dense, built_dense, pattern_dense, what,
                                       advice.format(layout=type(layout).__name__)))
@@ -98,7 +98,7 @@ def _nnz(layout: Any) -> int | None:
     return nnz if isinstance(nnz, int) else None
 
 
-def _stores_at_most(layout: Any, other: Any) -> bool:
+def stores_at_most(layout: Any, other: Any) -> bool:
     """Whether ``layout`` stores no more values than ``other`` (true where one does not say)."""
     mine, theirs = _nnz(layout), _nnz(other)
     return mine is None or theirs is None or mine <= theirs

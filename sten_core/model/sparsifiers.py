@@ -289,10 +289,20 @@ def _keep_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
     return above | (ties & (torch.cumsum(ties, 0) <= missing))
 
 
+def kept_count(total: int, fraction: float) -> int:
+    """``round(total * (1 - fraction))`` of the exact product (a half rounds to even): binary floating
+    point made ``10 * (1 - 0.95)`` 0.5000000000000004, which rounded to 1.
+
+    >>> kept_count(10, 0.95), kept_count(15, 0.9), kept_count(15, 0.7), kept_count(4, 0.5)
+    (0, 2, 4, 2)
+    """
+    return round(round(total * (1.0 - fraction), 9))
+
+
 def fraction_keep_mask(tensor: torch.Tensor, fraction: float) -> torch.Tensor:
-    """Keep the ``round(numel * (1 - fraction))`` largest magnitudes."""
+    """Keep the ``round(numel * (1 - fraction))`` largest magnitudes (``kept_count``)."""
     flat = magnitude(tensor).reshape(-1)
-    keep = round(flat.numel() * (1.0 - fraction))
+    keep = kept_count(flat.numel(), fraction)
     return _keep_top(flat, keep).view(tensor.shape)
 
 
@@ -317,7 +327,7 @@ def block_keep_mask(tensor: torch.Tensor, fraction: float, block_shape: Sequence
     blocks = padded.reshape(shape)
     red_dims = tuple(len(lead) + 2 * i + 1 for i in range(nb))
     scores = blocks.sum(dim=red_dims)
-    keep = round(scores.numel() * (1.0 - fraction))
+    keep = kept_count(scores.numel(), fraction)
     block_mask = _keep_top(scores.reshape(-1), keep).view(scores.shape)
     for i, b in enumerate(block_shape):
         block_mask = block_mask.repeat_interleave(b, dim=len(lead) + i)

@@ -67,7 +67,8 @@ def sten_resolve_op(key: "OpKey") -> Callable | None:
 def sten_convert(tensor: Any, target: type) -> Any | None:
     """Convert the layout object ``tensor`` to the layout class ``target``
     losslessly and return the new layout object, or return ``None`` if this
-    plugin cannot. Asked only when no chain of registered conversions exists;
+    plugin cannot. Asked only when no chain of registered conversions exists, by
+    ``sten.convert`` and by the dispatcher (for an implementation of another layout);
     first result wins, in ``sten_resolve_op``'s order; a hook that raises is
     reported once (``PluginHookWarning``) and counts as ``None``."""
 

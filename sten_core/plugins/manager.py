@@ -143,6 +143,16 @@ def _register_into(pm: pluggy.PluginManager, plugin: Any, name: str, deferred: l
 _hook_errors_warned: set[tuple[str, str]] = set()
 
 
+def has_hook(hook_name: str) -> bool:
+    """Whether a loaded plugin implements the hook ``hook_name`` (dispatch plans a conversion
+    through ``sten_convert`` only where one does).
+
+    >>> has_hook("sten_register")
+    True
+    """
+    return bool(getattr(get_plugin_manager().hook, hook_name).get_hookimpls())
+
+
 def first_result(hook_name: str, *, _valid: Callable[[Any], str | None] | None = None, **kwargs: Any) -> Any:
     """The first non-``None`` answer of the firstresult hook ``hook_name``,
     asking each plugin in pluggy's order (``tryfirst`` ones first, then the
@@ -280,7 +290,9 @@ def _load_all(deferred: list) -> None:
             _loaded_at_start.add(name)
     only = _names_from_env("STEN_PLUGINS")
     disabled = _names_from_env("STEN_DISABLE_PLUGINS") or set()
-    entry_points = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    # by name: the order decides which of two plugins' registrations of one key wins (the last), so it must
+    # not depend on the order the file system lists the installed distributions in
+    entry_points = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
     if only:
         installed = {ep.name for ep in entry_points} | set(BUILTIN_PLUGINS)
         unknown = sorted(only - installed)

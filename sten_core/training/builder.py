@@ -84,9 +84,10 @@ class _IntermediateMode(TorchFunctionMode):
     branches may depend on the data)."""
 
     def __init__(self, targets: dict[str, tuple[OutputSpec, OutputSpec | None]],
-                 calls: _FxCalls | _CountedCalls | None = None):
+                 calls: _FxCalls | _CountedCalls | None = None, path: str = ""):
         super().__init__()
         self.targets = targets
+        self.path = path  # the submodule's, to name an intermediate in errors
         self.calls = _CountedCalls() if calls is None else calls
         self.paused = 0
         self.branched = False
@@ -107,7 +108,11 @@ class _IntermediateMode(TorchFunctionMode):
         if target is None:
             out = func(*args, **kwargs)   # the enclosing submodules' modes see this call next
         else:
-            out = self._sparse_call(func, args, kwargs, target)
+            try:
+                out = self._sparse_call(func, args, kwargs, target)
+            except (ValueError, TypeError, NotImplementedError) as error:  # a layout refusing the intermediate
+                full = f"{self.path}.{name}" if self.path else name
+                raise _with_context(error, f"set_interm({full!r}, ...)") from error
         if name is not None:
             self.calls.record(name, out)
         return out
@@ -195,7 +200,7 @@ class _Intermediates:
             except (TypeError, ValueError):
                 pass
         calls = _CountedCalls() if graph is None else _FxCalls(graph, module, args, kwargs or {}, self._signature)
-        mode = _IntermediateMode(self.targets, calls)
+        mode = _IntermediateMode(self.targets, calls, self.path)
         self._stack.append(mode)
         _active_modes().append(mode)
         mode.__enter__()

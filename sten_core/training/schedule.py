@@ -51,7 +51,8 @@ from sten_core.dispatch.fresh_state import fresh_state
 from sten_core.model.layouts import pattern_of_mask, supports_values
 from sten_core.model.masks import masked, stored_mask
 from sten_core.training.scores import ScoreSparsifier, check_inputs, needs_of
-from sten_core.model.sparsifiers import RandomFractionSparsifier, ScalarFractionSparsifier, Sparsifier, magnitude
+from sten_core.model.sparsifiers import (RandomFractionSparsifier, ScalarFractionSparsifier, Sparsifier, kept_count,
+                                        magnitude)
 from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper
 from sten_core.training.weight_names import unknown_weight
 
@@ -225,7 +226,7 @@ def selector_at(sparsifier: Any, sparsity: float) -> Any:
         new = copy.copy(sparsifier)
         new.fraction = sparsity
         return new
-    n = round(sparsifier.m * (1.0 - sparsity))
+    n = kept_count(sparsifier.m, sparsity)
     if n >= sparsifier.m:
         return None
     if n < 1:
@@ -717,10 +718,10 @@ class SparsityScheduler:
         if entry.layout is torch.Tensor:
             if isinstance(param, SparseTensorWrapper):
                 raise ValueError(f"{entry.name!r} is a sparse wrapper; a masked dense layout needs a dense weight")
-            param.data.mul_(keep.to(param.dtype))
+            param.data.masked_fill_(~keep.to(param.device), 0)   # (mul_ by the mask left NaN for a pruned inf)
             entry.masked_dense = True
         else:
-            layout_obj = self._build(entry, dense * keep, new, params)
+            layout_obj = self._build(entry, masked(dense, keep), new, params)
             nnz = getattr(layout_obj, "nnz", None)
             entry.masked_dense = nnz is not None and nnz != int(new.sum())
             if isinstance(param, SparseTensorWrapper):

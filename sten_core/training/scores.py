@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import torch
 
 from sten_core.dispatch import sparsify
-from sten_core.model.sparsifiers import MATERIALIZING, Sparsifier, _check_fraction, _keep_top
+from sten_core.model.sparsifiers import MATERIALIZING, Sparsifier, _check_fraction, _keep_top, kept_count
 
 KNOWN_INPUTS = ("grad", "score", "step")
 
@@ -146,7 +146,7 @@ class ScoreSparsifier(Sparsifier):
     def mask(self, tensor: torch.Tensor, **inputs: Any) -> torch.Tensor:
         scores = self.scores(tensor, **inputs).detach()
         flat = scores.reshape(-1)
-        keep = round(flat.numel() * (1.0 - self.fraction))
+        keep = kept_count(flat.numel(), self.fraction)
         return _keep_top(flat, keep).view(scores.shape)
 
 
@@ -166,7 +166,8 @@ class TaylorSparsifier(ScoreSparsifier):
 
 class MovementSparsifier(ScoreSparsifier):
     """Movement pruning (Sanh et al. 2020): the running score ``S = sum_t -w_t * grad_t``
-    keeps the weights moving away from zero.
+    keeps the weights moving away from zero (``SparsityScheduler`` passes the weight after the
+    step's update as ``w_t``: docs/training.md says how that differs from the paper's).
 
     >>> sp = MovementSparsifier(0.5)
     >>> w = torch.tensor([1., 1., -1., -1.])

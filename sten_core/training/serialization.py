@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from typing import Any
 
@@ -33,6 +34,7 @@ from sten_core.model.registry import registry
 from sten_core.model.sparsifiers import KeepAll
 from sten_core.model.tensor import SparseParameterWrapper, SparseTensorWrapper, _rebuild, services
 from sten_core.plugins import manager as plugins
+from sten_core.user_frames import user_stacklevel
 
 
 def _layout_name(cls: type) -> str | None:
@@ -102,16 +104,23 @@ def _format_part(name: str, layout: type) -> type:
 
 
 def rebuild_sparse(is_param: bool, layout_name: str, shape: tuple, tensors: tuple, requires_grad: bool,
-                   grad_format: str | None = None) -> SparseTensorWrapper:
-    """Inverse of ``reduce_wrapper`` (a safe global for ``torch.load``)."""
+                   grad_format: str | None = None, saved_class: str | None = None) -> SparseTensorWrapper:
+    """Inverse of ``reduce_wrapper`` (a safe global for ``torch.load``). ``saved_class`` is the
+    ``module:qualname`` of the layout class that saved the tensor (absent in older checkpoints)."""
     if _in_torch("_legacy_load"):
         raise RuntimeError(LEGACY_FORMAT.format(what="this file's sparse tensors cannot be rebuilt"))
     plugins.ensure_loaded()
-    layout_cls = registry.layout(layout_name)
+    try:
+        layout_cls = registry.layout(layout_name)
+    except ValueError as error:
+        saved_by = f" (saved by {saved_class.replace(':', '.')})" if saved_class else ""
+        raise ValueError(f"the checkpoint holds a {layout_name!r} tensor{saved_by}, a layout no installed plugin "
+                         f"registers: install or enable the plugin that provides it ({error})") from None
     if not callable(getattr(layout_cls, "from_state_tensors", None)):
         raise TypeError(f"the checkpoint holds a {layout_name!r} tensor, and the layout registered under that name now "
                         f"({_described(layout_cls, layout_name)}) cannot rebuild one (no from_state_tensors): the "
                         "plugin whose layout saved it is probably not installed, or disabled")
+    _check_same_package(layout_cls, layout_name, saved_class)
     try:
         layout = layout_cls.from_state_tensors(tuple(tensors), tuple(shape))
     except Exception as error:
@@ -123,6 +132,32 @@ def rebuild_sparse(is_param: bool, layout_name: str, shape: tuple, tensors: tupl
         raise named from error
     cls = SparseParameterWrapper if is_param else SparseTensorWrapper
     return cls(layout, requires_grad, _grad_format(grad_format, layout_cls))
+
+
+def class_path(cls: type) -> str:
+    """``module:qualname`` of a layout class, as a checkpoint records it.
+
+    >>> import sten_core as sten
+    >>> class_path(sten.CsrTensor)
+    'sten_core.builtin.torch_layouts:CsrTensor'
+    """
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _check_same_package(layout_cls: type, name: str, saved_class: str | None) -> None:
+    """Refuse to rebuild a tensor with a class of another package than the one that saved it: two
+    plugins' layouts of one name (installed on different machines) store their values differently,
+    and the values would be read wrong. A class moved within its package (a refactor) still loads,
+    and so does one of a script (``__main__``), whose package is unknown."""
+    if not saved_class:
+        return
+    saved_package = saved_class.partition(":")[0].split(".")[0]
+    package = layout_cls.__module__.split(".")[0]
+    if saved_package != package and "__main__" not in (saved_package, package):
+        raise TypeError(f"the checkpoint's {name!r} tensor was saved by {saved_class.replace(':', '.')} (package "
+                        f"{saved_package!r}), but {name!r} is now {_described(layout_cls, name)}: another "
+                        f"package's layout of the same name would read its values wrong; install the plugin of "
+                        f"{saved_package!r} (and remove the one that registers {name!r} now) to load it")
 
 
 def _described(layout_cls: type, name: str) -> str:
@@ -172,9 +207,27 @@ def reduce_wrapper(wrapper: SparseTensorWrapper) -> tuple:
             name = None
     if name is not None and implements(layout, StateTensors):
         tensors = _kept_alive(layout, tuple(layout.state_tensors()))
-        args = (is_param, name, tuple(wrapper.shape), tensors, wrapper.requires_grad)
-        return (rebuild_sparse, args + ((grad_format,) if grad_format is not None else ()))
+        args = (is_param, name, tuple(wrapper.shape), tensors, wrapper.requires_grad, grad_format)
+        return (rebuild_sparse, args + (class_path(type(layout)),))
+    if name is not None and _in_torch("_save"):
+        _warn_pickled_whole(type(layout))
     return (_rebuild, (type(wrapper), layout, wrapper.requires_grad, wrapper.grad_fmt, is_param))
+
+
+_WARNED_WHOLE: weakref.WeakSet = weakref.WeakSet()  # layout classes warned about
+
+
+def _warn_pickled_whole(cls: type) -> None:
+    """Say once per layout class, when ``torch.save`` writes one whole (it has no ``state_tensors``),
+    that the file needs ``weights_only=False``: loading it by default failed with torch's "Unsupported
+    global: sten_core.model.tensor._rebuild", which names neither the layout nor the fix."""
+    if cls in _WARNED_WHOLE:
+        return
+    _WARNED_WHOLE.add(cls)
+    warnings.warn(f"torch.save: the layout {cls.__name__} has no state_tensors() / from_state_tensors(), so its "
+                  "tensors are pickled whole and the file loads only with torch.load(..., weights_only=False) "
+                  "(trusted files only); implement both in the layout to save plain tensors", UserWarning,
+                  stacklevel=user_stacklevel())
 
 
 def _kept_alive(layout: Any, tensors: tuple) -> tuple:

@@ -85,6 +85,18 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 
+def triton_runs_on(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels may run on ``x``: a CUDA tensor, or a CPU one under
+    ``TRITON_INTERPRET=1`` that is not bfloat16 (the interpreter's bf16 gave values of 1e10
+    where the answer was about 20, without an error: such calls take the dense path)."""
+    if x.device.type == "cuda":
+        return True
+    return triton_interpret() and x.dtype != torch.bfloat16
+
+
+INTERPRETED_BF16 = "bfloat16 on CPU under TRITON_INTERPRET=1 (the interpreter computes it wrong)"
+
+
 def nvcc_path() -> str | None:
     """``$STEN_NVCC``, ``$CUDA_HOME/bin/nvcc`` or ``nvcc`` on ``PATH``."""
     env = os.environ.get("STEN_NVCC")

@@ -152,8 +152,16 @@ class BlockSparseTensor(Layout):
 
     @property
     def nnz(self) -> int:
-        """Stored values (whole blocks, padding included)."""
-        return self.blocks.numel()
+        """Stored positions of the tensor: the blocks' positions inside its shape (a 10x12 weight in
+        8x8 blocks stores at most 120, not the 128 of its padded blocks)."""
+        bh, bw = self.block_shape
+        rows, cols = self._shape[0], self._shape[1]
+        if (rows % bh == 0 and cols % bw == 0) or self.blocks.device.type == "meta" or torch.compiler.is_compiling():
+            return self.blocks.numel()   # (no padding, or no index values to read: padding included)
+        per_row = (self.crow[1:] - self.crow[:-1]).to(torch.int64)
+        heights = (rows - torch.arange(per_row.numel(), device=per_row.device) * bh).clamp(max=bh)
+        widths = (cols - self.col.to(torch.int64) * bw).clamp(max=bw)
+        return int((heights.repeat_interleave(per_row) * widths).sum())
 
     @property
     def density(self) -> float:

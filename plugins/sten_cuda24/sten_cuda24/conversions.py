@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
 from .blocksparse import BlockSparseTensor
 from .sparse24 import Sparse24Tensor
 
@@ -39,12 +41,16 @@ def nm_to_24(nm: Any) -> Sparse24Tensor:
 
 
 def s24_to_nm(s: Sparse24Tensor) -> Any:
-    """``Sparse24Tensor`` → ``NMTensor(n=2, m=4)``, same mask."""
+    """``Sparse24Tensor`` → ``NMTensor(n, m=4)``, same mask: ``n`` is the most positions a group of 4
+    keeps (a 1:4 weight becomes 1:4, not 2:4 with a trainable filler in every group)."""
     from sten_nm import NMTensor
 
     if len(s.shape) != 2:
         raise ValueError(f"NMTensor is 2-D; this Sparse24Tensor has shape {tuple(s.shape)}")
-    return NMTensor.from_dense(s.to_dense(), n=2, m=4, dim=1, mask=s.mask())
+    mask = s.mask()
+    groups = torch.nn.functional.pad(mask, (0, -mask.shape[1] % 4)).reshape(mask.shape[0], -1, 4)
+    n = max(1, int(groups.sum(-1).max())) if groups.numel() else 2
+    return NMTensor.from_dense(s.to_dense(), n=n, m=4, dim=1, mask=mask)
 
 
 def conversions() -> list[tuple[type, type, Callable[[Any], Any]]]:

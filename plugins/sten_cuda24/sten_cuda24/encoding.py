@@ -144,6 +144,26 @@ def decompress(values: torch.Tensor, meta: torch.Tensor, k: int | None = None) -
     return out if k is None or k == kp else out[:, :k]
 
 
+def check_meta(meta: torch.Tensor, name: str = "meta") -> None:
+    """Refuse metadata whose codes do not name two distinct positions per group, in increasing order
+    (a damaged checkpoint: code 0 names position 0 twice, and ``to_dense`` then lost a stored value).
+
+    >>> check_meta(torch.zeros(1, 1, dtype=torch.int16))
+    Traceback (most recent call last):
+    ...
+    ValueError: meta: group 0 of row 0 names positions 0 and 0 (each group stores two distinct positions of four, in increasing order): the metadata is damaged
+    """
+    if meta.device.type == "meta" or torch.compiler.is_compiling():
+        return   # (no values to read)
+    codes = unpack_codes(meta)
+    bad = (codes & 3) >= (codes >> 2)
+    if bool(bad.any()):
+        row, group = (int(i) for i in bad.nonzero()[0])
+        code = int(codes[row, group])
+        raise ValueError(f"{name}: group {group} of row {row} names positions {code & 3} and {code >> 2} (each group "
+                         "stores two distinct positions of four, in increasing order): the metadata is damaged")
+
+
 def keep_mask(meta: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """Boolean ``[R, Kp]`` mask of the stored positions."""
     codes = unpack_codes(meta)

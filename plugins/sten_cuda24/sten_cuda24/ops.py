@@ -173,7 +173,8 @@ def _weight_grad24(g2: torch.Tensor, x2: torch.Tensor, layout: Sparse24Tensor, s
         return sdd24(g2, x2, layout if g2.dtype == layout.dtype else layout.to(dtype=g2.dtype)).to(layout.dtype)
 
     mode = wgrad_mode()
-    can_sample = len(layout.shape) == 2 and _compat.has_triton() and (g2.device.type == "cuda" or _compat.triton_interpret())
+    can_sample = len(layout.shape) == 2 and _compat.has_triton() and _compat.triton_runs_on(g2) \
+        and _compat.triton_runs_on(x2)
     choice = "gemm+gather"
     if can_sample and mode == "always":
         choice = "sampled"
@@ -283,7 +284,7 @@ def _act_bwd(fn: Any) -> Any:
 # -- block sparse ---------------------------------------------------------------------------------
 
 def _triton_ok(x: torch.Tensor) -> bool:
-    return _compat.has_triton() and (x.device.type == "cuda" or _compat.triton_interpret())
+    return _compat.has_triton() and _compat.triton_runs_on(x)
 
 
 def _block_ok(w: BlockSparseTensor) -> bool:
@@ -294,6 +295,8 @@ def _why_not_triton(x: torch.Tensor, w: BlockSparseTensor) -> str | None:
     """Why the Triton BSR kernels cannot run on ``x``/``w`` (None: they can)."""
     if x.device.type != "cuda" and not _compat.triton_interpret():
         return f"tensors on {x.device}"
+    if not (_compat.triton_runs_on(x) and _compat.triton_runs_on(w)):
+        return _compat.INTERPRETED_BF16
     if not _compat.has_triton():
         return "triton is not installed"
     if not _block_ok(w):

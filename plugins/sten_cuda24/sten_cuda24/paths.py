@@ -33,10 +33,12 @@ def record(op: str, path: str, why: str = "") -> None:
 
 def dense(op: str, tensor: torch.Tensor, why: str) -> None:
     """Record a dense computation of ``op``; on CUDA it is a fallback (warn or raise)."""
-    record(op, "dense", why)
-    if tensor.device.type != "cuda":
-        return
     from sten_core import plugin_api
+
+    record(op, "dense", why)
+    if tensor.device.type != "cuda":   # documented (CPU: dense); `sten explain` shows it under the call
+        plugin_api.note(lambda: f"sten_cuda24 {op}: dense torch product ({why})")
+        return
     from sten_core.plugin_api import DispatchError, DispatchWarning
 
     text = f"sten_cuda24 {op}: the sparse kernel cannot run ({why}); computing densely"

@@ -243,7 +243,11 @@ class Sparse24Tensor(Layout):
         packed, meta, *rest = tensors
         meta_t = rest[0] if rest and rest[0].numel() else None
         live = rest[1] if len(rest) > 1 and rest[1].numel() else None
-        return cls(packed, meta, shape, meta_t, live)
+        layout = cls(packed, meta, shape, meta_t, live)
+        encoding.check_meta(meta)   # (a damaged checkpoint fails on load, not later with values lost)
+        if meta_t is not None:
+            encoding.check_meta(meta_t, "meta_t")
+        return layout
 
     # -- helpers ------------------------------------------------------------------------
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "Sparse24Tensor":

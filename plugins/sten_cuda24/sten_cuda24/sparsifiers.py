@@ -51,7 +51,7 @@ class Sparse24Sparsifier(Sparsifier):
 
 
 def _gpu_kernel_ok(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" or (_compat.triton_interpret() and _compat.has_triton())
+    return x.device.type == "cuda" or (_compat.triton_runs_on(x) and _compat.has_triton())
 
 
 def sparsify_24(dense: torch.Tensor, transposable: bool = False, activation: str | None = None) -> Sparse24Tensor:

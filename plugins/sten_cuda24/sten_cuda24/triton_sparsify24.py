@@ -117,6 +117,8 @@ def _check_runnable(x: torch.Tensor, what: str) -> None:
         raise RuntimeError(f"{what} needs triton (pip install triton)")
     if x.device.type != "cuda" and not _compat.triton_interpret():
         raise ValueError(f"{what} runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1); got a tensor on {x.device}")
+    if not _compat.triton_runs_on(x):
+        raise ValueError(f"{what} does not run on {_compat.INTERPRETED_BF16}")
 
 
 def sparsify24(

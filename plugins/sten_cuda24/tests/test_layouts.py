@@ -125,3 +125,29 @@ def test_nm_conversion_keeps_mask():
     assert torch.equal(back.mask(), nm.mask()) and torch.equal(back.to_dense(), nm.to_dense())
     with pytest.raises(ValueError, match="n:4 with n <= 2"):
         nm_to_24(nm_mod.NMTensor.from_dense(w, n=2, m=8))
+
+
+@pytest.mark.parametrize("keep, n", [(1, 1), (2, 2)])
+def test_an_n_of_4_weight_converts_to_n_of_4_nm(keep, n):
+    """A 1:4 ``Sparse24Tensor`` became a 2:4 ``NMTensor``: every group gained a stored filler, which
+    training then filled in (nnz 32 -> 64)."""
+    nm_mod = pytest.importorskip("sten_nm")
+    import sten_core as sten
+    from sten_cuda24.conversions import s24_to_nm
+
+    torch.manual_seed(0)
+    s = sten.sparsify(sten.PerBlockFractionSparsifier(keep, 4), torch.randn(8, 20), Sparse24Tensor).wrapped_tensor
+    nm = s24_to_nm(s)
+    assert isinstance(nm, nm_mod.NMTensor) and (nm.n, nm.m) == (n, 4)
+    assert torch.equal(nm.mask(), s.mask()) and torch.equal(nm.to_dense(), s.to_dense()) and nm.nnz == s.nnz
+
+
+def test_block_sparse_nnz_counts_positions_inside_the_shape():
+    """A 10x12 weight in 8x8 blocks reported nnz 128 (its padded blocks), more than its 120 elements."""
+    full = BlockSparseTensor.from_dense(torch.randn(10, 12), block_shape=(8, 8))
+    assert full.nnz == 120 and full.num_blocks == 4
+    corner = torch.zeros(10, 12)
+    corner[9, 11] = 1.0
+    assert BlockSparseTensor.from_dense(corner, block_shape=(8, 8)).nnz == 2 * 4
+    assert BlockSparseTensor.from_dense(torch.ones(16, 16), block_shape=(8, 8)).nnz == 256
+    assert full.to("meta").nnz == 4 * 64  # no index values to read: padded blocks

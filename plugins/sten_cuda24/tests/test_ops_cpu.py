@@ -269,3 +269,17 @@ def test_block_sparse_in_place_writes_take_bool_and_int_operands(sten, write):
             W.masked_fill_(~keep, 0.0)
     assert isinstance(W.wrapped_tensor, BlockSparseTensor) and W.dtype == torch.float32
     torch.testing.assert_close(W.to_dense(), d * keep)
+
+
+def test_explain_says_a_cpu_product_ran_densely(sten):
+    """On CPU the layouts' products are dense torch products (documented): ``sten explain`` said nothing
+    of it ("0 dense fallbacks", no note), so a CPU user could not see where the time went."""
+    import torch.nn.functional as F
+
+    from sten_core.tools.explain import format_report
+    from sten_cuda24 import Sparse24Sparsifier, Sparse24Tensor
+
+    w = sten.sparsify(Sparse24Sparsifier(), torch.randn(8, 16), Sparse24Tensor)
+    with sten.explain() as report:
+        F.linear(torch.randn(2, 16), w)
+    assert "chose: sten_cuda24 linear24: dense torch product (tensors on cpu)" in format_report(report)

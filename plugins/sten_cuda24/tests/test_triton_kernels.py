@@ -128,3 +128,30 @@ def test_pick_faster_times_once_per_key():
     assert ops.pick_faster(("k",), cands, timer) == "sampled" and len(calls) == 2   # cached
     ops.WGRAD_CHOICE.pop(("k",))
     assert ops.pick_faster(("k",), cands, timer) == "gemm+gather"
+
+
+def test_bfloat16_on_the_triton_interpreter_takes_the_dense_path(sten, monkeypatch):
+    """Under TRITON_INTERPRET=1 on CPU the bf16 block-sparse product and the sampled 2:4 weight gradient
+    gave values near 1e10 where dense gives about 20, with ``paths.last`` saying 'triton' and no warning."""
+    import torch.nn.functional as F
+
+    from sten_cuda24 import Sparse24Sparsifier, Sparse24Tensor, paths
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("STEN_CUDA24_SAMPLED_WGRAD", "always")
+    torch.manual_seed(0)
+    dense = torch.randn(32, 64).bfloat16()
+    x = torch.randn(8, 64).bfloat16()
+    block = BlockSparseTensor.from_dense(dense, (16, 16))
+    y = F.linear(x, sten.SparseTensorWrapper(block))
+    assert paths.last["linear_bsr"]["path"] == "dense" and "TRITON_INTERPRET" in paths.last["linear_bsr"]["why"]
+    torch.testing.assert_close(y.float(), F.linear(x, block.to_dense()).float(), atol=0.1, rtol=0.02)
+
+    w = sten.sparsify(Sparse24Sparsifier(), dense, Sparse24Tensor)
+    fmt = (sten.KeepAll(), Sparse24Tensor, sten.KeepAll(), Sparse24Tensor)
+    w = sten.SparseParameterWrapper(w.wrapped_tensor, grad_fmt=fmt)
+    F.linear(x, w).float().square().sum().backward()
+    assert paths.last["grad_weight24"]["path"] == "gemm+gather"
+    wd = w.wrapped_tensor.to_dense().float().requires_grad_(True)
+    (gw,) = torch.autograd.grad(F.linear(x.float(), wd).square().sum(), (wd,))
+    torch.testing.assert_close(w.grad.wrapped_tensor.to_dense().float(), gw * w.wrapped_tensor.mask(), atol=2.0, rtol=0.05)

@@ -145,7 +145,7 @@ def _improve_by_swaps(score: torch.Tensor, pattern: torch.Tensor, max_rounds: in
             break
         S, p = score[active], pattern[active]
         D = S - S.gather(2, p[..., None])                         # gain of moving column i to b
-        M = torch.full((active.numel(), P, P), -float("inf")).scatter_reduce(
+        M = torch.full((active.numel(), P, P), -float("inf"), dtype=D.dtype).scatter_reduce(
             1, p[..., None].expand(-1, -1, P), D, reduce="amax")   # best column of a for b
         best, ab = (M + M.transpose(1, 2)).reshape(active.numel(), P * P).max(1)
         go = best > 1e-6 * S.amax((1, 2)).clamp_min(1e-30)
@@ -230,7 +230,7 @@ def grouped_columns(score: torch.Tensor, n: int, m: int, g: int,
     nz_full = torch.zeros((Nb * m, Kp), dtype=torch.bool)
     nz_full[:N, :K] = (score != 0) if nonzero is None else nonzero
     pats = patterns(n, m)
-    onehot = torch.zeros((m, P))
+    onehot = torch.zeros((m, P), dtype=torch.float32)
     onehot[pats, torch.arange(P)[:, None].expand(P, n)] = 1.0
     kept = torch.einsum("qrk,rp->qkp", s_full.reshape(Nb, m, Kp), onehot)   # [Nb, Kp, P] kept score per pattern
     bit = 1 << torch.arange(m)

@@ -152,7 +152,7 @@ class GroupedNMTensor(_Base):
             raise TypeError("give score or mask, not both")
         if mask is not None:
             keep = _same_shape(mask, w, "mask") != 0
-            t = cls._select(w * keep, keep.float(), rows_by_mask(keep), n, m)   # slots off the mask hold 0
+            t = cls._select(w.where(keep, 0), keep.float(), rows_by_mask(keep), n, m)   # slots off the mask hold 0
             if bool((keep & ~t.mask()).any()):
                 raise ValueError(f"mask is not a GroupedNMTensor(n={n}, m={m}) mask: its rows do not fall into "
                                  f"groups of {GR} sharing one n:m mask")

@@ -340,3 +340,19 @@ def test_backward_other_dtypes(dtype):
     assert x.grad.dtype == dtype and W.grad.wrapped_tensor.dtype == dtype
     torch.testing.assert_close(x.grad.double(), xr.grad, **tol)
     torch.testing.assert_close(W.grad.wrapped_tensor.to_dense().double(), wr.grad * t.mask(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sparsifying_under_a_float64_default_dtype(dtype):
+    """``torch.set_default_dtype(torch.float64)`` made the pattern assignment mix its float32 scores with
+    default-dtype scratch tensors: "expected scalar type Double but found Float", for any weight."""
+    w = torch.randn(8, 24, generator=torch.Generator().manual_seed(0)).to(dtype)
+    expected = sten.sparsify(ColumnGroupedNMSparsifier(2, 4), w, ColumnGroupedNMTensor).to_dense()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = sten.sparsify(ColumnGroupedNMSparsifier(2, 4), w, ColumnGroupedNMTensor)
+    finally:
+        torch.set_default_dtype(previous)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.to_dense(), expected, rtol=0, atol=0)

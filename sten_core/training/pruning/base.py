@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from sten_core.training.scores import MissingInputError, ScoreSparsifier, check_inputs, needs_of
+from sten_core.model.masks import masked
 from sten_core.model.sparsifiers import _check_fraction
 
 
@@ -102,4 +103,4 @@ class CalibratedSparsifier(ScoreSparsifier):
         """``(values, keep_mask)``: the pruned weight (zeros off the mask) and the mask."""
         keep = self.mask(tensor, **inputs)
         dense = self.check_weight(tensor, type(self).__name__)
-        return dense * keep, keep
+        return masked(dense, keep), keep   # (dense * keep left NaN where a pruned weight was inf or NaN)

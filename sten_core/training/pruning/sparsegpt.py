@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 import torch
 
+from sten_core.model.sparsifiers import kept_count
 from sten_core.training.pruning.base import CalibratedSparsifier
 
 
@@ -123,7 +124,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, *, fraction: float | 
     elif fraction is None:
         raise TypeError("sparsegpt: give fraction, n and m, or rule")
     pruned = torch.zeros_like(w, dtype=torch.bool)
-    total_pruned = 0 if rule is not None else rows * cols - round(rows * cols * (1.0 - fraction))
+    total_pruned = 0 if rule is not None else rows * cols - kept_count(rows * cols, fraction)
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
         count = i2 - i1

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from sten_core.model.sparsifiers import nm_keep_mask
+from sten_core.model.sparsifiers import kept_count, nm_keep_mask
 from sten_core.training.pruning.base import CalibratedSparsifier
 
 
@@ -60,7 +60,8 @@ class WandaSparsifier(CalibratedSparsifier):
         if input_norm.shape != (tensor.shape[-1],):
             raise ValueError(f"WandaSparsifier: input_norm must have shape ({tensor.shape[-1]},) (in_features), "
                              f"got {tuple(input_norm.shape)}")
-        return tensor.abs().float() * input_norm.to(tensor.device).float().unsqueeze(0)
+        dtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32  # float64 ranks in float64
+        return tensor.abs().to(dtype) * input_norm.to(tensor.device, dtype).unsqueeze(0)
 
     def mask(self, tensor: torch.Tensor, **inputs: Any) -> torch.Tensor:
         """The keep-mask of a ``[out, in]`` weight for the given or bound ``input_norm``."""
@@ -68,4 +69,4 @@ class WandaSparsifier(CalibratedSparsifier):
         scores = self.score(dense, **self.inputs_for(dense, inputs))
         if self.n is not None:
             return nm_keep_mask(scores, self.n, self.m)
-        return row_keep_mask(scores, round(dense.shape[1] * (1.0 - self.fraction)))
+        return row_keep_mask(scores, kept_count(dense.shape[1], self.fraction))
