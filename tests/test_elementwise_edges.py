@@ -10,6 +10,7 @@
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -142,3 +143,32 @@ def test_out_of_another_shape_is_resized_as_dense_torch_does(op):
     op(w, x, out)
     op(densify(w), x, want)
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("scalar, op", [(np.float32("inf"), "mul"), (np.float16("nan"), "mul"), (np.float32(0), "div"),
+                                        (np.int64(0), "div"), (complex("inf"), "mul")],
+                         ids=["f32 inf", "f16 nan", "f32 zero", "i64 zero", "complex inf"])
+def test_a_numpy_scalar_turning_unstored_zeros_into_nan_gives_dense_torchs_values(scalar, op):
+    """Only Python ints and floats were checked: ``w * np.float32(inf)`` gave 0 where dense torch gives
+    NaN (``0 * inf``)."""
+    dense = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    w = sten.SparseTensorWrapper(sten.CsrTensor.from_dense(dense))
+    fn = (lambda a: a * scalar) if op == "mul" else (lambda a: a / scalar)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        got = fn(w)
+    torch.testing.assert_close(densify(got), fn(dense), equal_nan=True)
+
+
+def test_a_product_whose_promoted_dtype_the_layout_cannot_hold_runs_dense():
+    """``torch.mul(w, x)`` of a float32 n:m weight and a complex tensor raised the layout's
+    ``values must be a floating-point ...``; dense torch gives complex64 (``w * x`` did, by accident)."""
+    sten_nm = pytest.importorskip("sten_nm")
+    dense = torch.tensor([[1.0, 2.0, 0.0, 0.0]])
+    w = sten.SparseTensorWrapper(sten_nm.NMTensor.from_dense(dense, 2, 4))
+    x = torch.full((1, 4), 1j, dtype=torch.complex64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sten.DispatchWarning)
+        for got in (torch.mul(w, x), w.mul(x), w * x):
+            assert densify(got).dtype == torch.complex64
+            torch.testing.assert_close(densify(got), dense * x)

@@ -427,3 +427,11 @@ def test_the_kept_count_rounds_the_exact_product_half_to_even(numel, fraction, k
     assert int(sten.ScalarFractionSparsifier(fraction).mask(w).sum()) == kept
     assert int(sten.BlockwiseFractionSparsifier(fraction, (1,)).mask(w).sum()) == kept
     assert int(TaylorSparsifier(fraction).mask(w, grad=torch.ones(numel)).sum()) == kept
+
+
+@pytest.mark.parametrize("sparsifier", [sten.ScalarFractionSparsifier(0.5), sten.PerBlockFractionSparsifier(1, 2)])
+def test_sparsifying_a_bool_tensor_keeps_bool(sparsifier):
+    """``dense.where(mask, 0)``: the Python int 0 promoted a bool tensor to int64."""
+    mask = torch.tensor([[True, False, True, True]])
+    for layout in (torch.Tensor, sten.CooTensor, sten.CsrTensor):
+        assert sten.sparsify(sparsifier, mask, layout).dtype == torch.bool

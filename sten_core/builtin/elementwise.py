@@ -24,7 +24,8 @@ Example:
 
 from __future__ import annotations
 
-import math
+import cmath
+import numbers
 from typing import Any, Callable
 
 import torch
@@ -64,8 +65,9 @@ def _fills_zeros(op: Any, operands: tuple) -> bool:
     sparse divisor has zeros wherever it stores nothing (``a / a`` is NaN there)."""
     div = op in DIVS
     for value in operands:
-        if isinstance(value, (int, float)):
-            if (value == 0 or math.isnan(value)) if div else not math.isfinite(value):
+        if isinstance(value, numbers.Number):  # (numpy scalars too: np.float32(inf) gave 0 off the pattern)
+            value = complex(value)
+            if (value == 0 or cmath.isnan(value)) if div else not cmath.isfinite(value):
                 return True
         elif isinstance(value, SparseTensorWrapper):
             if div and value.wrapped_tensor.nnz != value.numel():   # 0 / 0 at the divisor's unstored zeros
@@ -194,12 +196,18 @@ def _on_values(op: Any, inplace: bool, dense_ok: bool, sparse_only: bool = False
             return self
         if not isinstance(result, torch.Tensor) or result.shape != values.shape:
             return _dense(op, args, kwargs, inplace)
+        try:
+            out = layout.with_values(result.detach())
+        except TypeError:
+            if result.dtype == values.dtype or kwargs.get("dtype") is not None:
+                raise   # (an asked-for dtype the layout cannot store: zeros_like(w, dtype=...) says so)
+            return _dense(op, args, kwargs, inplace)   # a promoted dtype the layout cannot hold (2:4 float64)
         if kwargs.get("requires_grad"):  # zeros_like(w, requires_grad=True): a leaf that requires grad
-            return SparseTensorWrapper(layout.with_values(result.detach()), True, self.grad_fmt)
+            return SparseTensorWrapper(out, True, self.grad_fmt)
         # (zeros_like(w) without grad is a new tensor, no gradient to format: Adam's exp_avg, which with
         # a format holding a sparsifier did not load with torch.load(weights_only=True))
         grad_fmt = None if op is torch.zeros_like else self.grad_fmt
-        return SparseTensorWrapper(layout.with_values(result), False, grad_fmt)
+        return SparseTensorWrapper(out, False, grad_fmt)
 
     return impl
 

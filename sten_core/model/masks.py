@@ -40,4 +40,5 @@ def masked(dense: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     >>> masked(torch.tensor([float("inf"), 2.0]), torch.tensor([False, True]))
     tensor([0., 2.])
     """
-    return dense.where(mask.to(device=dense.device, dtype=torch.bool), 0)
+    zero = torch.zeros((), dtype=dense.dtype, device=dense.device)  # (the int 0 made a bool tensor int64)
+    return dense.where(mask.to(device=dense.device, dtype=torch.bool), zero)

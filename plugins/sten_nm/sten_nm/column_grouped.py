@@ -312,7 +312,9 @@ class ColumnGroupedNMTensor(_Base):
         N, K = self._shape
         Nb, L = -(-N // m), sum(chunk_widths(K, P, g))
         if not isinstance(values, torch.Tensor) or values.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"values must be a floating-point torch.Tensor, got {getattr(values, 'dtype', type(values).__name__)}")
+            raise TypeError(f"ColumnGroupedNMTensor: values must be a floating-point torch.Tensor, got "
+                            f"{getattr(values, 'dtype', type(values).__name__)} (an n:m layout holds float16, bfloat16, "
+                            "float32 or float64; for another dtype densify first: w.to_dense().to(dtype))")
         if tuple(values.shape) != (Nb, P, n, L):
             raise ValueError(f"values must have shape {(Nb, P, n, L)}, got {tuple(values.shape)}")
         if not isinstance(columns, torch.Tensor) or columns.dtype != torch.int32 or tuple(columns.shape) != (Nb, P, L):

@@ -114,7 +114,9 @@ class GroupedNMTensor(_Base):
         self._Q = Q = -(-N // GR)
         per = _kernel.index_per_word(m)
         if not isinstance(vals, torch.Tensor) or vals.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"vals must be a floating-point torch.Tensor, got {getattr(vals, 'dtype', type(vals).__name__)}")
+            raise TypeError(f"GroupedNMTensor: vals must be a floating-point torch.Tensor, got "
+                            f"{getattr(vals, 'dtype', type(vals).__name__)} (an n:m layout holds float16, bfloat16, "
+                            "float32 or float64; for another dtype densify first: w.to_dense().to(dtype))")
         if tuple(vals.shape) != (Q, G * n, GR):
             raise ValueError(f"vals must have shape {(Q, G * n, GR)}, got {tuple(vals.shape)}")
         if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32 or tuple(indices.shape) != (Q, -(-G * n // per)):

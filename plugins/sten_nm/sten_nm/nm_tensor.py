@@ -121,7 +121,9 @@ class NMTensor(_Base):
         G = -(-C // m)
         per = _kernel.index_per_word(m)
         if not isinstance(values, torch.Tensor) or values.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"values must be a floating-point torch.Tensor, got {getattr(values, 'dtype', type(values).__name__)}")
+            raise TypeError(f"NMTensor: values must be a floating-point torch.Tensor, got "
+                            f"{getattr(values, 'dtype', type(values).__name__)} (an n:m layout holds float16, bfloat16, "
+                            "float32 or float64; for another dtype densify first: w.to_dense().to(dtype))")
         if not isinstance(indices, torch.Tensor):
             raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
         if tuple(values.shape) != (R, G * n):

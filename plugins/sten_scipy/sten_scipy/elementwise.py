@@ -27,7 +27,7 @@ from sten_core.plugin_api import needs_grad
 
 from sten_core.plugin_api import KeepAll, SparseTensorWrapper
 from sten_core.plugin_api import trim
-from sten_core.plugin_api import op_name
+from sten_core.plugin_api import Unsupported, op_name
 
 from .compressed import ScipyCompressed
 from .grads import DENSE_PAIR, grad_of
@@ -49,13 +49,15 @@ def _alpha(ctx: Any, inputs: list) -> Any:
 
 
 def _check_float(value: Any, where: str, name: str) -> None:
+    """Refuse an operand on another device; decline a complex one (``Unsupported``: the dense path gives
+    dense torch's complex result, with a warning; scipy layouts hold float32 / float64)."""
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise ValueError(f"{where}: {name} must be on the CPU (scipy.sparse is CPU-only), got device {value.device}")
         if value.is_complex():
-            raise TypeError(f"{where}: {name} must be a real tensor (scipy layouts hold float32/float64), got dtype {value.dtype}")
+            raise Unsupported(f"{name} is complex ({value.dtype}); scipy layouts hold float32/float64")
     elif isinstance(value, complex):
-        raise TypeError(f"{where}: {name} must be a real number, got {value!r}")
+        raise Unsupported(f"{name} is complex ({value!r}); scipy layouts hold float32/float64")
 
 
 # -- add ------------------------------------------------------------------------------

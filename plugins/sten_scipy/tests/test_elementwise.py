@@ -1,5 +1,7 @@
 """torch.add and torch.mul with scipy operands: values and gradients against dense."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -119,8 +121,16 @@ def test_bad_input(layout):
         w + v
     with pytest.raises(RuntimeError):
         w + torch.randn(3, 3)  # torch's own broadcasting error
-    with pytest.raises(TypeError, match="real"):
-        torch.mul(w, torch.ones(4, 5, dtype=torch.complex64))
+    dense = w.to_dense()
+    for other in (torch.full((4, 5), 1j, dtype=torch.complex64), 1j):  # dense torch's complex result, warned
+        with sten.dispatch.failure_mode("raise"), pytest.raises(sten.DispatchError, match="other is complex"):
+            torch.mul(w, other)
+        sten.dispatch.reset_warnings()
+        with sten.dispatch.failure_mode("warn"), pytest.warns(sten.DispatchWarning, match="other is complex"):
+            torch.testing.assert_close(torch.mul(w, other), dense * other)
+        with sten.dispatch.failure_mode("warn"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", sten.DispatchWarning)
+            torch.testing.assert_close(w * other, dense * other)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
