@@ -66,11 +66,16 @@ def convert(value: Any, target: type) -> Any:
     plugins.ensure_loaded()
     if not isinstance(target, type):
         target = _target_class(target)
+    return _observed(_convert, value, target)
+
+
+def _observed(run: Callable[[Any, type], Any], value: Any, target: type) -> Any:
+    """``run(value, target)``, told to the observers as a conversion (when any listens)."""
     if not active():
-        return _convert(value, target)
+        return run(value, target)
     source = layout_of(value)
     started = time.perf_counter()
-    result = _convert(value, target)
+    result = run(value, target)
     if source is not target:
         notify("convert", OpKey("convert", None, (source,), target), "convert", time.perf_counter() - started)
     return result
@@ -289,13 +294,14 @@ def _converted_exactly(value: Any, target: type) -> Any:
     refusal: the call takes the dense path instead)."""
     if type(value.wrapped_tensor) is target:
         return value
-    started = time.perf_counter() if active() else 0.0
+    return _observed(_exactly, value, target)
+
+
+def _exactly(value: SparseTensorWrapper, target: type) -> SparseTensorWrapper:
     converted = _registered_conversion(value.wrapped_tensor, target)
     if converted is None:
         raise ValueError(f"no lossless conversion of {layout_of(value).__name__} to {target.__name__} applies (no "
                          "exact registered one, and no sten_convert hook converts this tensor)")
-    if active():
-        notify("convert", OpKey("convert", None, (layout_of(value),), target), "convert", time.perf_counter() - started)
     return SparseTensorWrapper(converted)
 
 

@@ -224,28 +224,23 @@ def _converted(key: OpKey, plan: Plan, bound: list, positions: list, needs_grad:
     its warning, once per key). A plan reached through the ``sten_convert`` hook comes with the other
     implementations the hook might reach: on the key's first call the hook is asked for each in turn, and
     the first it serves (or the dense path, where it serves none) is the key's plan from then on."""
-    converted = converted_inputs(bound, positions, plan, detach=needs_grad)
-    if plan.alternatives:
-        chosen = plan if converted is not None else None
-        for other in plan.alternatives if converted is None else ():
-            converted = converted_inputs(bound, positions, other, detach=needs_grad)
-            if converted is not None:
-                chosen = other
-                break
-        if chosen is None:
-            tried = ", ".join("(" + ", ".join(getattr(c, "__name__", "None") for c in p.key.inp) + ")"
-                              for p in (plan,) + plan.alternatives)
-            refusals[key] = ("the sten_convert hook turned these inputs into none of the layouts with an "
-                             f"implementation: {tried}")
-        plan = remember(key, Plan(PlanKind.CONVERT, chosen.key, chosen.entry, chosen.conversions) if chosen
-                        else Plan(PlanKind.FALLBACK, key))
-        if chosen is None:
-            report_missing(key, refusals[key])
+    if not plan.alternatives:
+        converted = converted_inputs(bound, positions, plan, detach=needs_grad)
+        if converted is None:  # a conversion refused these inputs: the dense path, with its warning
+            report_missing(key, refusals.get(plan.key))  # (once per key: the fallback's own call is then silent)
+            plan = Plan(PlanKind.FALLBACK, key)
         return plan, converted
-    if converted is None:  # a conversion refused these inputs: the dense path, with its warning
-        report_missing(key, refusals.get(plan.key))  # (once per key: the fallback's own call is then silent)
-        plan = Plan(PlanKind.FALLBACK, key)
-    return plan, converted
+    for candidate in (plan,) + plan.alternatives:
+        converted = converted_inputs(bound, positions, candidate, detach=needs_grad)
+        if converted is not None:
+            settled = Plan(PlanKind.CONVERT, candidate.key, candidate.entry, candidate.conversions)
+            return remember(key, settled), converted
+    tried = ", ".join("(" + ", ".join(getattr(c, "__name__", "None") for c in p.key.inp) + ")"
+                      for p in (plan,) + plan.alternatives)
+    refusals[key] = f"the sten_convert hook turned these inputs into none of the layouts with an implementation: " \
+                    f"{tried}"
+    report_missing(key, refusals[key])
+    return remember(key, Plan(PlanKind.FALLBACK, key)), None
 
 
 def _run_planned(op: Any, args: tuple, kwargs: dict, bound: list, positions: list, key: OpKey, plan: Plan,

@@ -184,7 +184,7 @@ def plan_for(key: OpKey) -> Plan:
 
 
 def remember(key: OpKey, plan: Plan) -> Plan:
-    """Cache ``plan`` as ``key``'s (a convert plan that put the alternative the hook served first)."""
+    """Cache ``plan`` as ``key``'s (the plan a convert plan with alternatives settled on at its first call)."""
     _cache[key] = plan
     return plan
 
